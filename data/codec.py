@@ -1,0 +1,226 @@
+"""Wire codec: a msgpack header plus numpy buffers as separate zero-copy frames.
+
+A message is ``[header, buf_0, buf_1, ...]`` where ``header`` is a msgpack map::
+
+    {"v": PROTOCOL_VERSION, "type": str, ...fields..., "arrays": [[name, dtype, shape], ...]}
+
+and ``buf_i`` is the raw C-contiguous bytes of array ``i``. Only plain numeric dtypes
+(bool, int8..int64, uint8..uint64, float16/32/64) are allowed; strings go in the header.
+Nothing is ever unpickled: msgpack decodes to plain Python scalars, lists, dicts, str and
+bytes, and arrays are rebuilt with ``np.frombuffer``.
+
+``decode`` checks, in order: total size, frame count, header size, msgpack validity,
+protocol version, message type, the type's required header fields and their Python
+types, array metadata (name, dtype allow-list, shape) and that each buffer's length
+equals ``prod(shape) * itemsize``. Any failure raises :class:`CodecError` with a message
+that names what is wrong; the caller replies with an error and keeps serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from data.schema import MESSAGE_SCHEMAS, PROTOCOL_VERSION, MessageSchema
+
+ALLOWED_DTYPES = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+     "float16", "float32", "float64"]
+)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_HEADER_BYTES = 1024 * 1024
+MAX_ARRAYS = 4096
+MAX_NDIM = 8
+
+
+class CodecError(ValueError):
+    """A message that cannot be encoded or was rejected on decode."""
+
+
+@dataclass
+class Message:
+    """A decoded message: its type, header fields and named arrays (read-only views)."""
+
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+
+def encode(
+    msg_type: str,
+    fields: Mapping[str, Any] | None = None,
+    arrays: Mapping[str, np.ndarray] | None = None,
+    *,
+    schemas: Mapping[str, MessageSchema] = MESSAGE_SCHEMAS,
+) -> list[Any]:
+    """Encode a message into frames ``[header_bytes, buffer, ...]`` without copying arrays.
+
+    Raises CodecError for an unknown type, a reserved field name or a disallowed dtype.
+    """
+    if msg_type not in schemas:
+        raise CodecError(f"unknown message type {msg_type!r}")
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type}
+    for key, value in (fields or {}).items():
+        if key in ("v", "type", "arrays"):
+            raise CodecError(f"field name {key!r} is reserved")
+        header[key] = value
+    meta = []
+    frames: list[Any] = [None]
+    for name, arr in (arrays or {}).items():
+        arr = np.asarray(arr)
+        if arr.dtype.name not in ALLOWED_DTYPES:
+            raise CodecError(f"array {name!r}: dtype {arr.dtype} is not allowed on the wire")
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        meta.append([name, arr.dtype.name, list(arr.shape)])
+        frames.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")
+    header["arrays"] = meta
+    try:
+        frames[0] = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError) as exc:
+        raise CodecError(f"header of {msg_type!r} is not msgpack-serialisable: {exc}") from exc
+    return frames
+
+
+def _frame_bytes(frame: Any) -> memoryview:
+    # zmq.Frame exposes .buffer; bytes / memoryview pass through.
+    buf = getattr(frame, "buffer", frame)
+    return memoryview(buf)
+
+
+def decode(
+    frames: Sequence[Any],
+    *,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    schemas: Mapping[str, MessageSchema] = MESSAGE_SCHEMAS,
+) -> Message:
+    """Decode and validate frames produced by :func:`encode`. Raises CodecError.
+
+    ``schemas`` lets another protocol on the same codec (the robot driver) name its own
+    message types.
+    """
+    if len(frames) == 0:
+        raise CodecError("empty message")
+    if len(frames) > MAX_ARRAYS + 1:
+        raise CodecError(f"too many frames: {len(frames)} > {MAX_ARRAYS + 1}")
+    views = [_frame_bytes(f) for f in frames]
+    total = sum(v.nbytes for v in views)
+    if total > max_bytes:
+        raise CodecError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes")
+    head = views[0]
+    if head.nbytes > max_header_bytes:
+        raise CodecError(f"header of {head.nbytes} bytes exceeds the limit of {max_header_bytes}")
+    try:
+        header = msgpack.unpackb(
+            head, raw=False, strict_map_key=True, max_buffer_size=max_header_bytes,
+            use_list=True,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CodecError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CodecError("header is not a map")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise CodecError(
+            f"protocol version mismatch: message has {version!r}, this side speaks {PROTOCOL_VERSION}"
+        )
+    msg_type = header.get("type")
+    schema = schemas.get(msg_type) if isinstance(msg_type, str) else None
+    if schema is None:
+        raise CodecError(f"unknown message type {msg_type!r}")
+    for key, typ in schema.fields.items():
+        if key not in header:
+            raise CodecError(f"{msg_type}: missing field {key!r}")
+        if not isinstance(header[key], typ) or (typ is int and isinstance(header[key], bool)):
+            raise CodecError(
+                f"{msg_type}: field {key!r} must be {getattr(typ, '__name__', typ)}, "
+                f"got {type(header[key]).__name__}"
+            )
+    meta = header.pop("arrays", [])
+    if not isinstance(meta, list) or len(meta) != len(views) - 1:
+        raise CodecError(
+            f"{msg_type}: array metadata lists {len(meta) if isinstance(meta, list) else '?'} "
+            f"arrays but the message has {len(views) - 1} buffers"
+        )
+    arrays: dict[str, np.ndarray] = {}
+    for i, entry in enumerate(meta):
+        arrays_name = _check_meta(msg_type, i, entry)
+        name, dtype_name, shape = arrays_name
+        dtype = np.dtype(dtype_name)
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buf = views[i + 1]
+        if buf.nbytes != expected:
+            raise CodecError(
+                f"{msg_type}: array {name!r} {dtype_name}{tuple(shape)} needs {expected} bytes, "
+                f"buffer has {buf.nbytes}"
+            )
+        if name in arrays:
+            raise CodecError(f"{msg_type}: duplicate array name {name!r}")
+        arrays[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    missing = [a for a in schema.arrays if a not in arrays]
+    if missing:
+        raise CodecError(f"{msg_type}: missing arrays {missing}")
+    fields = {k: v for k, v in header.items() if k not in ("v", "type")}
+    return Message(msg_type, fields, arrays)
+
+
+def _check_meta(msg_type: str, i: int, entry: Any) -> tuple[str, str, list[int]]:
+    if not (isinstance(entry, list) and len(entry) == 3):
+        raise CodecError(f"{msg_type}: array metadata #{i} must be [name, dtype, shape]")
+    name, dtype_name, shape = entry
+    if not isinstance(name, str) or not name:
+        raise CodecError(f"{msg_type}: array #{i} has no name")
+    if dtype_name not in ALLOWED_DTYPES:
+        raise CodecError(f"{msg_type}: array {name!r} has disallowed dtype {dtype_name!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise CodecError(f"{msg_type}: array {name!r} has an invalid shape {shape!r}")
+    return name, dtype_name, shape
+
+
+def encode_to_bytes(frames: Sequence[Any]) -> bytes:
+    """Length-prefixed concatenation of frames, for storing a message on disk (spool)."""
+    out = bytearray()
+    out += len(frames).to_bytes(4, "little")
+    for f in frames:
+        mv = _frame_bytes(f)
+        out += mv.nbytes.to_bytes(8, "little")
+        out += mv
+    return bytes(out)
+
+
+def frames_from_bytes(blob: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[memoryview]:
+    """Inverse of :func:`encode_to_bytes`; raises CodecError on a truncated or corrupt blob."""
+    mv = memoryview(blob)
+    if mv.nbytes < 4:
+        raise CodecError("stored message is truncated")
+    n = int.from_bytes(mv[:4], "little")
+    if n > MAX_ARRAYS + 1:
+        raise CodecError(f"stored message claims {n} frames")
+    pos, frames = 4, []
+    for _ in range(n):
+        if pos + 8 > mv.nbytes:
+            raise CodecError("stored message is truncated")
+        size = int.from_bytes(mv[pos:pos + 8], "little")
+        pos += 8
+        if size > max_bytes or pos + size > mv.nbytes:
+            raise CodecError("stored message is truncated")
+        frames.append(mv[pos:pos + size])
+        pos += size
+    if pos != mv.nbytes:
+        raise CodecError("stored message has trailing bytes")
+    return frames
