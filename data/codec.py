@@ -123,7 +123,7 @@ def decode(
         raise CodecError(f"header of {head.nbytes} bytes exceeds the limit of {max_header_bytes}")
     try:
         header = msgpack.unpackb(
-            head, raw=False, strict_map_key=True, max_buffer_size=max_header_bytes,
+            head, raw=False, strict_map_key=True,
             use_list=True,
         )
     except Exception as exc:  # msgpack raises several unrelated types on garbage

@@ -55,7 +55,7 @@ class MessageSchema:
 
 MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
     # actor -> learner
-    "hello": MessageSchema({"actor_id": str, "config_hash": str, "role": str}),
+    "hello": MessageSchema({"actor_id": str, "config_hash": str, "resend_from": int}),
     "act": MessageSchema({"req_id": int, "deterministic": bool, "tasks": list}, (OBS_STATE,)),
     "transitions": MessageSchema(
         {"actor_id": str, "first_seq": int, "last_seq": int, "tasks": list}, tuple(STEP_ARRAYS)
@@ -69,7 +69,7 @@ MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
          "next_episode": int}
     ),
     "act_reply": MessageSchema({"req_id": int, "policy_version": int}, ("actions",)),
-    "ack": MessageSchema({"acked_seq": int}),
+    "ack": MessageSchema({"acked_seq": int, "policy_version": int}),
     "pong": MessageSchema({"t": float, "policy_version": int}),
     "weights": MessageSchema({"policy_version": int}),
     "error": MessageSchema({"code": str, "message": str}),

@@ -55,7 +55,8 @@ class TransitionBatch:
         arrays = {}
         for k in keys:
             dtype = STEP_ARRAYS.get(k)
-            arrays[k] = np.stack([np.asarray(r[k]) for r in records]).astype(dtype or None, copy=False)
+            stacked = np.stack([np.asarray(r[k]) for r in records])
+            arrays[k] = stacked.astype(dtype, copy=False) if dtype else stacked
         return cls(actor_id, first_seq, arrays, [str(r.get(TASK, "")) for r in records])
 
     def slice(self, start: int) -> "TransitionBatch":

@@ -1,0 +1,119 @@
+"""The actor process: env + connection + (remote or local) policy + loop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import numpy as np
+import zmq
+from omegaconf import DictConfig, OmegaConf
+
+from actor.client import LearnerClient
+from actor.loop import ActorLoop
+from actor.spool import Spool
+from envs.registry import make_env
+from envs.spec import EnvSpec, config_hash
+
+log = logging.getLogger("tandem.actor")
+
+
+def validate(cfg: DictConfig) -> None:
+    if cfg.mode not in ("remote", "local"):
+        raise ValueError(f"mode must be remote or local, got {cfg.mode!r}")
+    if not cfg.actor_id or "/" in str(cfg.actor_id):
+        raise ValueError(f"actor_id must be a non-empty name without '/', got {cfg.actor_id!r}")
+    if cfg.chunk.execute < 0:
+        raise ValueError(f"chunk.execute must be >= 0, got {cfg.chunk.execute}")
+    if cfg.spool.batch_size < 1:
+        raise ValueError(f"spool.batch_size must be >= 1, got {cfg.spool.batch_size}")
+
+
+class Actor:
+    def __init__(self, cfg: DictConfig):
+        validate(cfg)
+        self.cfg = cfg
+        self.env = make_env(cfg.env)
+        self.spec = EnvSpec.from_env(self.env)
+        chunk = int(cfg.policy.get("chunk_size", 1))
+        if cfg.chunk.execute > chunk:
+            raise ValueError(f"chunk.execute={cfg.chunk.execute} exceeds policy.chunk_size={chunk}")
+        self.config_hash = config_hash(self.spec, env_name=cfg.env.name, policy_name=cfg.policy.name,
+                                       chunk=chunk)
+        self.ctx = zmq.Context()
+        t = cfg.transport
+        self.spool = Spool(Path(cfg.spool.dir), max_bytes=int(cfg.spool.max_mb * (1 << 20)),
+                           fsync=bool(cfg.spool.fsync))
+        self.client = LearnerClient(
+            ctx=self.ctx, host=t.host, port=t.port, actor_id=str(cfg.actor_id),
+            config_hash=self.config_hash, spool=self.spool, timeout_s=t.timeout_s,
+            heartbeat_s=t.heartbeat_s, reconnect_after=t.reconnect_after,
+            security=OmegaConf.to_container(t.security, resolve=True),
+            max_message_bytes=int(t.max_message_mb * (1 << 20)),
+        )
+        self.local = None
+        if cfg.mode == "local":
+            from actor.local_policy import LocalPolicy
+
+            self.local = LocalPolicy(cfg.policy, self.spec, ctx=self.ctx, host=t.host,
+                                     pub_port=t.pub_port, security=OmegaConf.to_container(t.security, resolve=True))
+        self._stopping = False
+
+    def _act(self, arrays: dict[str, np.ndarray], tasks: list[str], deterministic: bool):
+        deterministic = deterministic or self.client.mode == "eval"
+        if self.local is not None:
+            return self.local.act(arrays, tasks, deterministic)
+        return self.client.act(arrays, tasks, deterministic=deterministic)
+
+    def run(self) -> ActorLoop:
+        from actor.client import LearnerFinished
+
+        cfg = self.cfg
+        prev = None
+        try:
+            prev = signal.signal(signal.SIGTERM, self._on_term)
+        except ValueError:
+            pass
+        loop = ActorLoop(
+            self.env, self.client, self._act, actor_id=str(cfg.actor_id),
+            batch_size=int(cfg.spool.batch_size), execute=int(cfg.chunk.execute),
+            deterministic=bool(cfg.deterministic), seed=int(cfg.seed), log_every_s=cfg.log_every_s,
+            on_poll=self._refresh_local if self.local is not None else None,
+        )
+        try:
+            self.client.connect()
+            if self.local is not None:
+                self.local.fetch(self.client)
+            loop.run(max_episodes=int(cfg.max_episodes), stop=lambda: self._stopping)
+            self._drain()
+        except LearnerFinished as exc:
+            log.info("learner finished: %s", exc)
+        except KeyboardInterrupt:
+            log.info("interrupted: %d records unacknowledged stay in %s", len(self.spool), self.spool.dir)
+        finally:
+            self.close()
+            if prev is not None:
+                signal.signal(signal.SIGTERM, prev)
+        return loop
+
+    def _drain(self, timeout_s: float = 10.0) -> None:
+        """Give the learner a moment to acknowledge what is pending before exiting."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while len(self.spool) and time.monotonic() < deadline:
+            self.client.poll(0.1)
+
+    def _refresh_local(self) -> None:
+        self.local.refresh(self.client)
+
+    def _on_term(self, signum, frame):
+        raise KeyboardInterrupt
+
+    def close(self) -> None:
+        self.client.close()
+        if self.local is not None:
+            self.local.close()
+        self.env.close()
+        self.ctx.destroy(linger=0)

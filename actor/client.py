@@ -1,0 +1,274 @@
+"""The actor's connection to the learner: one DEALER socket, used from one thread.
+
+It handshakes, asks for actions, streams spooled transition batches and processes acks,
+with timeouts, retries and heartbeats. When the learner stops answering (restart, dropped
+link) it closes the socket, opens a new one and handshakes again ("lazy pirate"); the
+welcome says what the learner has acknowledged, and everything after that is resent from
+the spool. A config mismatch or an evaluation that is finished is final and raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from actor.spool import Spool
+from data.codec import CodecError, Message, decode, encode
+from learner.security import configure_client_socket
+
+log = logging.getLogger("tandem.actor.client")
+
+
+class HandshakeError(RuntimeError):
+    """The learner refused this actor (config mismatch, bad hello): not retried."""
+
+
+class LearnerFinished(RuntimeError):
+    """The learner said it is done (evaluation finished)."""
+
+
+class LearnerClient:
+    def __init__(
+        self,
+        *,
+        ctx: zmq.Context,
+        host: str,
+        port: int,
+        actor_id: str,
+        config_hash: str,
+        spool: Spool,
+        timeout_s: float = 2.0,
+        heartbeat_s: float = 1.0,
+        reconnect_after: int = 3,
+        max_in_flight: int = 16,
+        security: dict | None = None,
+        max_message_bytes: int = 64 << 20,
+    ):
+        self.ctx = ctx
+        self.endpoint = f"tcp://{host}:{port}"
+        self.actor_id = actor_id
+        self.config_hash = config_hash
+        self.spool = spool
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.reconnect_after = reconnect_after
+        self.max_in_flight = max_in_flight
+        self.security = security or {}
+        self.max_message_bytes = max_message_bytes
+        self.sock: zmq.Socket | None = None
+        self.learner_id: str | None = None
+        self.mode = "train"
+        self.policy_version = 0
+        self.connected = False
+        self.reconnects = 0
+        self._req_id = 0
+        self._sent: list[tuple[int, int]] = []  # batches in flight on this connection
+        self._last_rx = 0.0
+        self._last_ping = 0.0
+        self._last_progress = 0.0
+        self.weights_msg: Message | None = None
+        self.last_act_ms = 0.0
+
+    # ---- connection ----------------------------------------------------------------------
+
+    def _new_socket(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        configure_client_socket(s, self.security)
+        s.connect(self.endpoint)
+        self.sock = s
+
+    def connect(self, *, give_up_after_s: float | None = None) -> None:
+        """Handshake, retrying until the learner answers (or ``give_up_after_s`` passes)."""
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            self._new_socket()
+            self.sock.send_multipart(encode("hello", {
+                "actor_id": self.actor_id, "config_hash": self.config_hash,
+                "resend_from": self.spool.resend_from,
+            }))
+            if self.sock.poll(int(self.timeout_s * 1000)):
+                msg = self._recv()
+                if msg is not None and msg.type == "welcome":
+                    self._on_welcome(msg)
+                    return
+                if msg is not None and msg.type == "error":
+                    if msg["code"] == "finished":
+                        raise LearnerFinished(msg["message"])
+                    raise HandshakeError(f"learner refused actor {self.actor_id!r}: {msg['code']}: "
+                                         f"{msg['message']}")
+            attempt += 1
+            if give_up_after_s is not None and time.monotonic() - start > give_up_after_s:
+                raise TimeoutError(f"no learner answered at {self.endpoint} in {give_up_after_s:.0f}s")
+            if attempt == 1 or attempt % 10 == 0:
+                log.warning("no answer from learner at %s (attempt %d); retrying", self.endpoint, attempt)
+
+    def _on_welcome(self, msg: Message) -> None:
+        if self.learner_id is not None and msg["learner_id"] != self.learner_id:
+            log.info("learner restarted (%s -> %s)", self.learner_id, msg["learner_id"])
+        self.reconnects += int(self.learner_id is not None)
+        self.learner_id = msg["learner_id"]
+        self.mode = msg["mode"]
+        self.policy_version = msg["policy_version"]
+        acked = msg["acked_seq"]
+        if acked >= self.spool.next_seq:
+            # the spool was lost but the learner has our records: continue after them
+            self.spool.next_seq = acked + 1
+        self.spool.ack(acked)
+        if msg["next_episode"] > self.spool.next_episode:
+            self.spool.set_next_episode(msg["next_episode"])
+        self._sent = []
+        self.connected = True
+        now = time.monotonic()
+        self._last_rx = self._last_ping = self._last_progress = now
+        log.info("connected to learner %s at %s: acked seq %d, %d records to resend, version %d, mode %s",
+                 self.learner_id, self.endpoint, acked, len(self.spool), self.policy_version, self.mode)
+        self.flush()
+
+    def reconnect(self) -> None:
+        self.connected = False
+        log.warning("learner at %s silent; reconnecting", self.endpoint)
+        self.connect()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                if self.connected:
+                    self.sock.send_multipart(encode("bye"), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.sock.close(0)
+            self.sock = None
+
+    # ---- receiving -----------------------------------------------------------------------
+
+    def _recv(self) -> Message | None:
+        frames = self.sock.recv_multipart(copy=False)
+        self._last_rx = time.monotonic()
+        try:
+            return decode(frames, max_bytes=self.max_message_bytes)
+        except CodecError as exc:
+            log.error("bad message from learner: %s", exc)
+            return None
+
+    def _dispatch(self, msg: Message) -> None:
+        if msg.type == "ack":
+            self._on_ack(msg["acked_seq"])
+            self.policy_version = max(self.policy_version, msg["policy_version"])
+        elif msg.type == "pong":
+            self.policy_version = max(self.policy_version, msg["policy_version"])
+        elif msg.type == "weights":
+            self.weights_msg = msg
+        elif msg.type == "error":
+            code = msg["code"]
+            if code == "finished":
+                raise LearnerFinished(msg["message"])
+            if code == "handshake_required":
+                self.connected = False
+                self.connect()
+            elif code == "bad_transitions" and "sequence gap" in msg["message"]:
+                self._sent = []  # resend from the ack
+            else:
+                log.error("learner error %s: %s", code, msg["message"])
+
+    def _on_ack(self, seq: int) -> None:
+        if self.spool.ack(seq):
+            self._last_progress = time.monotonic()
+        self._sent = [k for k in self._sent if k[1] > seq]
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Process whatever the learner sent, heartbeat, resend and reconnect as needed."""
+        if self.sock is None or not self.connected:
+            self.connect()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            if self.sock.poll(int(remaining * 1000)):
+                msg = self._recv()
+                if msg is not None:
+                    self._dispatch(msg)
+                continue
+            break
+        now = time.monotonic()
+        if self._sent and now - self._last_progress > self.timeout_s:
+            self._sent = []  # no ack for a while: resend what is pending
+            self._last_progress = now
+        if now - self._last_rx > self.heartbeat_s and now - self._last_ping > self.heartbeat_s:
+            self.sock.send_multipart(encode("ping", {"t": time.time()}))
+            self._last_ping = now
+        if now - self._last_rx > self.heartbeat_s * self.reconnect_after + self.timeout_s:
+            self.reconnect()
+        self.flush()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Send pending spooled batches not yet in flight on this connection."""
+        if not self.connected:
+            return
+        in_flight = set(self._sent)
+        for key in self.spool.pending():
+            if len(self._sent) >= self.max_in_flight:
+                break
+            if key in in_flight:
+                continue
+            self.sock.send_multipart(self.spool.read(key), copy=False)
+            self._sent.append(key)
+            if len(self._sent) == 1:
+                self._last_progress = time.monotonic()
+
+    def act(self, arrays: dict[str, np.ndarray], tasks: list[str], *, deterministic: bool = False
+            ) -> tuple[np.ndarray, int]:
+        """Actions [B, H, A] and the policy version that produced them. Retries forever
+        (a robot waits for its learner); reconnects after ``reconnect_after`` timeouts."""
+        misses = 0
+        while True:
+            if self.sock is None or not self.connected:
+                self.connect()
+            self._req_id += 1
+            req = self._req_id
+            t0 = time.perf_counter()
+            self.sock.send_multipart(encode(
+                "act", {"req_id": req, "deterministic": deterministic, "tasks": list(tasks)}, arrays),
+                copy=False)
+            deadline = time.monotonic() + self.timeout_s
+            while time.monotonic() < deadline:
+                if not self.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                    break
+                msg = self._recv()
+                if msg is None:
+                    continue
+                if msg.type == "act_reply" and msg["req_id"] == req:
+                    self.last_act_ms = (time.perf_counter() - t0) * 1000.0
+                    self.policy_version = msg["policy_version"]
+                    return np.array(msg.arrays["actions"]), msg["policy_version"]
+                if msg.type == "error" and msg["code"] in ("bad_observation", "inference_failed"):
+                    raise ValueError(f"learner rejected the observation: {msg['message']}")
+                self._dispatch(msg)
+                if not self.connected:
+                    break
+            misses += 1
+            if misses % self.reconnect_after == 0 or not self.connected:
+                self.reconnect()
+
+    def request_weights(self, have_version: int = -1) -> Message | None:
+        """Ask for the latest weights over the reliable channel; returns the message or None."""
+        self.weights_msg = None
+        self.sock.send_multipart(encode("get_weights", {"have_version": have_version}))
+        deadline = time.monotonic() + self.timeout_s
+        while self.weights_msg is None and time.monotonic() < deadline:
+            self.poll(0.05)
+        return self.weights_msg
+
+    def stats(self) -> dict[str, Any]:
+        return {"unacked": len(self.spool), "spool_mb": self.spool.nbytes / 2**20,
+                "reconnects": self.reconnects, "version": self.policy_version}

@@ -1,0 +1,129 @@
+"""Bounded on-disk spool of transition batches the learner has not acknowledged yet.
+
+Each batch is one file ``<first_seq>-<last_seq>.msg`` holding the wire message exactly as
+sent (codec frames, length-prefixed), written to a temporary name, optionally fsynced and
+renamed, so a killed actor leaves only whole files. An ack of seq S deletes every file whose
+records are all <= S. ``meta.json`` keeps the next sequence number and episode id, so a
+restarted actor continues numbering where it stopped and resends what is pending.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from data.codec import CodecError, encode_to_bytes, frames_from_bytes
+from data.transitions import TransitionBatch
+
+log = logging.getLogger("tandem.actor.spool")
+
+
+class SpoolFull(RuntimeError):
+    pass
+
+
+class Spool:
+    def __init__(self, directory: str | Path, *, max_bytes: int = 512 << 20, fsync: bool = True):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = int(max_bytes)
+        self.fsync = fsync
+        for tmp in self.dir.glob("*.tmp"):
+            tmp.unlink()  # half-written by a killed actor: never acknowledged, never sent
+        self._files: dict[tuple[int, int], Path] = {}
+        self._sizes: dict[tuple[int, int], int] = {}
+        for p in self.dir.glob("*.msg"):
+            try:
+                first, last = (int(x) for x in p.stem.split("-"))
+            except ValueError:
+                log.warning("ignoring unexpected spool file %s", p)
+                continue
+            self._files[(first, last)] = p
+            self._sizes[(first, last)] = p.stat().st_size
+        meta = self._read_meta()
+        top = max((last for _, last in self._files), default=-1)
+        self.next_seq = max(int(meta.get("next_seq", 0)), top + 1)
+        self.next_episode = int(meta.get("next_episode", 0))
+        self.acked = int(meta.get("acked", -1))
+
+    def _read_meta(self) -> dict:
+        path = self.dir / "meta.json"
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (json.JSONDecodeError, OSError) as exc:
+            log.warning("spool meta unreadable (%s); recovering from file names", exc)
+            return {}
+
+    def _write_meta(self) -> None:
+        tmp = self.dir / "meta.json.tmp"
+        tmp.write_text(json.dumps({"next_seq": self.next_seq, "next_episode": self.next_episode,
+                                   "acked": self.acked}))
+        os.replace(tmp, self.dir / "meta.json")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._sizes.values())
+
+    @property
+    def full(self) -> bool:
+        return self.nbytes >= self.max_bytes
+
+    def __len__(self) -> int:
+        """Number of pending (unacknowledged) records."""
+        return sum(last - first + 1 for first, last in self._files)
+
+    def pending(self) -> list[tuple[int, int]]:
+        return sorted(self._files)
+
+    @property
+    def resend_from(self) -> int:
+        """Lowest sequence number this actor can still send."""
+        pend = self.pending()
+        return pend[0][0] if pend else self.next_seq
+
+    def append(self, batch: TransitionBatch) -> None:
+        if batch.first_seq != self.next_seq:
+            raise ValueError(f"spool expects seq {self.next_seq}, batch starts at {batch.first_seq}")
+        if self.full:
+            raise SpoolFull(f"spool {self.dir} holds {self.nbytes} bytes >= {self.max_bytes}")
+        blob = encode_to_bytes(batch.to_frames())
+        key = (batch.first_seq, batch.last_seq)
+        path = self.dir / f"{key[0]:012d}-{key[1]:012d}.msg"
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._files[key] = path
+        self._sizes[key] = len(blob)
+        self.next_seq = batch.last_seq + 1
+        self._write_meta()
+
+    def read(self, key: tuple[int, int]) -> list:
+        blob = self._files[key].read_bytes()
+        try:
+            return frames_from_bytes(blob)
+        except CodecError as exc:
+            raise CodecError(f"spool file {self._files[key]} is corrupt: {exc}") from exc
+
+    def ack(self, seq: int) -> int:
+        """Drop batches whose records are all <= seq; returns how many files were removed."""
+        if seq <= self.acked:
+            return 0
+        self.acked = seq
+        done = [k for k in self._files if k[1] <= seq]
+        for k in done:
+            self._files.pop(k).unlink(missing_ok=True)
+            self._sizes.pop(k, None)
+        self._write_meta()
+        return len(done)
+
+    def set_next_episode(self, episode: int) -> None:
+        self.next_episode = episode
+        self._write_meta()

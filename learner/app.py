@@ -1,0 +1,263 @@
+"""The learner process: wires the service, inference and trainer together and runs them.
+
+Threads: the socket thread (:mod:`learner.service`), the inference thread
+(:mod:`learner.inference`) and this main thread, which trains (:mod:`learner.trainer`),
+publishes weight versions, checkpoints and logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+from accelerate import Accelerator
+from omegaconf import DictConfig, OmegaConf
+
+from agents import registry
+from data.replay import ReplayBuffer
+from envs.registry import make_env
+from envs.spec import EnvSpec, config_hash
+from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.inference import InferenceServer
+from learner.ingest import Ingest
+from learner.metrics import MetricsLogger
+from learner.service import LearnerService
+from learner.trainer import Trainer
+from learner.weights import WeightPublisher
+
+log = logging.getLogger("tandem.learner")
+
+
+def read_env_spec(env_cfg) -> EnvSpec:
+    env = make_env(env_cfg)
+    try:
+        return EnvSpec.from_env(env)
+    finally:
+        env.close()
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but no CUDA device is available")
+    return dev
+
+
+def validate(cfg: DictConfig) -> None:
+    if cfg.mode not in ("train", "eval"):
+        raise ValueError(f"mode must be train or eval, got {cfg.mode!r}")
+    if cfg.resume not in ("auto", "never", "must"):
+        raise ValueError(f"resume must be auto, never or must, got {cfg.resume!r}")
+    for key in ("port", "pub_port"):
+        p = cfg.transport[key]
+        if not isinstance(p, int) or not 0 <= p < 65536:
+            raise ValueError(f"transport.{key} must be a port number, got {p!r}")
+    if cfg.buffer.capacity < cfg.algo.get("batch_size", 1):
+        raise ValueError(f"buffer.capacity ({cfg.buffer.capacity}) < algo.batch_size "
+                         f"({cfg.algo.batch_size})")
+    registry.check_algo_policy(cfg.algo.name, cfg.policy.name)
+
+
+class Learner:
+    """Builds and owns everything; :meth:`run` blocks until stopped."""
+
+    def __init__(self, cfg: DictConfig):
+        validate(cfg)
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(int(cfg.trainer.num_threads))
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.device = pick_device(cfg.device)
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu")
+        self.spec = read_env_spec(cfg.env)
+        self.config_hash = config_hash(self.spec, env_name=cfg.env.name, policy_name=cfg.policy.name,
+                                       chunk=int(cfg.policy.get("chunk_size", 1)))
+        policy = registry.build_policy(cfg.policy, self.spec)
+        self.agent = registry.build_agent(cfg.algo, policy, self.spec, self.accelerator)
+        serving = registry.build_policy(cfg.policy, self.spec).to(self.device).eval()
+        self.buffer = ReplayBuffer(cfg.buffer.capacity, self.spec, seed=cfg.seed, device=str(self.device))
+        self.ingest = Ingest(self.buffer, store_transitions=cfg.mode == "train",
+                             stats_window=int(cfg.eval.episodes if cfg.mode == "eval"
+                                              else cfg.logging.stats_window))
+        self.ctx = zmq.Context()
+        t = cfg.transport
+        self.service = LearnerService(
+            ctx=self.ctx, spec=self.spec, config_hash=self.config_hash, ingest=self.ingest,
+            submit_act=lambda r: self.inference.submit(r), get_version=lambda: self.weights.version,
+            get_weights=lambda: self.weights.latest(), host=t.host, port=t.port, pub_port=t.pub_port,
+            max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
+            mode=cfg.mode, security=OmegaConf.to_container(t.security, resolve=True),
+        )
+        self.inference = InferenceServer(
+            serving, reply=self.service.reply, active_actors=self.service.active_actors,
+            device=self.device, max_batch=cfg.inference.max_batch,
+            batch_window_ms=cfg.inference.batch_window_ms,
+        )
+        self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
+        self.trainer = Trainer(self.agent, self.buffer, self.ingest, cfg.trainer)
+        self._restore()
+        self.metrics = MetricsLogger(
+            run_dir=self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
+            config=OmegaConf.to_container(cfg, resolve=True), name=f"{cfg.mode}-{cfg.env.name}",
+        )
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        ckpt_root = self.run_dir / "checkpoints"
+        path = latest_checkpoint(ckpt_root) if self.cfg.resume != "never" else None
+        if path is None:
+            if self.cfg.resume == "must":
+                raise FileNotFoundError(f"resume=must but {ckpt_root} has no checkpoint")
+            if self.cfg.mode == "eval":
+                log.warning("evaluating an untrained policy: no checkpoint in %s", ckpt_root)
+            self.weights.publish(self.agent.policy.trainable_state_dict(), version=0)
+            return
+        state = load_checkpoint(path)
+        self.agent.load_state_dict(state["agent"])
+        self.trainer.load_state_dict(state["trainer"])
+        if self.cfg.mode == "train":
+            self.ingest.load_state_dict(state["ingest"])
+        self.weights.publish(self.agent.policy.trainable_state_dict(), version=int(state["version"]))
+        log.info("resumed from %s: %d updates, policy version %d", path, self.trainer.updates,
+                 self.weights.version)
+
+    def save(self) -> Path:
+        state: dict[str, Any] = {
+            "agent": self.agent.state_dict(), "trainer": self.trainer.state_dict(),
+            "ingest": self.ingest.state_dict(), "version": self.weights.version,
+        }
+        return save_checkpoint(self.run_dir / "checkpoints", self.trainer.updates, state,
+                               keep=self.cfg.trainer.keep_checkpoints)
+
+    # ---- running -------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self.service.port
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.service.start()
+        self.inference.start()
+        log.info("learner %s serving %s on %s:%d (pub %d), mode=%s, algo=%s, policy=%s, env=%s, "
+                 "config hash %s", self.service.learner_id, self.device, cfg.transport.host,
+                 self.service.port, self.service.pub_port, cfg.mode, cfg.algo.name,
+                 cfg.policy.name, cfg.env.name, self.config_hash)
+        prev = signal.getsignal(signal.SIGTERM)
+        try:
+            signal.signal(signal.SIGTERM, _raise_interrupt)
+        except ValueError:  # not the main thread (tests)
+            prev = None
+        result: dict = {}
+        try:
+            result = self._eval_loop() if cfg.mode == "eval" else self._train_loop()
+        except KeyboardInterrupt:
+            log.info("interrupted: stopping")
+        finally:
+            if cfg.mode == "train" and self.trainer.updates > 0:
+                log.info("checkpoint %s", self.save())
+            self.write_status()
+            self.close()
+            if prev is not None:
+                signal.signal(signal.SIGTERM, prev)
+        return result
+
+    def close(self) -> None:
+        self.inference.stop()
+        self.service.stop()
+        self.inference.join(timeout=5)
+        self.service.join(timeout=5)
+        self.metrics.close()
+        self.ctx.destroy(linger=0)
+
+    def _status(self) -> dict[str, float]:
+        s = self.ingest.stats.summary()
+        sizes = self.inference.batch_sizes[-200:]
+        return {
+            "updates": self.trainer.updates, "version": self.weights.version,
+            "env_steps": self.ingest.steps, "episodes": int(s.get("episodes", 0)),
+            "return": s.get("return", float("nan")), "success": s.get("success", float("nan")),
+            "actors": self.service.active_actors(), "buffer": len(self.buffer),
+            "infer_batch": float(sum(sizes) / len(sizes)) if sizes else 0.0,
+            "rejected": self.service.counters["rejected"],
+            "duplicates": self.service.counters["duplicates"],
+        }
+
+    def write_status(self) -> None:
+        """run_dir/status.json: counters for people and tests (atomic replace)."""
+        st = self._status()
+        st.update(learner_id=self.service.learner_id, port=self.service.port,
+                  pub_port=self.service.pub_port, received=dict(self.ingest.received),
+                  stored=self.buffer.total_added, rejections=dict(self.ingest.rejections))
+        tmp = self.run_dir / ".status.json.tmp"
+        tmp.write_text(json.dumps(st, indent=1))
+        tmp.replace(self.run_dir / "status.json")
+
+    def _train_loop(self) -> dict:
+        cfg = self.cfg.trainer
+        last_log, last_updates, last_ckpt = time.monotonic(), self.trainer.updates, self.trainer.updates
+        metrics: dict[str, float] = {}
+        while True:
+            m = self.trainer.step()
+            if m:
+                metrics = m
+                if self.trainer.updates % cfg.publish_every == 0:
+                    self.weights.publish(self.agent.policy.trainable_state_dict())
+                if cfg.checkpoint_every and self.trainer.updates - last_ckpt >= cfg.checkpoint_every:
+                    self.save()
+                    last_ckpt = self.trainer.updates
+            else:
+                time.sleep(0.005)
+            now = time.monotonic()
+            if now - last_log >= self.cfg.logging.every_s:
+                status = self._status()
+                status["updates_per_s"] = (self.trainer.updates - last_updates) / (now - last_log)
+                self.metrics.log({**status, **metrics}, step=self.trainer.updates, console_keys=[
+                    "updates", "updates_per_s", "version", "env_steps", "episodes", "return",
+                    "success", "actors", "infer_batch"])
+                last_log, last_updates = now, self.trainer.updates
+                self.write_status()
+            if cfg.max_updates and self.trainer.updates >= cfg.max_updates:
+                break
+            s = self.ingest.stats.summary()
+            if (cfg.stop_at_success and s.get("episodes", 0) >= cfg.stop_min_episodes
+                    and s.get("success", 0.0) >= cfg.stop_at_success):
+                log.info("success %.2f >= %.2f over the last %d episodes: done", s["success"],
+                         cfg.stop_at_success, min(int(s["episodes"]), self.cfg.logging.stats_window))
+                break
+        return self._status()
+
+    def _eval_loop(self) -> dict:
+        target = int(self.cfg.eval.episodes)
+        last_log = time.monotonic()
+        while self.ingest.stats.episodes < target:
+            time.sleep(0.05)
+            if time.monotonic() - last_log >= self.cfg.logging.every_s:
+                self.metrics.log(self._status(), step=self.ingest.stats.episodes,
+                                 console_keys=["episodes", "return", "success", "actors"])
+                last_log = time.monotonic()
+        report = {"version": self.weights.version, "episodes": self.ingest.stats.episodes,
+                  "overall": self.ingest.stats.summary(), "per_task": self.ingest.stats.per_task()}
+        (self.run_dir / "eval_report.json").write_text(json.dumps(report, indent=2))
+        log.info("evaluation of policy version %d over %d episodes:", report["version"], report["episodes"])
+        for task, r in report["per_task"].items():
+            log.info("  %-40s success %.2f  return %.2f  (%d episodes)", task, r["success"],
+                     r["return"], r["episodes"])
+        self.service.finished = True
+        time.sleep(min(3.0, 2 * self.cfg.transport.heartbeat_s + 0.5))  # let actors hear it
+        return report
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt

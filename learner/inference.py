@@ -1,0 +1,143 @@
+"""Batched action serving on its own thread.
+
+Requests queued by the socket thread are gathered into one forward pass: the thread takes
+every request waiting, and when fewer than the number of active actors are waiting it
+lingers up to ``batch_window_ms`` for the rest, so that with a request in flight from each
+of N actors one forward of batch N runs. It owns a serving copy of the policy; the trainer
+hands it new trainable weights through :meth:`set_weights` and they are loaded between
+forwards, so every reply carries exactly the version that produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from data.codec import encode
+from data.schema import TASK
+from learner.service import ActRequest
+
+log = logging.getLogger("tandem.learner.inference")
+
+
+class InferenceServer(threading.Thread):
+    def __init__(
+        self,
+        policy,
+        *,
+        reply: Callable[[bytes, list], None],
+        active_actors: Callable[[], int],
+        device: torch.device,
+        max_batch: int = 64,
+        batch_window_ms: float = 2.0,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        super().__init__(name="tandem-inference", daemon=True)
+        self.policy = policy
+        self.reply = reply
+        self.active_actors = active_actors
+        self.device = device
+        self.max_batch = max_batch
+        self.window_s = batch_window_ms / 1000.0
+        self.autocast_dtype = autocast_dtype
+        self.version = 0
+        self.requests: queue.Queue[ActRequest] = queue.Queue()
+        self._pending: tuple[int, dict] | None = None
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self.batches = 0
+        self.served = 0
+        self.batch_sizes: list[int] = []
+
+    def submit(self, req: ActRequest) -> None:
+        self.requests.put(req)
+
+    def set_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._pending = (version, state)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            version, state = pending
+            self.policy.load_trainable_state_dict(state)
+            self.version = version
+
+    def _gather(self) -> list[ActRequest]:
+        try:
+            first = self.requests.get(timeout=0.1)
+        except queue.Empty:
+            return []
+        reqs = [first]
+        n = first.n
+        deadline = time.perf_counter() + self.window_s
+        want = max(1, self.active_actors())
+        while n < self.max_batch:
+            try:
+                r = self.requests.get_nowait()
+            except queue.Empty:
+                if len(reqs) >= want or time.perf_counter() >= deadline:
+                    break
+                time.sleep(0.0002)
+                continue
+            reqs.append(r)
+            n += r.n
+        return reqs
+
+    def run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop_event.is_set():
+            self._apply_pending()
+            reqs = self._gather()
+            if not reqs:
+                continue
+            for det in (False, True):
+                group = [r for r in reqs if r.deterministic == det]
+                if group:
+                    try:
+                        self._serve(group, det)
+                    except Exception as exc:  # a bad batch must not kill serving
+                        log.exception("inference failed")
+                        for r in group:
+                            self.reply(r.identity, encode("error", {
+                                "code": "inference_failed", "message": f"{type(exc).__name__}: {exc}"}))
+
+    def _serve(self, group: list[ActRequest], deterministic: bool) -> None:
+        t0 = time.perf_counter()
+        keys = list(group[0].arrays)
+        obs = {
+            k: torch.from_numpy(np.concatenate([r.arrays[k] for r in group])).to(self.device, non_blocking=True)
+            for k in keys
+        }
+        obs[TASK] = [t for r in group for t in r.tasks]
+        with torch.inference_mode(), torch.autocast(
+            self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+            enabled=self.autocast_dtype is not None,
+        ):
+            chunk = self.policy.act(obs, deterministic=deterministic)
+        actions = chunk.actions.float().cpu().numpy()
+        infer_ms = (time.perf_counter() - t0) * 1000.0
+        self.batches += 1
+        self.served += len(group)
+        self.batch_sizes.append(len(group))
+        if len(self.batch_sizes) > 1000:
+            del self.batch_sizes[:500]
+        i = 0
+        for r in group:
+            self.reply(r.identity, encode(
+                "act_reply",
+                {"req_id": r.req_id, "policy_version": self.version, "infer_ms": infer_ms,
+                 "batch": len(group)},
+                {"actions": actions[i:i + r.n]},
+            ))
+            i += r.n

@@ -1,0 +1,85 @@
+"""Bind policy and CURVE authentication for the learner's sockets.
+
+Loopback binds (127.0.0.0/8, ::1, localhost) need nothing. Any other bind address needs
+CURVE keys (made by ``tools/gen_keys.py``): the learner's secret certificate and a folder of
+authorised actor public certificates, checked by a ZAP authenticator. Binding elsewhere
+without keys is refused unless ``allow_insecure`` is set explicitly.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger("tandem.learner.security")
+
+_auth_lock = threading.Lock()
+_authenticators: dict[int, ThreadAuthenticator] = {}
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def configure_server_socket(sock: zmq.Socket, host: str, security: dict) -> None:
+    """Apply CURVE server settings to ``sock`` before bind, or refuse an insecure bind."""
+    secret = security.get("server_secret_key")
+    if not secret:
+        if not is_loopback(host) and not security.get("allow_insecure", False):
+            raise ValueError(
+                f"refusing to bind {host!r} without CURVE keys: make them with "
+                "`python -m tools.gen_keys DIR` and set transport.security.server_secret_key and "
+                "transport.security.authorized_keys_dir, or pass "
+                "transport.security.allow_insecure=true to accept unauthenticated actors"
+            )
+        if not is_loopback(host):
+            log.warning("binding %s WITHOUT authentication or encryption (allow_insecure)", host)
+        return
+    keys_dir = security.get("authorized_keys_dir")
+    if not keys_dir or not Path(keys_dir).is_dir():
+        raise ValueError(f"transport.security.authorized_keys_dir {keys_dir!r} is not a folder")
+    public, secret_key = zmq.auth.load_certificate(secret)
+    if secret_key is None:
+        raise ValueError(f"{secret} holds no secret key (use the .key_secret file)")
+    _ensure_authenticator(sock.context, keys_dir)
+    sock.curve_secretkey = secret_key
+    sock.curve_publickey = public
+    sock.curve_server = True
+
+
+def _ensure_authenticator(ctx: zmq.Context, keys_dir: str) -> None:
+    with _auth_lock:
+        if id(ctx) in _authenticators:
+            return
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+        auth.configure_curve(domain="*", location=str(keys_dir))
+        _authenticators[id(ctx)] = auth
+
+
+def configure_client_socket(sock: zmq.Socket, security: dict) -> None:
+    """Apply CURVE client settings (actor side) when keys are configured."""
+    client_secret = security.get("client_secret_key")
+    server_public = security.get("server_public_key")
+    if not client_secret and not server_public:
+        return
+    if not (client_secret and server_public):
+        raise ValueError("CURVE needs both transport.security.client_secret_key and server_public_key")
+    pub, sec = zmq.auth.load_certificate(client_secret)
+    if sec is None:
+        raise ValueError(f"{client_secret} holds no secret key (use the .key_secret file)")
+    server_key, _ = zmq.auth.load_certificate(server_public)
+    sock.curve_secretkey = sec
+    sock.curve_publickey = pub
+    sock.curve_serverkey = server_key

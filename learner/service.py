@@ -1,0 +1,331 @@
+"""The learner's socket thread: ROUTER for requests, PUB for weight versions.
+
+Only this thread touches the ROUTER and PUB sockets. Other threads (inference, trainer)
+hand it outgoing messages through an inproc PUSH -> PULL channel (:meth:`outbox`), so no
+ZMQ socket is ever shared between threads and inference never runs here.
+
+Per message from an actor (first frame is the ROUTER identity):
+
+- ``hello``: checks protocol (codec) and config hash, registers the actor, replies
+  ``welcome`` with the actor's acknowledged sequence number and the current version;
+- ``act``: validates the observation and queues it for the inference thread;
+- ``transitions``: validates, drops duplicates by sequence number, hands new records to
+  :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number;
+- ``ping`` -> ``pong``; ``get_weights`` -> ``weights``; ``bye`` forgets the peer.
+
+Anything malformed, oversized, unknown or out of order gets an ``error`` reply naming what
+is wrong, and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import zmq
+
+from data.codec import CodecError, decode, encode
+from data.schema import OBS_STATE, TASK
+from data.transitions import TransitionBatch, TransitionError
+from envs.spec import EnvSpec
+from learner.ingest import Ingest
+from learner.security import configure_server_socket
+
+log = logging.getLogger("tandem.learner.service")
+
+OUTBOX_ADDR = "inproc://tandem-outbox"
+
+
+@dataclass
+class ActRequest:
+    identity: bytes
+    req_id: int
+    deterministic: bool
+    arrays: dict[str, np.ndarray]
+    tasks: list[str]
+    t_recv: float = field(default_factory=time.perf_counter)
+
+    @property
+    def n(self) -> int:
+        return int(self.arrays[OBS_STATE].shape[0])
+
+
+@dataclass
+class Peer:
+    actor_id: str
+    last_seen: float
+
+
+class LearnerService(threading.Thread):
+    def __init__(
+        self,
+        *,
+        ctx: zmq.Context,
+        spec: EnvSpec,
+        config_hash: str,
+        ingest: Ingest,
+        submit_act: Callable[[ActRequest], None],
+        get_version: Callable[[], int],
+        get_weights: Callable[[], tuple[int, dict[str, np.ndarray], list[str]] | None],
+        host: str = "127.0.0.1",
+        port: int = 5588,
+        pub_port: int = 5589,
+        max_message_bytes: int = 64 << 20,
+        peer_timeout_s: float = 10.0,
+        mode: str = "train",
+        security: dict | None = None,
+    ):
+        super().__init__(name="tandem-service", daemon=True)
+        self.ctx = ctx
+        self.spec = spec
+        self.config_hash = config_hash
+        self.ingest = ingest
+        self.submit_act = submit_act
+        self.get_version = get_version
+        self.get_weights = get_weights
+        self.max_message_bytes = max_message_bytes
+        self.peer_timeout_s = peer_timeout_s
+        self.mode = mode
+        self.learner_id = uuid.uuid4().hex[:12]
+        self.peers: dict[bytes, Peer] = {}
+        self.counters = {"rejected": 0, "duplicates": 0, "acts": 0, "transitions": 0}
+        self.finished = False  # eval done: tell actors to stop
+        self._stop_event = threading.Event()
+        self._ready = threading.Event()
+        self._outbox_local = threading.local()
+        self._outbox_socks: list[zmq.Socket] = []
+        self._outbox_lock = threading.Lock()
+        # Bind in the constructor so that port errors surface in the caller's thread.
+        self.router = ctx.socket(zmq.ROUTER)
+        self.pub = ctx.socket(zmq.PUB)
+        for s in (self.router, self.pub):
+            s.setsockopt(zmq.LINGER, 0)
+            configure_server_socket(s, host, security or {})
+        # Hard guard well above the codec limit, so that oversize gets an error reply first.
+        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 4)
+        self.router.bind(f"tcp://{host}:{port}")
+        self.pub.bind(f"tcp://{host}:{pub_port}")
+        self.port = int(self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self.pub_port = int(self.pub.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(OUTBOX_ADDR + "-" + self.learner_id)
+
+    # ---- API for other threads -------------------------------------------------------
+
+    def outbox(self) -> zmq.Socket:
+        """This thread's PUSH socket into the service thread (created once per thread)."""
+        sock = getattr(self._outbox_local, "sock", None)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(OUTBOX_ADDR + "-" + self.learner_id)
+            self._outbox_local.sock = sock
+            with self._outbox_lock:
+                self._outbox_socks.append(sock)
+        return sock
+
+    def reply(self, identity: bytes, frames: list) -> None:
+        self.outbox().send_multipart([b"R", identity, *frames], copy=False)
+
+    def publish(self, frames: list) -> None:
+        self.outbox().send_multipart([b"P", *frames], copy=False)
+
+    def active_actors(self) -> int:
+        now = time.monotonic()
+        return sum(1 for p in self.peers.values() if now - p.last_seen < self.peer_timeout_s)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        self._ready.set()
+        try:
+            while not self._stop_event.is_set():
+                events = dict(poller.poll(100))
+                if self.pull in events:
+                    for _ in range(256):
+                        try:
+                            frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        kind = frames[0].bytes
+                        if kind == b"R":
+                            self.router.send_multipart(frames[1:], copy=False)
+                        else:
+                            self.pub.send_multipart(frames[1:], copy=False)
+                if self.router in events:
+                    for _ in range(256):
+                        try:
+                            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(frames[0].bytes, frames[1:])
+        finally:
+            for s in (self.router, self.pub, self.pull):
+                s.close(0)
+            with self._outbox_lock:
+                for s in self._outbox_socks:
+                    s.close(0)
+
+    def _send(self, identity: bytes, frames: list) -> None:
+        self.router.send_multipart([identity, *frames], copy=False)
+
+    def _error(self, identity: bytes, code: str, message: str) -> None:
+        self.counters["rejected"] += 1
+        log.warning("rejected message from %s: %s: %s",
+                    self.peers[identity].actor_id if identity in self.peers else identity.hex(),
+                    code, message)
+        self._send(identity, encode("error", {"code": code, "message": message}))
+
+    def _handle(self, identity: bytes, frames: list) -> None:
+        try:
+            msg = decode(frames, max_bytes=self.max_message_bytes)
+        except CodecError as exc:
+            self._error(identity, "bad_message", str(exc))
+            return
+        if msg.type == "hello":
+            self._on_hello(identity, msg)
+            return
+        peer = self.peers.get(identity)
+        if peer is None:
+            self._error(identity, "handshake_required", f"send hello before {msg.type!r}")
+            return
+        peer.last_seen = time.monotonic()
+        try:
+            handler = {
+                "act": self._on_act,
+                "transitions": self._on_transitions,
+                "ping": self._on_ping,
+                "get_weights": self._on_get_weights,
+                "bye": self._on_bye,
+            }[msg.type]
+        except KeyError:
+            self._error(identity, "unexpected_type", f"{msg.type!r} is not a request")
+            return
+        handler(identity, peer, msg)
+
+    def _on_hello(self, identity: bytes, msg) -> None:
+        actor_id = msg["actor_id"]
+        if not actor_id or len(actor_id) > 128:
+            self._error(identity, "bad_hello", "actor_id must be 1-128 characters")
+            return
+        if msg["config_hash"] != self.config_hash:
+            self._error(
+                identity, "config_mismatch",
+                f"actor {actor_id!r} has config hash {msg['config_hash']}, learner has "
+                f"{self.config_hash}: env, policy or chunk settings differ",
+            )
+            return
+        # A reconnecting actor gets a new identity: forget the old one.
+        for ident, p in list(self.peers.items()):
+            if p.actor_id == actor_id:
+                del self.peers[ident]
+        self.peers[identity] = Peer(actor_id, time.monotonic())
+        self.ingest.resync(actor_id, msg["resend_from"])
+        acked, next_episode = self.ingest.actor_position(actor_id)
+        log.info("actor %s connected (acked seq %d)", actor_id, acked)
+        self._send(identity, encode("welcome", {
+            "learner_id": self.learner_id, "acked_seq": acked,
+            "policy_version": self.get_version(), "mode": self.mode,
+            "next_episode": next_episode,
+        }))
+
+    def _on_act(self, identity: bytes, peer: Peer, msg) -> None:
+        if self.finished:
+            self._send(identity, encode("error", {"code": "finished", "message": "evaluation is done"}))
+            return
+        err = check_obs(msg.arrays, msg["tasks"], self.spec)
+        if err:
+            self._error(identity, "bad_observation", err)
+            return
+        self.counters["acts"] += 1
+        deterministic = bool(msg["deterministic"]) or self.mode == "eval"
+        self.submit_act(ActRequest(identity, msg["req_id"], deterministic, msg.arrays, msg["tasks"]))
+
+    def _on_transitions(self, identity: bytes, peer: Peer, msg) -> None:
+        batch = TransitionBatch.from_message(msg)
+        if batch.actor_id != peer.actor_id:
+            self._error(identity, "bad_actor", f"batch claims actor {batch.actor_id!r}, "
+                        f"connection is {peer.actor_id!r}")
+            return
+        if msg["last_seq"] != batch.last_seq:
+            self._error(identity, "bad_seq", f"last_seq {msg['last_seq']} does not match "
+                        f"first_seq {batch.first_seq} + {len(batch)} records")
+            return
+        try:
+            batch.validate(self.spec)
+        except TransitionError as exc:
+            # Invalid records are consumed (counted, logged, never stored) so that the actor's
+            # stream goes on; nothing stored before changes.
+            self.ingest.count_rejection(str(exc))
+            self._error(identity, "bad_transitions", f"seq {batch.first_seq}..{batch.last_seq}: {exc}")
+            acked = self.ingest.skip(batch)
+            self._send(identity, encode("ack", {"acked_seq": acked, "policy_version": self.get_version()}))
+            return
+        try:
+            acked, dup = self.ingest.add(batch)
+        except TransitionError as exc:  # sequence gap: the actor resends from its ack
+            self._error(identity, "bad_transitions", str(exc))
+            return
+        self.counters["duplicates"] += dup
+        self.counters["transitions"] += len(batch) - dup
+        self._send(identity, encode("ack", {"acked_seq": acked, "policy_version": self.get_version()}))
+
+    def _on_ping(self, identity: bytes, peer: Peer, msg) -> None:
+        if self.finished:
+            self._send(identity, encode("error", {"code": "finished", "message": "evaluation is done"}))
+            return
+        self._send(identity, encode("pong", {"t": msg["t"], "policy_version": self.get_version()}))
+
+    def _on_get_weights(self, identity: bytes, peer: Peer, msg) -> None:
+        snap = self.get_weights()
+        if snap is None:
+            self._error(identity, "no_weights", "no weights published yet")
+            return
+        version, arrays, bf16 = snap
+        self._send(identity, encode("weights", {"policy_version": version, "bf16": bf16}, arrays))
+
+    def _on_bye(self, identity: bytes, peer: Peer, msg) -> None:
+        self.peers.pop(identity, None)
+
+
+def check_obs(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec) -> str | None:
+    """Validate an act request's observation batch; return an error message or None."""
+    if OBS_STATE not in arrays:
+        return f"missing {OBS_STATE!r}"
+    b = arrays[OBS_STATE].shape[0] if arrays[OBS_STATE].ndim else 0
+    if b < 1 or b > 1024:
+        return f"batch size {b} out of range 1..1024"
+    expected = {OBS_STATE: ("float32", (spec.state_dim,))}
+    for cam, shape in spec.cameras.items():
+        expected["observation.images." + cam] = ("uint8", tuple(shape))
+    extra = sorted(set(arrays) - set(expected))
+    if extra:
+        return f"unexpected arrays {extra}"
+    for k, (dt, shape) in expected.items():
+        if k not in arrays:
+            n_img = len(spec.cameras)
+            return f"missing {k!r} (this env has {n_img} camera(s): {sorted(spec.cameras)})"
+        a = arrays[k]
+        if a.dtype.name != dt or tuple(a.shape) != (b, *shape):
+            return f"{k}: got {a.dtype.name}{tuple(a.shape)}, expected {dt}{(b, *shape)}"
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            return f"{k}: contains NaN or Inf"
+    if len(tasks) != b or not all(isinstance(t, str) for t in tasks):
+        return f"{TASK}: expected {b} instruction strings"
+    if spec.has_task and not all(tasks):
+        return "missing task instruction: this env needs one per observation"
+    return None

@@ -1,0 +1,63 @@
+"""Versioned weight snapshots: only the trainable tensors, latest wins.
+
+``publish`` hands a snapshot to the inference thread (its serving copy) and broadcasts it on
+the PUB socket; ``latest`` serves ``get_weights`` requests. Tensors travel as plain numeric
+arrays; bfloat16 (which numpy lacks) travels as its raw uint16 bits with a dtype note.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import numpy as np
+import torch
+
+from data.codec import encode
+
+
+def to_wire(state: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], list[str]]:
+    arrays, bf16 = {}, []
+    for k, t in state.items():
+        t = t.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            arrays[k] = t.view(torch.uint16).numpy() if hasattr(torch, "uint16") else t.view(torch.int16).numpy()
+            bf16.append(k)
+        else:
+            arrays[k] = t.numpy()
+    return arrays, bf16
+
+
+def from_wire(arrays: dict[str, np.ndarray], bf16: list[str] | tuple = ()) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, a in arrays.items():
+        t = torch.from_numpy(np.array(a))  # copy: wire buffers are read-only
+        out[k] = t.view(torch.bfloat16) if k in bf16 else t
+    return out
+
+
+class WeightPublisher:
+    def __init__(self, to_inference: Callable[[int, dict], None], to_pub: Callable[[list], None]):
+        self.to_inference = to_inference
+        self.to_pub = to_pub
+        self.version = 0
+        self._latest: tuple[int, dict[str, np.ndarray], list[str]] | None = None
+        self._lock = threading.Lock()
+        self.last_nbytes = 0
+
+    def publish(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
+        with self._lock:
+            self.version = self.version + 1 if version is None else int(version)
+            arrays, bf16 = to_wire(state)
+            self._latest = (self.version, arrays, bf16)
+            self.last_nbytes = sum(a.nbytes for a in arrays.values())
+        self.to_inference(self.version, {k: v.clone() for k, v in state.items()})
+        self.to_pub(encode("weights", {"policy_version": self.version, "bf16": bf16}, arrays))
+        return self.version
+
+    def latest(self):
+        with self._lock:
+            if self._latest is None:
+                return None
+            version, arrays, bf16 = self._latest
+            return version, arrays, bf16
