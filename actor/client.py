@@ -71,6 +71,8 @@ class LearnerClient:
         self._last_ping = 0.0
         self._last_progress = 0.0
         self.weights_msg: Message | None = None
+        self._hello_at = 0.0
+        self._hello_attempts = 0
         self.last_act_ms = 0.0
 
     # ---- connection ----------------------------------------------------------------------
@@ -86,31 +88,43 @@ class LearnerClient:
         s.connect(self.endpoint)
         self.sock = s
 
+    def _start_handshake(self) -> None:
+        self._new_socket()
+        self.connected = False
+        self._hello_at = time.monotonic()
+        self._hello_attempts += 1
+        self.sock.send_multipart(encode("hello", {
+            "actor_id": self.actor_id, "config_hash": self.config_hash,
+            "resend_from": self.spool.resend_from,
+        }))
+        if self._hello_attempts == 2 or self._hello_attempts % 10 == 0:
+            log.warning("no answer from learner at %s (attempt %d); retrying", self.endpoint,
+                        self._hello_attempts - 1)
+
+    def _pump_handshake(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the welcome; restart the handshake when it is late."""
+        if self.sock is None:
+            self._start_handshake()
+        if self.sock.poll(int(timeout_s * 1000)):
+            msg = self._recv()
+            if msg is not None and msg.type == "welcome":
+                self._on_welcome(msg)
+            elif msg is not None and msg.type == "error":
+                if msg["code"] == "finished":
+                    raise LearnerFinished(msg["message"])
+                raise HandshakeError(f"learner refused actor {self.actor_id!r}: {msg['code']}: "
+                                     f"{msg['message']}")
+        elif time.monotonic() - self._hello_at > self.timeout_s:
+            self._start_handshake()
+
     def connect(self, *, give_up_after_s: float | None = None) -> None:
         """Handshake, retrying until the learner answers (or ``give_up_after_s`` passes)."""
         start = time.monotonic()
-        attempt = 0
-        while True:
-            self._new_socket()
-            self.sock.send_multipart(encode("hello", {
-                "actor_id": self.actor_id, "config_hash": self.config_hash,
-                "resend_from": self.spool.resend_from,
-            }))
-            if self.sock.poll(int(self.timeout_s * 1000)):
-                msg = self._recv()
-                if msg is not None and msg.type == "welcome":
-                    self._on_welcome(msg)
-                    return
-                if msg is not None and msg.type == "error":
-                    if msg["code"] == "finished":
-                        raise LearnerFinished(msg["message"])
-                    raise HandshakeError(f"learner refused actor {self.actor_id!r}: {msg['code']}: "
-                                         f"{msg['message']}")
-            attempt += 1
+        self._start_handshake()
+        while not self.connected:
+            self._pump_handshake(min(0.2, self.timeout_s))
             if give_up_after_s is not None and time.monotonic() - start > give_up_after_s:
                 raise TimeoutError(f"no learner answered at {self.endpoint} in {give_up_after_s:.0f}s")
-            if attempt == 1 or attempt % 10 == 0:
-                log.warning("no answer from learner at %s (attempt %d); retrying", self.endpoint, attempt)
 
     def _on_welcome(self, msg: Message) -> None:
         if self.learner_id is not None and msg["learner_id"] != self.learner_id:
@@ -128,16 +142,19 @@ class LearnerClient:
             self.spool.set_next_episode(msg["next_episode"])
         self._sent = []
         self.connected = True
+        self._hello_attempts = 0
         now = time.monotonic()
         self._last_rx = self._last_ping = self._last_progress = now
         log.info("connected to learner %s at %s: acked seq %d, %d records to resend, version %d, mode %s",
                  self.learner_id, self.endpoint, acked, len(self.spool), self.policy_version, self.mode)
         self.flush()
 
-    def reconnect(self) -> None:
-        self.connected = False
+    def reconnect(self, *, block: bool = True) -> None:
         log.warning("learner at %s silent; reconnecting", self.endpoint)
-        self.connect()
+        if block:
+            self.connect()
+        else:
+            self._start_handshake()
 
     def close(self) -> None:
         if self.sock is not None:
@@ -161,7 +178,9 @@ class LearnerClient:
             return None
 
     def _dispatch(self, msg: Message) -> None:
-        if msg.type == "ack":
+        if msg.type == "welcome":
+            self._on_welcome(msg)
+        elif msg.type == "ack":
             self._on_ack(msg["acked_seq"])
             self.policy_version = max(self.policy_version, msg["policy_version"])
         elif msg.type == "pong":
@@ -173,8 +192,7 @@ class LearnerClient:
             if code == "finished":
                 raise LearnerFinished(msg["message"])
             if code == "handshake_required":
-                self.connected = False
-                self.connect()
+                self._start_handshake()
             elif code == "bad_transitions" and "sequence gap" in msg["message"]:
                 self._sent = []  # resend from the ack
             else:
@@ -186,9 +204,12 @@ class LearnerClient:
         self._sent = [k for k in self._sent if k[1] > seq]
 
     def poll(self, timeout_s: float = 0.0) -> None:
-        """Process whatever the learner sent, heartbeat, resend and reconnect as needed."""
+        """Process whatever the learner sent, heartbeat, resend and reconnect as needed.
+        Never blocks longer than ``timeout_s``: while the learner is away the actor keeps
+        stepping (local mode) and spooling, and the handshake is retried in the background."""
         if self.sock is None or not self.connected:
-            self.connect()
+            self._pump_handshake(timeout_s)
+            return
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = max(0.0, deadline - time.monotonic())
@@ -206,7 +227,8 @@ class LearnerClient:
             self.sock.send_multipart(encode("ping", {"t": time.time()}))
             self._last_ping = now
         if now - self._last_rx > self.heartbeat_s * self.reconnect_after + self.timeout_s:
-            self.reconnect()
+            self.reconnect(block=False)
+            return
         self.flush()
 
     # ---- requests ------------------------------------------------------------------------
@@ -232,8 +254,10 @@ class LearnerClient:
         (a robot waits for its learner); reconnects after ``reconnect_after`` timeouts."""
         misses = 0
         while True:
-            if self.sock is None or not self.connected:
-                self.connect()
+            if self.sock is None:
+                self._start_handshake()
+            while not self.connected:
+                self._pump_handshake(0.2)
             self._req_id += 1
             req = self._req_id
             t0 = time.perf_counter()
@@ -256,6 +280,8 @@ class LearnerClient:
                 self._dispatch(msg)
                 if not self.connected:
                     break
+            if not self.connected:
+                continue
             misses += 1
             if misses % self.reconnect_after == 0 or not self.connected:
                 self.reconnect()

@@ -28,6 +28,7 @@ class LocalPolicy:
                  security: dict | None = None):
         self.policy = registry.build_policy(policy_cfg, spec).eval()
         self.version = -1
+        self.learner_id: str | None = None
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 4)
@@ -49,6 +50,12 @@ class LocalPolicy:
             self.load(msg)
 
     def refresh(self, client) -> None:
+        if client.learner_id != self.learner_id and client.connected:
+            # a restarted learner may count versions from an older checkpoint: take its weights
+            self.learner_id = client.learner_id
+            self.version = -1
+            self.fetch(client)
+            return
         newest = None
         while True:
             try:

@@ -42,6 +42,8 @@ class Spool:
                 continue
             self._files[(first, last)] = p
             self._sizes[(first, last)] = p.stat().st_size
+        self._nbytes = sum(self._sizes.values())
+        self._records = sum(last - first + 1 for first, last in self._files)
         meta = self._read_meta()
         top = max((last for _, last in self._files), default=-1)
         self.next_seq = max(int(meta.get("next_seq", 0)), top + 1)
@@ -66,7 +68,7 @@ class Spool:
 
     @property
     def nbytes(self) -> int:
-        return sum(self._sizes.values())
+        return self._nbytes
 
     @property
     def full(self) -> bool:
@@ -74,7 +76,7 @@ class Spool:
 
     def __len__(self) -> int:
         """Number of pending (unacknowledged) records."""
-        return sum(last - first + 1 for first, last in self._files)
+        return self._records
 
     def pending(self) -> list[tuple[int, int]]:
         return sorted(self._files)
@@ -102,6 +104,8 @@ class Spool:
         os.replace(tmp, path)
         self._files[key] = path
         self._sizes[key] = len(blob)
+        self._nbytes += len(blob)
+        self._records += key[1] - key[0] + 1
         self.next_seq = batch.last_seq + 1
         self._write_meta()
 
@@ -120,7 +124,8 @@ class Spool:
         done = [k for k in self._files if k[1] <= seq]
         for k in done:
             self._files.pop(k).unlink(missing_ok=True)
-            self._sizes.pop(k, None)
+            self._nbytes -= self._sizes.pop(k, 0)
+            self._records -= k[1] - k[0] + 1
         self._write_meta()
         return len(done)
 

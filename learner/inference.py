@@ -97,8 +97,8 @@ class InferenceServer(threading.Thread):
     def run(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop_event.is_set():
-            self._apply_pending()
             reqs = self._gather()
+            self._apply_pending()  # the newest weights serve this batch
             if not reqs:
                 continue
             for det in (False, True):
