@@ -133,6 +133,7 @@ def test_learner_sigkill_restart_from_checkpoint_receives_spooled_transitions(ru
     ckpts = run.dir / "checkpoints"
     run.wait(lambda: (ckpts / "latest").exists() and run.status().get("updates", 0) > 40, 180,
              "a checkpoint")
+    old_id = run.status()["learner_id"]
     first.send_signal(signal.SIGKILL)
     first.wait()
     acked_at_kill = run.spool_meta("a0")["acked"]
@@ -140,7 +141,7 @@ def test_learner_sigkill_restart_from_checkpoint_receives_spooled_transitions(ru
     run.wait(lambda: run.spool_meta("a0")["next_seq"] > acked_at_kill + 100, 120, "records to spool")
     second = run.learner("trainer.checkpoint_every=20", log="learner-restart.log")
     run.wait(lambda: "resumed from" in second.log.read_text(), 180, "resume")
-    run.wait(lambda: run.status().get("learner_id") and run.status().get("stored", 0) > 100, 120,
+    run.wait(lambda: run.status().get("learner_id") != old_id and run.status().get("stored", 0) > 100, 180,
              "spooled records to arrive")
     a.send_signal(signal.SIGINT)
     a.wait(30)
