@@ -66,7 +66,9 @@ class LearnerClient:
         self.connected = False
         self.reconnects = 0
         self._req_id = 0
-        self._sent: list[tuple[int, int]] = []  # batches in flight on this connection
+        self._in_flight: list[tuple[int, int]] = []  # sent, not yet received by the learner
+        self._next_send = 0  # first sequence number not yet sent on this connection
+        self._received = -1  # the learner has every record <= this
         self._last_rx = 0.0
         self._last_ping = 0.0
         self._last_progress = 0.0
@@ -138,9 +140,11 @@ class LearnerClient:
             # the spool was lost but the learner has our records: continue after them
             self.spool.next_seq = acked + 1
         self.spool.ack(acked)
+        self._received = msg["received_seq"]
+        self._next_send = self._received + 1
         if msg["next_episode"] > self.spool.next_episode:
             self.spool.set_next_episode(msg["next_episode"])
-        self._sent = []
+        self._in_flight = []
         self.connected = True
         self._hello_attempts = 0
         now = time.monotonic()
@@ -181,7 +185,7 @@ class LearnerClient:
         if msg.type == "welcome":
             self._on_welcome(msg)
         elif msg.type == "ack":
-            self._on_ack(msg["acked_seq"])
+            self._on_ack(msg["acked_seq"], msg["received_seq"])
             self.policy_version = max(self.policy_version, msg["policy_version"])
         elif msg.type == "pong":
             self.policy_version = max(self.policy_version, msg["policy_version"])
@@ -194,14 +198,22 @@ class LearnerClient:
             if code == "handshake_required":
                 self._start_handshake()
             elif code == "bad_transitions" and "sequence gap" in msg["message"]:
-                self._sent = []  # resend from the ack
+                self._resend()
             else:
                 log.error("learner error %s: %s", code, msg["message"])
 
-    def _on_ack(self, seq: int) -> None:
-        if self.spool.ack(seq):
+    def _on_ack(self, acked: int, received: int) -> None:
+        self.spool.ack(acked)
+        if received > self._received:
+            self._received = received
             self._last_progress = time.monotonic()
-        self._sent = [k for k in self._sent if k[1] > seq]
+            self._in_flight = [k for k in self._in_flight if k[1] > received]
+
+    def _resend(self) -> None:
+        """Send again everything after what the learner has received."""
+        self._in_flight = []
+        self._next_send = self._received + 1
+        self._last_progress = time.monotonic()
 
     def poll(self, timeout_s: float = 0.0) -> None:
         """Process whatever the learner sent, heartbeat, resend and reconnect as needed.
@@ -220,9 +232,8 @@ class LearnerClient:
                 continue
             break
         now = time.monotonic()
-        if self._sent and now - self._last_progress > self.timeout_s:
-            self._sent = []  # no ack for a while: resend what is pending
-            self._last_progress = now
+        if self._in_flight and now - self._last_progress > self.timeout_s:
+            self._resend()  # nothing arrived for a while: resend what is pending
         if now - self._last_rx > self.heartbeat_s and now - self._last_ping > self.heartbeat_s:
             self.sock.send_multipart(encode("ping", {"t": time.time()}))
             self._last_ping = now
@@ -234,19 +245,20 @@ class LearnerClient:
     # ---- requests ------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Send pending spooled batches not yet in flight on this connection."""
+        """Send spooled batches not yet sent on this connection, keeping at most
+        ``max_in_flight`` batches that the learner has not yet received."""
         if not self.connected:
             return
-        in_flight = set(self._sent)
         for key in self.spool.pending():
-            if len(self._sent) >= self.max_in_flight:
+            if len(self._in_flight) >= self.max_in_flight:
                 break
-            if key in in_flight:
+            if key[1] < self._next_send:
                 continue
             self.sock.send_multipart(self.spool.read(key), copy=False)
-            self._sent.append(key)
-            if len(self._sent) == 1:
+            if not self._in_flight:
                 self._last_progress = time.monotonic()
+            self._in_flight.append(key)
+            self._next_send = key[1] + 1
 
     def act(self, arrays: dict[str, np.ndarray], tasks: list[str], *, deterministic: bool = False
             ) -> tuple[np.ndarray, int]:

@@ -18,6 +18,7 @@ that names what is wrong; the caller replies with an error and keeps serving.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -30,6 +31,10 @@ ALLOWED_DTYPES = frozenset(
     ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
      "float16", "float32", "float64"]
 )
+
+# dtype -> wire name, and back. numpy 2's ``dtype.name`` is a slow Python-level property.
+_DTYPE_NAME = {np.dtype(n): n for n in ALLOWED_DTYPES}
+_NAME_DTYPE = {n: np.dtype(n) for n in ALLOWED_DTYPES}
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_HEADER_BYTES = 1024 * 1024
@@ -78,11 +83,12 @@ def encode(
     frames: list[Any] = [None]
     for name, arr in (arrays or {}).items():
         arr = np.asarray(arr)
-        if arr.dtype.name not in ALLOWED_DTYPES:
+        dtype_name = _DTYPE_NAME.get(arr.dtype)
+        if dtype_name is None:
             raise CodecError(f"array {name!r}: dtype {arr.dtype} is not allowed on the wire")
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
-        meta.append([name, arr.dtype.name, list(arr.shape)])
+        meta.append([name, dtype_name, list(arr.shape)])
         frames.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")
     header["arrays"] = meta
     try:
@@ -157,8 +163,8 @@ def decode(
     for i, entry in enumerate(meta):
         arrays_name = _check_meta(msg_type, i, entry)
         name, dtype_name, shape = arrays_name
-        dtype = np.dtype(dtype_name)
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        dtype = _NAME_DTYPE[dtype_name]
+        expected = math.prod(shape) * dtype.itemsize
         buf = views[i + 1]
         if buf.nbytes != expected:
             raise CodecError(

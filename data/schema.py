@@ -64,12 +64,15 @@ MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
     "get_weights": MessageSchema({"have_version": int}),
     "bye": MessageSchema({}),
     # learner -> actor
+    # acked_seq: every record <= it is durable (the actor may delete it from its spool);
+    # received_seq: every record <= it has arrived (the actor need not send it again
+    # on this connection). received_seq >= acked_seq.
     "welcome": MessageSchema(
-        {"learner_id": str, "acked_seq": int, "policy_version": int, "mode": str,
-         "next_episode": int}
+        {"learner_id": str, "acked_seq": int, "received_seq": int, "policy_version": int,
+         "mode": str, "next_episode": int}
     ),
     "act_reply": MessageSchema({"req_id": int, "policy_version": int}, ("actions",)),
-    "ack": MessageSchema({"acked_seq": int, "policy_version": int}),
+    "ack": MessageSchema({"acked_seq": int, "received_seq": int, "policy_version": int}),
     "pong": MessageSchema({"t": float, "policy_version": int}),
     "weights": MessageSchema({"policy_version": int}),
     "error": MessageSchema({"code": str, "message": str}),

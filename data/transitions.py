@@ -16,6 +16,9 @@ from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, STEP_ARRAYS, TASK
 from envs.spec import EnvSpec
 
 
+_DTYPES = {dt: np.dtype(dt) for dt in ("float32", "uint8", *STEP_ARRAYS.values())}
+
+
 class TransitionError(ValueError):
     """A transition batch that does not match the schema or the env spec."""
 
@@ -86,9 +89,9 @@ class TransitionBatch:
             if k not in a:
                 raise TransitionError(f"missing array {k!r}")
             arr = a[k]
-            if arr.dtype.name != dt:
+            if arr.dtype != _DTYPES[dt]:
                 raise TransitionError(f"{k}: dtype {arr.dtype.name}, expected {dt}")
-            if arr.shape[0] != n or tuple(arr.shape[1:]) != shape:
+            if arr.shape != (n, *shape):
                 raise TransitionError(f"{k}: shape {tuple(arr.shape)}, expected {(n, *shape)}")
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise TransitionError(f"{k}: contains NaN or Inf")

@@ -39,6 +39,7 @@ from learner.security import configure_server_socket
 log = logging.getLogger("tandem.learner.service")
 
 OUTBOX_ADDR = "inproc://tandem-outbox"
+_DTYPES = {"float32": np.dtype("float32"), "uint8": np.dtype("uint8")}
 
 
 @dataclass
@@ -239,6 +240,7 @@ class LearnerService(threading.Thread):
         log.info("actor %s connected (acked seq %d)", actor_id, acked)
         self._send(identity, encode("welcome", {
             "learner_id": self.learner_id, "acked_seq": acked,
+            "received_seq": max(acked, self.ingest.received.get(actor_id, -1)),
             "policy_version": self.get_version(), "mode": self.mode,
             "next_episode": next_episode,
         }))
@@ -272,8 +274,7 @@ class LearnerService(threading.Thread):
             # stream goes on; nothing stored before changes.
             self.ingest.count_rejection(str(exc))
             self._error(identity, "bad_transitions", f"seq {batch.first_seq}..{batch.last_seq}: {exc}")
-            acked = self.ingest.skip(batch)
-            self._send(identity, encode("ack", {"acked_seq": acked, "policy_version": self.get_version()}))
+            self._ack(identity, peer.actor_id, self.ingest.skip(batch))
             return
         try:
             acked, dup = self.ingest.add(batch)
@@ -282,7 +283,15 @@ class LearnerService(threading.Thread):
             return
         self.counters["duplicates"] += dup
         self.counters["transitions"] += len(batch) - dup
-        self._send(identity, encode("ack", {"acked_seq": acked, "policy_version": self.get_version()}))
+        self._ack(identity, peer.actor_id, acked)
+
+    def ack_frames(self, actor_id: str, acked: int) -> list:
+        received = max(acked, self.ingest.received.get(actor_id, -1))
+        return encode("ack", {"acked_seq": acked, "received_seq": received,
+                              "policy_version": self.get_version()})
+
+    def _ack(self, identity: bytes, actor_id: str, acked: int) -> None:
+        self._send(identity, self.ack_frames(actor_id, acked))
 
     def _on_ping(self, identity: bytes, peer: Peer, msg) -> None:
         if self.finished:
@@ -320,7 +329,7 @@ def check_obs(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec) -> str 
             n_img = len(spec.cameras)
             return f"missing {k!r} (this env has {n_img} camera(s): {sorted(spec.cameras)})"
         a = arrays[k]
-        if a.dtype.name != dt or tuple(a.shape) != (b, *shape):
+        if a.dtype != _DTYPES[dt] or a.shape != (b, *shape):
             return f"{k}: got {a.dtype.name}{tuple(a.shape)}, expected {dt}{(b, *shape)}"
         if a.dtype.kind == "f" and not np.isfinite(a).all():
             return f"{k}: contains NaN or Inf"
