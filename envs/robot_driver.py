@@ -1,0 +1,351 @@
+"""Reference robot driver: serves any registered env over the driver protocol.
+
+    python -m envs.robot_driver --env gym_hil --set task=PandaPickCube image_size=128 \\
+        --bind tcp://127.0.0.1:5590
+
+    python -m envs.robot_driver --env-config config/env/libero_spatial.yaml --port 5590
+
+Then an actor with ``env=robot`` (``host``/``port`` of this driver) drives it exactly as it
+would a real arm. A driver for real hardware implements the same messages (see
+:mod:`envs.robot`); subclass :class:`RobotDriverServer` and give it an env whose
+``step``/``reset`` move the arm and whose ``unwrapped.stop()`` (if present) halts it.
+
+The driver runs the *raw* env (no time limit: episode length is the actor's business, the
+driver reports the env's ``default_max_episode_steps``). It binds loopback by default;
+another interface needs CURVE keys (``--curve-secret``: this driver's key file,
+``--curve-clients``: a folder of allowed client public keys, both ``zmq.auth``
+certificates) or ``--insecure``.
+
+This module opens sockets: it is a process entry point, not something envs import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import zmq
+
+from data.codec import CodecError, decode, encode
+from envs.robot import (
+    DEFAULT_PORT, DRIVER_PROTOCOL_VERSION, DRIVER_SCHEMAS, MAX_DRIVER_MESSAGE_BYTES, is_loopback,
+    jsonable, obs_to_arrays, spec_from_env,
+)
+
+log = logging.getLogger("tandem.robot_driver")
+
+
+class RobotDriverServer:
+    """Serve one env to one controlling client at a time (see :mod:`envs.robot`)."""
+
+    def __init__(self, env: gym.Env, bind: str = f"tcp://127.0.0.1:{DEFAULT_PORT}", *,
+                 heartbeat_timeout: float = 1.0, insecure: bool = False,
+                 curve_secret: str | None = None, curve_clients: str | None = None,
+                 ctx: zmq.Context | None = None):
+        if not is_loopback(bind) and not curve_secret and not insecure:
+            raise ValueError(f"refusing to bind {bind} without CURVE keys; pass curve_secret "
+                             "(and curve_clients) or insecure=True")
+        self.env = env
+        self.bind = bind
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.driver_id = f"driver-{uuid.uuid4().hex[:8]}"
+        self.spec = spec_from_env(env)
+        self._spec_json = json.dumps(self.spec)
+        self._ctx = ctx or zmq.Context.instance()
+        self._auth = None
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_DRIVER_MESSAGE_BYTES)
+        if curve_secret:
+            from zmq import auth as zauth
+            from zmq.auth.thread import ThreadAuthenticator
+
+            pub, sec = zauth.load_certificate(curve_secret)
+            if sec is None:
+                raise ValueError(f"{curve_secret} holds no secret key")
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=curve_clients or zauth.CURVE_ALLOW_ANY)
+            self._sock.curve_secretkey, self._sock.curve_publickey = sec, pub
+            self._sock.curve_server = True
+        if bind.endswith(":0"):
+            port = self._sock.bind_to_random_port(bind[: bind.rindex(":")])
+            self.bind = f"{bind[: bind.rindex(':')]}:{port}"
+        else:
+            self._sock.bind(bind)
+        self.endpoint = self.bind
+        # session state
+        self.controller: str | None = None
+        self.last_seen = 0.0
+        self.stopped = True          # nothing may move until a reset
+        self.stop_reason = "not reset yet"
+        self.episode_over = True
+        self._last_seq = 0
+        self._last_reply: list[Any] | None = None
+        self._last_obs: dict[str, Any] | None = None
+        self._halt = threading.Event()
+        self.stats = {"acts": 0, "resets": 0, "heartbeat_stops": 0, "errors": 0}
+
+    # -- helpers
+
+    def _reply(self, ident, msg_type: str, fields: dict, arrays: dict | None = None) -> list[Any]:
+        frames = encode(msg_type, fields, arrays, schemas=DRIVER_SCHEMAS)
+        self._sock.send_multipart([ident, *frames], copy=False)
+        return frames
+
+    def _error(self, ident, req: int, code: str, message: str) -> None:
+        self.stats["errors"] += 1
+        self._reply(ident, "error", {"req": req, "code": code, "message": message})
+
+    def _obs_reply(self, ident, req: int, obs, reward=0.0, terminated=False, truncated=False,
+                   info=None) -> list[Any]:
+        arrays, task = obs_to_arrays(obs)
+        return self._reply(ident, "obs", {
+            "req": req, "seq": self._last_seq, "reward": float(reward), "terminated": bool(terminated),
+            "truncated": bool(truncated), "stopped": bool(self.stopped),
+            "info": json.dumps(jsonable(info or {})), "task": task,
+        }, arrays)
+
+    def stop_robot(self, reason: str) -> None:
+        """Halt the robot: the env's ``stop()`` if it has one; no more motion until reset."""
+        if not self.stopped:
+            log.warning("stopping the robot: %s", reason)
+            stop = getattr(self.env.unwrapped, "stop", None)
+            if callable(stop):
+                try:
+                    stop()
+                except Exception:  # a failing stop must not kill the driver
+                    log.exception("env.stop() failed")
+        self.stopped = True
+        self.stop_reason = reason
+
+    def _check_heartbeat(self) -> None:
+        if self.controller is not None and time.monotonic() - self.last_seen > self.heartbeat_timeout:
+            log.warning("heartbeat from %s lost (%.2f s)", self.controller, time.monotonic() - self.last_seen)
+            if not self.stopped:
+                self.stats["heartbeat_stops"] += 1
+            self.stop_robot(f"heartbeat from {self.controller} lost")
+            self.controller = None
+
+    # -- message handling
+
+    def handle(self, ident, frames) -> None:
+        try:
+            msg = decode(frames, schemas=DRIVER_SCHEMAS, max_bytes=MAX_DRIVER_MESSAGE_BYTES)
+        except CodecError as exc:
+            self._error(ident, 0, "bad_message", str(exc))
+            return
+        req = msg.get("req", 0) if isinstance(msg.get("req"), int) else 0
+        client = msg.get("client_id")
+        if msg.type in ("spec", "obs", "heartbeat_ack", "stopped", "error"):
+            self._error(ident, req, "bad_message", f"{msg.type!r} is a driver-to-client message")
+            return
+        now = time.monotonic()
+        if msg.type in ("describe", "hello") and msg["driver_protocol"] != DRIVER_PROTOCOL_VERSION:
+            self._error(ident, req, "protocol", f"driver speaks {DRIVER_PROTOCOL_VERSION}, "
+                                                f"client {msg['driver_protocol']}")
+            return
+        if msg.type == "describe":
+            self._send_spec(ident, req)
+            return
+        if msg.type == "hello":
+            if self.controller not in (None, client):
+                self._error(ident, req, "busy", f"robot is controlled by {self.controller}")
+                return
+            if self.controller != client:
+                self._last_seq, self._last_reply = 0, None
+            self.controller, self.last_seen = client, now
+            self._send_spec(ident, req)
+            return
+        if client != self.controller:
+            if msg.type == "heartbeat":  # a stale client: tell it it is stopped
+                self._reply(ident, "heartbeat_ack", {"req": req, "t": msg["t"], "stopped": True})
+            else:
+                self._error(ident, req, "not_controller",
+                            "send hello first" if self.controller is None
+                            else f"robot is controlled by {self.controller}")
+            return
+        self.last_seen = now
+        if msg.type == "heartbeat":
+            self._reply(ident, "heartbeat_ack", {"req": req, "t": msg["t"], "stopped": self.stopped})
+        elif msg.type == "reset":
+            seed = None if msg["seed"] < 0 else msg["seed"]
+            try:
+                options = json.loads(msg["options"] or "{}")
+                obs, info = self.env.reset(seed=seed, options=options or None)
+            except Exception as exc:
+                log.exception("reset failed")
+                self.stop_robot(f"reset failed: {exc}")
+                self._error(ident, req, "reset_failed", f"{type(exc).__name__}: {exc}")
+                return
+            self.stats["resets"] += 1
+            self.stopped, self.stop_reason, self.episode_over = False, "", False
+            self._last_seq, self._last_reply = 0, None
+            self._last_obs = obs
+            self._obs_reply(ident, req, obs, info=info)
+        elif msg.type == "act":
+            seq = msg["seq"]
+            if seq == self._last_seq and self._last_reply is not None:
+                # a retry of the action we already executed: same answer, no motion
+                self._resend_with_req(ident, self._last_reply, req)
+                return
+            if self.stopped:
+                self._error(ident, req, "stopped", f"robot is stopped ({self.stop_reason}); reset first")
+                return
+            if self.episode_over:
+                self._error(ident, req, "episode_over", "the episode ended; reset first")
+                return
+            if seq != self._last_seq + 1:
+                self._error(ident, req, "bad_seq", f"expected act seq {self._last_seq + 1}, got {seq}")
+                return
+            action = np.asarray(msg.arrays["action"], dtype=np.float32)
+            space = self.env.action_space
+            if action.shape != space.shape or not np.all(np.isfinite(action)):
+                self._error(ident, req, "bad_action", f"action must be finite {space.shape}, got {action.shape}")
+                return
+            action = np.clip(action, space.low, space.high)
+            try:
+                obs, reward, terminated, truncated, info = self.env.step(action)
+            except Exception as exc:
+                log.exception("step failed")
+                self.stop_robot(f"step failed: {exc}")
+                self._error(ident, req, "step_failed", f"{type(exc).__name__}: {exc}")
+                return
+            self.stats["acts"] += 1
+            self._last_seq = seq
+            self._last_obs = obs
+            self.episode_over = bool(terminated or truncated)
+            frames = self._obs_reply(ident, req, obs, reward, terminated, truncated, info)
+            self._last_reply = [bytes(memoryview(getattr(f, "buffer", f))) for f in frames]
+        elif msg.type == "observe":
+            if self._last_obs is None:
+                self._error(ident, req, "no_obs", "reset first")
+                return
+            obs = self._last_obs
+            read = getattr(self.env.unwrapped, "observe", None)
+            if callable(read) and not self.stopped:
+                try:
+                    obs = read()
+                except Exception:  # fall back to the last observation
+                    log.exception("observe failed")
+            self._obs_reply(ident, req, obs)
+        elif msg.type == "stop":
+            self.stop_robot(f"client: {msg['reason']}")
+            self._reply(ident, "stopped", {"req": req, "reason": self.stop_reason})
+        elif msg.type == "bye":
+            self.stop_robot("client said bye")
+            self.controller = None
+            self._reply(ident, "stopped", {"req": req, "reason": self.stop_reason})
+
+    def _send_spec(self, ident, req: int) -> None:
+        low = np.asarray(self.env.action_space.low, np.float32)
+        high = np.asarray(self.env.action_space.high, np.float32)
+        self._reply(ident, "spec", {"req": req, "driver_id": self.driver_id, "spec": self._spec_json,
+                                    "driver_protocol": DRIVER_PROTOCOL_VERSION},
+                    {"action_low": low, "action_high": high})
+
+    def _resend_with_req(self, ident, frames: list[Any], req: int) -> None:
+        import msgpack
+
+        header = msgpack.unpackb(bytes(memoryview(frames[0])), raw=False)
+        header["req"] = req
+        self._sock.send_multipart([ident, msgpack.packb(header, use_bin_type=True), *frames[1:]], copy=False)
+
+    # -- loop
+
+    def serve(self, *, poll_ms: int = 50, until: float | None = None) -> None:
+        """Serve until :meth:`shutdown` (or ``until`` seconds)."""
+        end = None if until is None else time.monotonic() + until
+        log.info("robot driver %s serving %s on %s", self.driver_id, self.spec.get("name"), self.endpoint)
+        while not self._halt.is_set() and (end is None or time.monotonic() < end):
+            if self._sock.poll(poll_ms):
+                # drain everything queued (e.g. heartbeats that arrived during a slow step)
+                # before judging the heartbeat
+                while self._sock.poll(0):
+                    parts = self._sock.recv_multipart(copy=False)
+                    if len(parts) < 2:
+                        continue
+                    self.handle(parts[0], parts[1:])
+            self._check_heartbeat()
+
+    def shutdown(self) -> None:
+        self._halt.set()
+
+    def close(self) -> None:
+        self.stop_robot("driver shutting down")
+        self._sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.env.close()
+
+
+def serve_in_thread(env: gym.Env, bind: str = "tcp://127.0.0.1:0", **kw) -> tuple[RobotDriverServer, threading.Thread]:
+    """Start a driver on a background thread (tests, demos). Returns (server, thread);
+    ``server.endpoint`` is the bound address; call ``server.shutdown()`` then join."""
+    server = RobotDriverServer(env, bind, **kw)
+    t = threading.Thread(target=server.serve, name="robot-driver", daemon=True)
+    t.start()
+    return server, t
+
+
+def _parse_value(v: str) -> Any:
+    try:
+        return json.loads(v)
+    except ValueError:
+        return v
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m envs.robot_driver", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--env", help="a registered env name (e.g. gym_hil, libero_spatial)")
+    ap.add_argument("--env-config", help="an env config YAML (config/env/*.yaml)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="env config overrides")
+    ap.add_argument("--bind", default=None, help=f"endpoint (default tcp://127.0.0.1:{DEFAULT_PORT})")
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    ap.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE")
+    ap.add_argument("--curve-secret", help="this driver's zmq.auth secret key file")
+    ap.add_argument("--curve-clients", help="folder of allowed client public key files")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    cfg: dict[str, Any] = {}
+    if args.env_config:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(OmegaConf.load(args.env_config), resolve=True)
+    if args.env:
+        cfg["name"] = args.env
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        cfg[k] = _parse_value(v)
+    if not cfg.get("name"):
+        ap.error("give --env or --env-config")
+    if cfg["name"] == "robot":
+        ap.error("the driver serves a simulator or hardware env, not another robot client")
+    from envs.registry import make_raw_env
+
+    env = make_raw_env(cfg)
+    bind = args.bind or f"tcp://127.0.0.1:{args.port or DEFAULT_PORT}"
+    server = RobotDriverServer(env, bind, heartbeat_timeout=args.heartbeat_timeout, insecure=args.insecure,
+                               curve_secret=args.curve_secret, curve_clients=args.curve_clients)
+    signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
+    signal.signal(signal.SIGINT, lambda *_: server.shutdown())
+    print(f"robot driver ready on {server.endpoint}", flush=True)
+    try:
+        server.serve()
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()
