@@ -30,11 +30,40 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"spool.batch_size must be >= 1, got {cfg.spool.batch_size}")
 
 
+def make_intervention(icfg):
+    """The configured human-intervention source (started), or None."""
+    device = icfg.device
+    if device in (None, "none"):
+        return None
+    from envs.intervention import ScriptedIntervention, make_source
+
+    if device == "scripted":
+        if not icfg.takeover_steps or not icfg.action:
+            raise ValueError("intervention.device=scripted needs intervention.takeover_steps and "
+                             "intervention.action")
+        src = ScriptedIntervention(takeover=list(icfg.takeover_steps),
+                                   action=np.asarray(list(icfg.action), np.float32), env_space=True)
+        src.start()
+        return src
+    return make_source(device)
+
+
+def _quit_requested(env) -> bool:
+    while env is not None:
+        if getattr(env, "quit_requested", False):
+            return True
+        env = getattr(env, "env", None)
+    return False
+
+
 class Actor:
     def __init__(self, cfg: DictConfig):
         validate(cfg)
         self.cfg = cfg
-        self.env = make_env(cfg.env)
+        self.intervention = make_intervention(cfg.intervention)
+        self.env = make_env(cfg.env, intervention=self.intervention,
+                            intervention_kwargs={"action_map": None if cfg.intervention.action_map is None
+                                                else list(cfg.intervention.action_map)})
         self.spec = EnvSpec.from_env(self.env)
         chunk = int(cfg.policy.get("chunk_size", 1))
         if cfg.chunk.execute > chunk:
@@ -85,7 +114,8 @@ class Actor:
             self.client.connect()
             if self.local is not None:
                 self.local.fetch(self.client)
-            loop.run(max_episodes=int(cfg.max_episodes), stop=lambda: self._stopping)
+            loop.run(max_episodes=int(cfg.max_episodes),
+                     stop=lambda: self._stopping or _quit_requested(self.env))
             self._drain()
         except LearnerFinished as exc:
             log.info("learner finished: %s", exc)
@@ -116,4 +146,6 @@ class Actor:
         if self.local is not None:
             self.local.close()
         self.env.close()
+        if self.intervention is not None:
+            self.intervention.close()
         self.ctx.destroy(linger=0)
