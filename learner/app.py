@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from agents import registry
-from data.replay import ReplayBuffer
+from data.sampler import build_replay
 from envs.registry import make_env
 from envs.spec import EnvSpec, config_hash
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -85,10 +85,14 @@ class Learner:
         policy = registry.build_policy(cfg.policy, self.spec)
         self.agent = registry.build_agent(cfg.algo, policy, self.spec, self.accelerator)
         serving = registry.build_policy(cfg.policy, self.spec).to(self.device).eval()
-        self.buffer = ReplayBuffer(cfg.buffer.capacity, self.spec, seed=cfg.seed, device=str(self.device))
-        self.ingest = Ingest(self.buffer, store_transitions=cfg.mode == "train",
+        # buffer + LeRobot episode store (recovered, refilled from disk) + demo mix: data/sampler.py
+        self.replay = build_replay(cfg.buffer, self.spec, run_dir=self.run_dir, seed=cfg.seed,
+                                   device=str(self.device), train=cfg.mode == "train")
+        self.buffer = self.replay.buffer
+        self.ingest = Ingest(self.buffer, store=self.replay.store, store_transitions=cfg.mode == "train",
                              stats_window=int(cfg.eval.episodes if cfg.mode == "eval"
-                                              else cfg.logging.stats_window))
+                                              else cfg.logging.stats_window),
+                             on_ack=lambda actor, seq: self._push_ack(actor, seq))
         self.ctx = zmq.Context()
         t = cfg.transport
         self.service = LearnerService(
@@ -104,7 +108,7 @@ class Learner:
             batch_window_ms=cfg.inference.batch_window_ms,
         )
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
-        self.trainer = Trainer(self.agent, self.buffer, self.ingest, cfg.trainer)
+        self.trainer = Trainer(self.agent, self.replay.sampler, self.ingest, cfg.trainer)
         self._restore()
         self.metrics = MetricsLogger(
             run_dir=self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
@@ -173,10 +177,17 @@ class Learner:
                 signal.signal(signal.SIGTERM, prev)
         return result
 
+    def _push_ack(self, actor_id: str, seq: int) -> None:
+        """Records became durable (episode store commit): tell the actor now."""
+        for ident, peer in list(self.service.peers.items()):
+            if peer.actor_id == actor_id:
+                self.service.reply(ident, self.service.ack_frames(actor_id, seq))
+
     def close(self) -> None:
+        self.replay.close()  # writes queued episodes first, while the service can still ack
         self.inference.stop()
+        self.inference.join(timeout=5)  # before the service closes the threads' outbox sockets
         self.service.stop()
-        self.inference.join(timeout=5)
         self.service.join(timeout=5)
         self.metrics.close()
         self.ctx.destroy(linger=0)
@@ -199,7 +210,8 @@ class Learner:
         st = self._status()
         st.update(learner_id=self.service.learner_id, port=self.service.port,
                   pub_port=self.service.pub_port, received=dict(self.ingest.received),
-                  stored=self.buffer.total_added, rejections=dict(self.ingest.rejections))
+                  stored=self.buffer.total_added, rejections=dict(self.ingest.rejections),
+                  dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.replay.status())
         tmp = self.run_dir / ".status.json.tmp"
         tmp.write_text(json.dumps(st, indent=1))
         tmp.replace(self.run_dir / "status.json")

@@ -1,0 +1,202 @@
+"""The LeRobot-backed episode store: lerobot reads what Tandem writes, resume refills the
+buffer (video decoded once), any LeRobot dataset loads as demos, and the rerun viewer tool."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data.episode_store import Episode, EpisodeStore, StoreError
+from data.replay import ReplayBuffer
+from data.sampler import MixedSampler, build_replay
+from envs.spec import EnvSpec
+from test_buffer_helpers import SPEC, check_successor, episode_batch, pixel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_episodes(root, n, *, video, length=6, first_ep=0, spec=SPEC, actor="a0"):
+    store = EpisodeStore(root, spec, video=video, fps=10)
+    seq = 0
+    eps = []
+    for e in range(first_ep, first_ep + n):
+        b = episode_batch(actor, seq, e, length, spec=spec, success=e % 2 == 0,
+                          terminated=e % 3 == 0, intervened_steps=(1,), policy_version=e,
+                          task=f"task {e % 2}")
+        eps.append(Episode.from_batch(b))
+        seq += len(b)
+    store.write(eps[:1])
+    store.write(eps[1:])  # one commit with several episodes
+    return store
+
+
+@pytest.mark.parametrize("video", [False, True], ids=["images", "video"])
+def test_lerobot_loads_what_tandem_writes(tmp_path, video):
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    root = tmp_path / "dataset"
+    store = write_episodes(root, 4, video=video)
+    assert store.total_episodes == 4 and store.total_frames == 28
+    ds = LeRobotDataset("tandem/replay", root=root, video_backend="pyav")
+    assert ds.meta.total_episodes == 4 and len(ds) == 28 and ds.fps == 10
+    feats = ds.meta.features
+    for k in ("observation.state", "observation.images.front", "observation.images.wrist", "action",
+              "next.reward", "next.terminated", "next.truncated", "next.success", "intervened",
+              "is_last", "policy_version", "actor_id", "actor_episode", "actor_seq"):
+        assert k in feats, k
+    assert feats["observation.images.front"]["dtype"] == ("video" if video else "image")
+    item = ds[7 + 3]  # episode 1, step 3
+    assert int(item["episode_index"]) == 1 and int(item["frame_index"]) == 3
+    assert item["actor_id"] == "a0" and item["task"] == "task 1"
+    assert int(item["policy_version"]) == 1 and int(item["actor_seq"]) == 10
+    assert float(item["observation.state"][0]) == 1003.0
+    img = (item["observation.images.front"] * 255).round()  # lerobot: float CHW in [0, 1]
+    assert abs(float(img[0, 16, 16]) - pixel(1, 3)) <= (12 if video else 0)
+    # terminated and truncated apart: episode 0 terminates, episode 1 is truncated
+    term = [bool(ds[i]["next.terminated"]) for i in range(14)]
+    trunc = [bool(ds[i]["next.truncated"]) for i in range(14)]
+    assert term == [False] * 5 + [True] + [False] * 8
+    assert trunc == [False] * 12 + [True] + [False]
+
+
+def test_resume_refills_newest_episodes_up_to_capacity_decoding_video_once(tmp_path):
+    root = tmp_path / "dataset"
+    write_episodes(root, 5, video=True)
+    rb = ReplayBuffer(22, SPEC)  # room for the 3 newest episodes of 7 records
+    store = EpisodeStore(root, SPEC, video=True, fps=10)
+    assert store.load_into(rb) == 21
+    assert rb.restored == 21 and rb.total_added == 0 and len(rb) == 18
+    shutil.rmtree(root)  # sampling never reads the disk again
+    s = rb.sample(300)
+    assert set(s["episode"].tolist()) == {2, 3, 4}
+    st = s["observation.state"][:, 0].numpy()
+    assert (s["next.observation.state"][:, 0].numpy() == st + 1).all()
+    ep, step = s["episode"].numpy(), s["step"].numpy()
+    want = (7 * step + 13 * ep) % 256
+    assert np.abs(s["observation.images.front"][:, 0, 0, 0].numpy().astype(int) - want).max() <= 12
+    # the success view works on refilled episodes too (episodes 2 and 4 succeeded)
+    from data.sampler import SuccessView
+
+    assert set(SuccessView(rb, include_interventions=False).sample(50)["episode"].tolist()) == {2, 4}
+
+
+def test_build_replay_recovers_refills_and_writes(tmp_path):
+    write_episodes(tmp_path / "run" / "dataset", 2, video=False)
+    cfg = {"capacity": 100, "persist": True, "video": False, "refill": True, "image_codec": "raw"}
+    rep = build_replay(cfg, SPEC, run_dir=tmp_path / "run")
+    try:
+        assert len(rep.buffer) == 12 and rep.status()["dataset_episodes"] == 2
+        assert rep.sampler is rep.buffer
+        rep.store.submit(Episode.from_batch(episode_batch("a1", 0, 0, 3)))
+        assert rep.store.flush(60) and rep.status()["dataset_episodes"] == 3
+    finally:
+        rep.close()
+    assert build_replay(cfg, SPEC, run_dir=tmp_path / "run", train=False).store is None
+
+
+def test_another_spec_or_a_foreign_dataset_is_a_clear_error(tmp_path):
+    root = tmp_path / "dataset"
+    write_episodes(root, 1, video=False)
+    other = EnvSpec(state_dim=4, action_dim=2, cameras=dict(SPEC.cameras))
+    with pytest.raises(StoreError, match="another env spec"):
+        EpisodeStore(root, other, video=False)
+    with pytest.raises(StoreError, match="another env spec"):
+        EpisodeStore(root, SPEC, video=True)
+    shutil.rmtree(root / ".tandem")
+    with pytest.raises(StoreError, match="did not write"):
+        EpisodeStore(root, SPEC, video=False)
+
+
+def plain_lerobot_dataset(root: Path, n_eps: int, length: int):
+    """A dataset recorded with lerobot alone (gym_manipulator-like columns)."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    feats = {"observation.state": {"dtype": "float32", "shape": (3,), "names": None},
+             "observation.images.front": {"dtype": "video", "shape": (32, 32, 3),
+                                          "names": ["height", "width", "channels"]},
+             "observation.images.wrist": {"dtype": "image", "shape": (32, 32, 3),
+                                          "names": ["height", "width", "channels"]},
+             "action": {"dtype": "float32", "shape": (2,), "names": None},
+             "next.reward": {"dtype": "float32", "shape": (1,), "names": None},
+             "next.done": {"dtype": "bool", "shape": (1,), "names": None}}
+    ds = LeRobotDataset.create("someone/demos", fps=10, features=feats, root=root,
+                               video_backend="pyav")
+    for e in range(n_eps):
+        for t in range(length):
+            ds.add_frame({"observation.state": np.array([1000 * e + t, t, -t], np.float32),
+                          "observation.images.front": np.full((32, 32, 3), pixel(e, t), np.uint8),
+                          "observation.images.wrist": np.full((32, 32, 3), pixel(e, t), np.uint8),
+                          "action": np.array([t, -t], np.float32),
+                          "next.reward": np.array([float(t == length - 1)], np.float32),
+                          "next.done": np.array([t == length - 1]), "task": "stack"})
+        ds.save_episode(parallel_encoding=False)
+    ds.finalize()
+
+
+def test_any_lerobot_dataset_loads_as_demos_and_mixes_50_50(tmp_path):
+    from data.demos import load_demos
+
+    plain_lerobot_dataset(tmp_path / "demos", 3, 8)
+    demo = load_demos(tmp_path / "demos", SPEC)
+    assert len(demo) == 3 * 8  # every frame a transition; the last one onto itself, terminated
+    s = demo.sample(400)
+    step = s["step"].numpy()
+    assert (s["terminated"].numpy() == (step == 7)).all() and not s["truncated"].any()
+    assert (s["reward"].numpy() == (step == 7)).all()
+    assert (s["policy_version"] == -1).all() and set(s["task"]) == {"stack"}
+    last = step == 7
+    assert torch.equal(s["next.observation.state"][last], s["observation.state"][last])
+    inner = ~last
+    assert (s["next.observation.state"][inner, 0] == s["observation.state"][inner, 0] + 1).all()
+    assert np.abs(s["observation.images.front"][:, 0, 0, 0].numpy().astype(int)
+                  - (7 * step + 13 * s["episode"].numpy()) % 256).max() <= 12
+    online = ReplayBuffer(100, SPEC)
+    online.add(episode_batch("a0", 0, 50, 10))
+    mix = MixedSampler(online, demo)
+    b = mix.sample(256)
+    assert int(b["is_demo"].sum()) == 128
+    check_successor({k: (v[~b["is_demo"]] if isinstance(v, torch.Tensor) else v)
+                     for k, v in b.items() if k != "task"})
+    # Tandem's own datasets load as demos exactly, final observations included
+    write_episodes(tmp_path / "own", 2, video=False)
+    own = load_demos(tmp_path / "own", SPEC)
+    assert len(own) == 12
+    check_successor(own.sample(100))
+
+
+def test_view_episode_saves_an_rrd_headless(tmp_path):
+    root = tmp_path / "dataset"
+    write_episodes(root, 2, video=True)
+    out = tmp_path / "ep.rrd"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "view_episode.py"), str(root),
+                        "--episode", "-1", "--save", str(out)], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "episode 1: 7 frames" in r.stdout and out.stat().st_size > 0
+    rerun = Path(sys.executable).with_name("rerun")
+    if rerun.exists():
+        p = subprocess.run([str(rerun), "rrd", "print", str(out)], capture_output=True, text=True,
+                           timeout=120, env={**env, "RERUN_ANALYTICS": "0"})
+        for entity in ("/cameras/front", "/cameras/wrist", "/action/0", "/action/1", "/reward",
+                       "/flags/intervened", "/flags/terminated", "/flags/truncated"):
+            assert entity in p.stdout, entity
+
+
+@pytest.mark.slow
+def test_bench_buffer_json(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_buffer.py"), "--json",
+                        "--episodes", "3", "--episode-len", "20", "--sample-iters", "2",
+                        "--write-episodes", "1"], capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for k in ("memory_ratio", "sample_ratio", "add_ratio"):
+        assert res[k] > 0
+    assert res["memory_ratio"] < 0.14  # uint8 and no next-observation copy: ~1/8 or less
+    assert res["tandem"]["write_episodes_per_s"] > 0
