@@ -116,7 +116,7 @@ class Actor:
                 self.local.fetch(self.client)
             loop.run(max_episodes=int(cfg.max_episodes),
                      stop=lambda: self._stopping or _quit_requested(self.env))
-            self._drain()
+            self._drain(float(cfg.drain_s))
         except LearnerFinished as exc:
             log.info("learner finished: %s", exc)
         except KeyboardInterrupt:

@@ -252,3 +252,14 @@ def _reacher_factory(cfg: dict) -> gym.Env:
 
 
 register("reacher", _reacher_factory)
+
+
+def _pendulum_factory(cfg: dict) -> gym.Env:
+    # The demo task: gymnasium's MuJoCo InvertedPendulum in the Tandem layout (envs/reacher.py).
+    from envs.reacher import make_inverted_pendulum_env
+
+    return make_inverted_pendulum_env(max_episode_steps=int(cfg.get("max_episode_steps") or 100),
+                                      success_steps=cfg.get("success_steps"))
+
+
+register("inverted_pendulum", _pendulum_factory)

@@ -18,16 +18,19 @@ done
 pids=()
 cleanup() {
   trap - INT TERM EXIT
-  for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null; done
+  # TERM, not INT: background jobs of a script start with SIGINT ignored
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
+  sleep 0.2  # let the output filters drain
 }
 trap cleanup INT TERM EXIT
-"$ROOT/launch/run_learner.sh" "${COMMON[@]}" "${LEARNER[@]}" 2>&1 | sed -u 's/^/[learner] /' &
-pids+=($!)
+# process substitution (not a pipe) so that $! is the Python process, not sed
+"$ROOT/launch/run_learner.sh" "${COMMON[@]}" "${LEARNER[@]}" > >(sed -u 's/^/[learner] /') 2>&1 &
 learner_pid=$!
+pids+=($learner_pid)
 for i in $(seq 0 $((N - 1))); do
-  "$ROOT/launch/run_actor.sh" actor_id="actor-$i" seed=$((i * 1000)) "${COMMON[@]}" "${ACTOR[@]}" 2>&1 \
-    | sed -u "s/^/[actor-$i] /" &
+  "$ROOT/launch/run_actor.sh" actor_id="actor-$i" seed=$((i * 1000)) "${COMMON[@]}" "${ACTOR[@]}" \
+    > >(sed -u "s/^/[actor-$i] /") 2>&1 &
   pids+=($!)
 done
 # The learner ends the run (stop_at_success / max_updates / eval done); then stop the actors.

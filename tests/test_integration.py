@@ -25,7 +25,8 @@ class Run:
         self.procs: list[subprocess.Popen] = []
 
     def common(self):
-        return [f"run_dir={self.dir}", f"transport.port={self.port}", f"transport.pub_port={self.pub}",
+        return ["env=reacher", f"run_dir={self.dir}", f"transport.port={self.port}",
+                f"transport.pub_port={self.pub}",
                 "transport.timeout_s=1.0", "transport.heartbeat_s=0.5"]
 
     def learner(self, *over, log="learner.log"):
