@@ -11,6 +11,11 @@ from agents.base import check_pair
 # name -> (module, class, config dataclass)
 POLICIES: dict[str, tuple[str, str, str]] = {
     "mlp": ("agents.policies.mlp", "MLPPolicy", "MLPPolicyConfig"),
+    "pi0": ("agents.policies.pi0", "Pi0Policy", "Pi0PolicyConfig"),
+    "pi05": ("agents.policies.pi0", "Pi05Policy", "Pi05PolicyConfig"),
+    "openvla_oft": ("agents.policies.openvla_oft", "OpenVLAOFTPolicy", "OpenVLAOFTPolicyConfig"),
+    "openvla_oft_discrete": ("agents.policies.openvla_oft", "OpenVLAOFTDiscretePolicy",
+                             "OpenVLAOFTDiscretePolicyConfig"),
 }
 ALGOS: dict[str, tuple[str, str, str]] = {
     "sac": ("agents.sac", "SACAgent", "SACConfig"),

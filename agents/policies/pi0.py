@@ -1,0 +1,411 @@
+"""PI0 and PI0.5 (Physical Intelligence) as Tandem policies, through lerobot's implementation.
+
+The model is lerobot's own ``PI0Policy`` / ``PI05Policy`` (``lerobot.policies.pi0`` /
+``pi05``, lerobot >= 0.5 on stock transformers); this file adds what Tandem needs around it:
+
+- observation mapping: ``observation.images.<cam>`` uint8 [B, H, W, 3] -> float [B, 3, H, W]
+  in [0, 1] under the checkpoint's image keys (lerobot resizes-with-pad to its resolution),
+  ``observation.state`` [B, S] normalised with the checkpoint's statistics, ``task`` ->
+  tokens from a *local* tokenizer folder (PI0: ``task + "\\n"``; PI0.5: the openpi prompt
+  with the discretised state);
+- ``act(obs) -> ActionChunk`` with actions [B, chunk_size, A] (un-normalised, clipped to
+  [-1, 1]); ``deterministic=True`` integrates the flow from zero noise;
+- ``bc_loss(batch)``: lerobot's flow-matching loss (MSE between the predicted and the true
+  velocity), padded steps masked out;
+- bf16 on a GPU (lerobot's mixed layout: vision tower and norms stay float32);
+- LoRA through peft on the language model and the action expert (rank, alpha and target
+  modules configurable), the small action/time/state projections trained in full, and an
+  adapter-only ``trainable_state_dict`` (what Tandem syncs to actors);
+- loading a local checkpoint in lerobot's format: ``config.json`` + ``model.safetensors``
+  (+ optional ``*normalizer_processor.safetensors`` statistics, + ``tandem_arch.json`` for
+  the reduced sizes of test models, + ``tokenizer/``);
+- serving: in eval mode ``act`` runs with the adapters folded into the base weights
+  (:class:`agents.policies.vla_common.LoRAServing`; the model is kernel-launch bound at small
+  batches and the adapter path nearly doubles PI0's latency); training, ``bc_loss`` and
+  ``trainable_state_dict`` unfold them.
+
+PI0 cannot give a log-probability or a reparameterised sample (it is a flow-matching
+model), so its capabilities are ``{"bc_loss"}``; pairing it with SAC fails at config time.
+
+Sizes: lerobot builds the standard PaliGemma-3B (gemma_2b + SigLIP-So400m) and gemma_300m
+action expert. A :class:`Pi0Arch` with other sizes (tests, smoke benches) builds the same
+classes with smaller widths/depths by substituting lerobot's size table for that build.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agents.base import ActionChunk, Batch
+from agents.policies import vla_common as vc
+from agents.policies.pi0_lerobot import (ARCH_FILE, Pi0Arch, build_lerobot_pi, lerobot_config,  # noqa: F401
+                                         lerobot_pi_module, save_lerobot_checkpoint)
+from data.schema import OBS_STATE
+from envs.spec import EnvSpec
+
+log = logging.getLogger("tandem.policies.pi0")
+
+_HEADS = {"pi0": ("action_in_proj", "action_out_proj", "state_proj", "action_time_mlp_in", "action_time_mlp_out"),
+          "pi05": ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out")}
+_LORA_SCOPES = {
+    "language_model": r"model\.paligemma_with_expert\.paligemma\.model\.language_model",
+    "gemma_expert": r"model\.paligemma_with_expert\.gemma_expert\.model",
+    "vision": r"model\.paligemma_with_expert\.paligemma\.model\.vision_tower",
+}
+
+
+# -- config -----------------------------------------------------------------------------------
+@dataclass
+class Pi0PolicyConfig:
+    """Tandem's PI0 policy (lerobot's PI0 inside). Sequences are tuples (Hydra lists)."""
+
+    #: "pi0" or "pi05"
+    variant: str = "pi0"
+    #: local checkpoint folder in lerobot's format (config.json + model.safetensors); None:
+    #: random weights (drawn from ``seed``) with the env spec's features
+    checkpoint: str | None = None
+    #: local tokenizer folder; None: ``<checkpoint>/tokenizer``
+    tokenizer: str | None = None
+    #: actions per query (must equal the checkpoint's chunk_size)
+    chunk_size: int = 50
+    #: Euler steps of the flow at inference
+    num_inference_steps: int = 10
+    #: prompt tokens (None: lerobot's default, 48 for PI0 and 200 for PI0.5)
+    tokenizer_max_length: int | None = None
+    #: square image resolution the model sees (fresh models; a checkpoint has its own)
+    image_size: int = 224
+    #: reduced sizes (fields of :class:`Pi0Arch`) for a fresh model; a checkpoint's
+    #: ``tandem_arch.json`` wins; None: lerobot's standard sizes
+    arch: dict | None = None
+    #: env camera -> checkpoint image key (None: same names, else sorted order when counts match)
+    camera_map: dict | None = None
+    #: instruction used for rows whose task is empty (None: an empty task is an error)
+    default_task: str | None = None
+    #: "auto" (cuda if available) | "cpu" | "cuda" | "cuda:N"
+    device: str = "auto"
+    #: "auto" (bfloat16 on a GPU, float32 on a CPU) | "bfloat16" | "float32"
+    dtype: str = "auto"
+    #: LoRA rank (0: no adapters, only the heads train)
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    #: Linear layer names that get adapters
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    #: where adapters go: "language_model", "gemma_expert", "vision"
+    lora_scopes: tuple[str, ...] = ("language_model", "gemma_expert")
+    #: modules of lerobot's PI0Pytorch trained in full (those absent in a variant are skipped)
+    trainable_heads: tuple[str, ...] = _HEADS["pi0"] + ("time_mlp_in", "time_mlp_out")
+    #: clip un-normalised actions to [-1, 1] (Tandem's action space)
+    clip_actions: bool = True
+    #: in eval mode, act with the adapters folded into the base weights (no adapter code in
+    #: the forward; keeps a copy of the adapted base weights on the device)
+    fold_lora_for_serving: bool = True
+    gradient_checkpointing: bool = False
+    #: seed of the random initial weights (both learner copies must agree)
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.variant not in ("pi0", "pi05"):
+            raise ValueError(f"variant must be pi0 or pi05, got {self.variant!r}")
+        if self.chunk_size < 1 or self.num_inference_steps < 1 or self.lora_rank < 0:
+            raise ValueError("chunk_size and num_inference_steps must be >= 1, lora_rank >= 0")
+        known = set(_HEADS["pi0"]) | set(_HEADS["pi05"])
+        if set(self.trainable_heads) - known:
+            raise ValueError(f"unknown trainable_heads {sorted(set(self.trainable_heads) - known)}; valid: {sorted(known)}")
+
+
+@dataclass
+class Pi05PolicyConfig(Pi0PolicyConfig):
+    variant: str = "pi05"
+
+
+# -- normalisation ----------------------------------------------------------------------------
+def _load_stats(ckpt: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(ckpt.glob("policy_preprocessor_step_*_normalizer_processor.safetensors")) or \
+        sorted(ckpt.glob("*normalizer_processor.safetensors"))
+    return {k: v.float() for k, v in load_file(str(files[0])).items()} if files else {}
+
+
+class _Normalizer:
+    """lerobot's normaliser maths (processor/normalize_processor.py) for the state and the
+    action, with the statistics cached on the device they are used on."""
+
+    _BOUNDS = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}
+
+    def __init__(self, stats: dict[str, torch.Tensor], modes: dict[str, str]):
+        self.stats, self.modes, self._cache = stats, modes, {}
+
+    def _get(self, key: str, device) -> dict[str, torch.Tensor]:
+        if (key, device) not in self._cache:
+            self._cache[(key, device)] = {k.rsplit(".", 1)[1]: v.to(device) for k, v in self.stats.items()
+                                          if k.rsplit(".", 1)[0] == key}
+        return self._cache[(key, device)]
+
+    def __call__(self, x: torch.Tensor, key: str, inverse: bool = False) -> torch.Tensor:
+        mode = self.modes.get("STATE" if key == OBS_STATE else "ACTION", "IDENTITY")
+        s = self._get(key, x.device)
+        if mode == "IDENTITY" or not s:
+            return x
+        if mode == "MEAN_STD":
+            return x * s["std"] + s["mean"] if inverse else (x - s["mean"]) / (s["std"] + 1e-8)
+        lo, hi = (s[n] for n in self._BOUNDS[mode])
+        den = torch.where(hi == lo, torch.full_like(hi, 1e-8), hi - lo)
+        return (x + 1) * den / 2 + lo if inverse else 2 * (x - lo) / den - 1
+
+
+class _DropRecords(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+# -- policy -----------------------------------------------------------------------------------
+class Pi0Policy(nn.Module):
+    """PI0 / PI0.5 behind :class:`agents.base.Policy` (see the module docstring)."""
+
+    capabilities = frozenset({"bc_loss"})
+
+    def __init__(self, cfg: Pi0PolicyConfig, spec: EnvSpec):
+        super().__init__()
+        cfg.validate()
+        self.cfg, self.spec, self.variant = cfg, spec, cfg.variant
+        self.who = f"policy={'pi05' if cfg.variant == 'pi05' else 'pi0'}"
+        self.chunk_size, self.action_dim = int(cfg.chunk_size), spec.action_dim
+        dev = vc.resolve_device(cfg.device)
+        dtype = vc.resolve_dtype(cfg.dtype, dev)
+        ckpt = Path(cfg.checkpoint) if cfg.checkpoint else None
+        lr_cfg, arch, self.stats = self._config(ckpt, dev, dtype)
+        self.cam_keys = self._camera_keys(lr_cfg)  # spec image key -> lerobot image key
+        self.inner = build_lerobot_pi(cfg.variant, lr_cfg, arch, seed=cfg.seed)
+        if ckpt is not None:
+            self._load_weights(ckpt)
+        self.lr_cfg, self.arch = lr_cfg, arch
+        self.norm = _Normalizer(self.stats, {k: getattr(v, "value", str(v)) for k, v in lr_cfg.normalization_mapping.items()})
+        tok = cfg.tokenizer or (str(ckpt / "tokenizer") if ckpt else None)
+        if tok is None:
+            raise ValueError(f"{self.who}: set policy.tokenizer (a local tokenizer folder) or a checkpoint with tokenizer/")
+        self.tokenizer = vc.load_local_tokenizer(tok, self.who)
+        if len(self.tokenizer) > arch.vocab_size:
+            raise ValueError(f"{self.who}: tokenizer has {len(self.tokenizer)} tokens, model vocabulary {arch.vocab_size}")
+        self.max_len = int(lr_cfg.tokenizer_max_length)
+        self._tok_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if cfg.lora_rank > 0:
+            regex = vc.lora_regex(_LORA_SCOPES, cfg.lora_scopes, cfg.lora_target_modules)
+            vc.add_lora(self.inner, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                        target_regex=regex)
+        heads = [f"model.{h}" for h in cfg.trainable_heads if h in _HEADS[cfg.variant]]
+        vc.set_trainable(self.inner, heads)
+        self.inner.to(dev)
+        self.lora = vc.LoRAServing(self.inner)
+
+    # -- construction helpers -------------------------------------------------------------------
+    def _config(self, ckpt: Path | None, dev: torch.device, dtype: torch.dtype):
+        cfg, spec = self.cfg, self.spec
+        precision = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        if ckpt is None:
+            arch = Pi0Arch.from_dict(cfg.arch)
+            extra = {"tokenizer_max_length": cfg.tokenizer_max_length} if cfg.tokenizer_max_length else {}
+            lr_cfg = lerobot_config(cfg.variant, spec, chunk_size=cfg.chunk_size, n_action_steps=cfg.chunk_size,
+                                    image_resolution=(cfg.image_size, cfg.image_size), device=dev.type,
+                                    dtype=precision, **extra)
+            stats = {}
+        else:
+            if not (ckpt / "config.json").is_file() or not (ckpt / "model.safetensors").is_file():
+                raise vc.CheckpointMismatch(
+                    f"{self.who}: {str(ckpt)!r} is not a lerobot checkpoint folder (needs config.json and "
+                    f"model.safetensors; found {sorted(p.name for p in ckpt.iterdir()) if ckpt.is_dir() else 'no folder'})")
+            kind = json.loads((ckpt / "config.json").read_text()).get("type")
+            if kind != cfg.variant:
+                raise vc.CheckpointMismatch(f"{self.who}: checkpoint {str(ckpt)!r} is of type {kind!r}, "
+                                            f"this policy loads {cfg.variant!r} checkpoints")
+            lerobot_pi_module(cfg.variant)
+            from lerobot.configs import PreTrainedConfig
+
+            lr_cfg = PreTrainedConfig.from_pretrained(str(ckpt))
+            arch_file = ckpt / ARCH_FILE
+            arch = Pi0Arch.from_dict(json.loads(arch_file.read_text())) if arch_file.exists() else Pi0Arch()
+            if lr_cfg.chunk_size != cfg.chunk_size:
+                raise ValueError(f"{self.who}: checkpoint predicts chunks of {lr_cfg.chunk_size} actions; "
+                                 f"set policy.chunk_size={lr_cfg.chunk_size}")
+            a = lr_cfg.output_features["action"].shape[0]
+            if a != spec.action_dim:
+                raise ValueError(f"{self.who}: checkpoint outputs {a}-D actions, the env has {spec.action_dim}")
+            st = lr_cfg.input_features.get(OBS_STATE)
+            if st is not None and st.shape[0] != spec.state_dim:
+                raise ValueError(f"{self.who}: checkpoint expects a {st.shape[0]}-D state, the env has {spec.state_dim}")
+            lr_cfg.device, lr_cfg.dtype = dev.type, precision
+            if cfg.tokenizer_max_length:
+                lr_cfg.tokenizer_max_length = cfg.tokenizer_max_length
+            stats = _load_stats(ckpt)
+        lr_cfg.num_inference_steps = cfg.num_inference_steps
+        lr_cfg.gradient_checkpointing = cfg.gradient_checkpointing
+        return lr_cfg, arch, stats
+
+    def _camera_keys(self, lr_cfg) -> dict[str, str]:
+        model_keys = list(lr_cfg.image_features)
+        env_keys = self.spec.image_keys
+        if self.cfg.camera_map:
+            m = {f"observation.images.{a}": (b if b.startswith("observation.") else f"observation.images.{b}")
+                 for a, b in self.cfg.camera_map.items()}
+        elif set(env_keys) == set(model_keys):
+            m = {k: k for k in env_keys}
+        elif len(env_keys) == len(model_keys):
+            m = dict(zip(env_keys, sorted(model_keys)))
+            log.info("%s: env cameras -> checkpoint images by sorted order: %s", self.who, m)
+        else:
+            raise ValueError(f"{self.who}: the model expects {len(model_keys)} camera image(s) {model_keys}, the env "
+                             f"has {len(env_keys)} {env_keys}; set policy.camera_map")
+        if sorted(m) != sorted(env_keys) or not set(m.values()) <= set(model_keys):
+            raise ValueError(f"{self.who}: camera_map {m} must map the env cameras {env_keys} onto {model_keys}")
+        return m
+
+    def _load_weights(self, ckpt: Path) -> None:
+        from safetensors.torch import load_file
+
+        quiet = _DropRecords("Vision embedding key might need handling")  # lerobot warns for every SigLIP
+        logging.getLogger().addFilter(quiet)
+        try:
+            sd = self.inner._fix_pytorch_state_dict_keys(load_file(str(ckpt / "model.safetensors")), self.inner.config)
+        finally:
+            logging.getLogger().removeFilter(quiet)
+        sd = {k if k.startswith("model.") else f"model.{k}": v for k, v in sd.items()}
+        expected = self.inner.state_dict()
+        by_ptr: dict[int, list[str]] = {}
+        for k, v in expected.items():
+            by_ptr.setdefault(v.data_ptr(), []).append(k)
+        tied = {k for ks in by_ptr.values() if len(ks) > 1 for k in ks}
+        vc.check_state_layout(expected, sd, repr(str(ckpt)), f"the {self.variant} architecture of its config",
+                              optional=tied)
+        self.inner.load_state_dict(sd, strict=False)
+
+    # -- observation mapping ----------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.inner.model.action_out_proj.weight.device
+
+    def _tokens(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.device
+        todo = [p for p in dict.fromkeys(prompts) if p not in self._tok_cache]
+        if todo:
+            enc = self.tokenizer(todo, max_length=self.max_len, truncation=True, padding="max_length",
+                                 padding_side="right", return_tensors="pt")
+            if len(self._tok_cache) > 4096:
+                self._tok_cache.clear()
+            for i, p in enumerate(todo):
+                self._tok_cache[p] = (enc["input_ids"][i].to(dev), enc["attention_mask"][i].to(dev, torch.bool))
+        ids, masks = zip(*(self._tok_cache[p] for p in prompts))
+        return torch.stack(ids), torch.stack(masks)
+
+    def lerobot_batch(self, obs: Batch) -> dict[str, Any]:
+        """Tandem observation -> the batch lerobot's PI0Policy reads (tokens included)."""
+        b = vc.check_obs(obs, self.spec, self.who)
+        tasks = vc.get_tasks(obs, b, self.cfg.default_task, self.who)
+        dev = self.device
+        out: dict[str, Any] = {}
+        for k, lk in self.cam_keys.items():
+            out[lk] = obs[k].to(dev, non_blocking=True).permute(0, 3, 1, 2).float().div_(255.0)
+        state = self.norm(obs[OBS_STATE].to(dev).float(), OBS_STATE)
+        out[OBS_STATE] = state
+        if self.variant == "pi05":  # openpi's prompt: the state discretised into 256 bins
+            disc = np.digitize(state.clamp(-1, 1).cpu().numpy(), bins=np.linspace(-1, 1, 257)[:-1]) - 1
+            prompts = [f"Task: {t.strip().replace('_', ' ').replace(chr(10), ' ')}, State: "
+                       f"{' '.join(map(str, d))};\nAction: " for t, d in zip(tasks, disc)]
+        else:
+            prompts = [t if t.endswith("\n") else t + "\n" for t in tasks]
+        out["observation.language.tokens"], out["observation.language.attention_mask"] = self._tokens(prompts)
+        return out
+
+    def model_inputs(self, obs: Batch) -> tuple:
+        """The tensors lerobot's PI0Pytorch takes (images, masks, tokens, [state])."""
+        return self._model_inputs(self.lerobot_batch(obs))
+
+    def forward_model(self, inputs: tuple, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """The bare model call (lerobot's PI0Pytorch.sample_actions): [B, chunk, max_action_dim]."""
+        self._serving_weights()
+        return self.inner.model.sample_actions(*inputs, noise=noise)
+
+    def _serving_weights(self) -> None:
+        """Adapters folded into the weights in eval mode without gradients, live otherwise."""
+        if self.training or torch.is_grad_enabled() or not self.cfg.fold_lora_for_serving:
+            self.lora.unfold()
+        else:
+            self.lora.fold()
+
+    def _model_inputs(self, lb: dict) -> tuple:
+        images, img_masks = self.inner._preprocess_images(lb)
+        toks, masks = lb["observation.language.tokens"], lb["observation.language.attention_mask"]
+        if self.variant == "pi0":
+            return images, img_masks, toks, masks, self.inner.prepare_state(lb)
+        return images, img_masks, toks, masks
+
+    # -- Policy protocol ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, obs: Batch, *, deterministic: bool = False, noise: torch.Tensor | None = None) -> ActionChunk:
+        """Actions [B, chunk_size, A] float32; ``noise`` [B, chunk_size, max_action_dim] overrides
+        the flow's starting sample (deterministic: zeros)."""
+        inputs = self.model_inputs(obs)  # what lerobot's predict_action_chunk does, minus its eval()
+        if noise is None and deterministic:
+            noise = torch.zeros(inputs[2].shape[0], self.chunk_size, self.lr_cfg.max_action_dim, device=self.device)
+        actions = self.forward_model(inputs, None if noise is None else noise.to(self.device))
+        return ActionChunk(self._postprocess(actions))
+
+    def _postprocess(self, actions: torch.Tensor) -> torch.Tensor:
+        a = self.norm(actions[..., :self.action_dim].float(), "action", inverse=True)
+        return a.clamp(-1.0, 1.0) if self.cfg.clip_actions else a
+
+    def bc_loss(self, batch: Batch) -> torch.Tensor:
+        """Flow-matching loss on ``batch["action"]`` ([B, A], [B, h, A] with h <= chunk_size, or
+        [B, chunk_size, A]); steps past h or flagged by ``action_is_pad`` [B, h] are ignored."""
+        self.lora.unfold()
+        lb = self.lerobot_batch(batch)
+        act = batch["action"].to(self.device).float()
+        act = act[:, None] if act.ndim == 2 else act
+        b, h, a = act.shape
+        if h > self.chunk_size or a != self.action_dim:
+            raise ValueError(f"{self.who}: action must be [B, <= {self.chunk_size}, {self.action_dim}], got {list(act.shape)}")
+        valid = torch.ones(b, self.chunk_size, device=self.device)
+        valid[:, h:] = 0
+        if "action_is_pad" in batch:
+            valid[:, :h] *= (~batch["action_is_pad"].to(self.device).bool()).float()
+        act = self.norm(act, "action")
+        act = F.pad(act, (0, self.lr_cfg.max_action_dim - a, 0, self.chunk_size - h))
+        model = self.inner.model
+        noise, time = model.sample_noise(act.shape, act.device), model.sample_time(b, act.device)
+        inputs = self._model_inputs(lb)
+        losses = model.forward(*inputs, act, noise, time)[:, :, :a]  # [B, chunk, A]
+        return (losses.mean(-1) * valid).sum() / valid.sum().clamp_min(1.0)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """LoRA adapters + trained heads only (detached CPU copies), keyed by module path."""
+        self.lora.unfold()
+        return vc.trainable_state(self.inner)
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.lora.unfold()
+        vc.load_trainable(self.inner, state, self.who)
+        if not self.training:
+            self._serving_weights()
+
+    def train(self, mode: bool = True):
+        super().train(mode)  # lerobot's modules keep their frozen parts in eval themselves
+        if mode:
+            self.lora.unfold()
+        return self
+
+
+class Pi05Policy(Pi0Policy):
+    """PI0.5: the same wrapper over lerobot's PI05Policy (state goes into the prompt)."""
