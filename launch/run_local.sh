@@ -25,12 +25,12 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 # process substitution (not a pipe) so that $! is the Python process, not sed
-"$ROOT/launch/run_learner.sh" "${COMMON[@]}" "${LEARNER[@]}" > >(sed -u 's/^/[learner] /') 2>&1 &
+"$ROOT/launch/run_learner.sh" "${COMMON[@]}" "${LEARNER[@]}" > >(trap '' INT; exec sed -u 's/^/[learner] /') 2>&1 &
 learner_pid=$!
 pids+=($learner_pid)
 for i in $(seq 0 $((N - 1))); do
   "$ROOT/launch/run_actor.sh" actor_id="actor-$i" seed=$((i * 1000)) "${COMMON[@]}" "${ACTOR[@]}" \
-    > >(sed -u "s/^/[actor-$i] /") 2>&1 &
+    > >(trap '' INT; exec sed -u "s/^/[actor-$i] /") 2>&1 &
   pids+=($!)
 done
 # The learner ends the run (stop_at_success / max_updates / eval done); then stop the actors.
