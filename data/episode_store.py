@@ -61,6 +61,8 @@ up to its capacity.
 
 from __future__ import annotations
 
+from data.fsutil import fsync_path
+
 import errno
 import json
 import logging
@@ -190,17 +192,11 @@ class Episode:
 # ---- small file helpers ---------------------------------------------------------------------
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:
     try:
-        _fsync_file(path)
+        fsync_path(path)
     except OSError:  # pragma: no cover - some filesystems refuse directory fsync
         pass
 
@@ -459,7 +455,7 @@ class EpisodeStore:
             tmp = tasks_path.with_name(".tasks.parquet.tmp")
             df.to_parquet(tmp)
             if self.fsync:
-                _fsync_file(tmp)
+                fsync_path(tmp)
             os.replace(tmp, tasks_path)
         elif tasks_path.exists():
             tasks_path.unlink()
@@ -566,12 +562,12 @@ class EpisodeStore:
                 if p.is_file():
                     cf = _chunk_file(p.relative_to(d))
                     if cf is not None and (last is None or list(cf) > list(last)):
-                        _fsync_file(p)
+                        fsync_path(p)
                         dirs.update({p.parent, p.parent.parent})
         for rel in (INFO_PATH, STATS_PATH, TASKS_PATH):
             p = self.root / rel
             if p.exists():
-                _fsync_file(p)
+                fsync_path(p)
         for d in dirs:
             _fsync_dir(d)
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from data.fsutil import fsync_path
+
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
 LATEST = "latest"
@@ -56,12 +58,6 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(root: str | Path, step: int, state: dict, *, keep: int = 2) -> Path:
@@ -89,14 +85,14 @@ def save_checkpoint(root: str | Path, step: int, state: dict, *, keep: int = 2) 
         os.fsync(f.fileno())
     with open(tmp / TENSORS, "rb+") as f:
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     latest_tmp = root / f".{LATEST}.tmp"
     latest_tmp.write_text(name)
     os.replace(latest_tmp, root / LATEST)
-    _fsync_dir(root)
+    fsync_path(root)
     ckpts = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in ckpts[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
