@@ -54,7 +54,7 @@ class Spool:
         top = max((last for _, last in self._files), default=-1)
         self.next_seq = max(int(meta.get("next_seq", 0)), top + 1)
         self.next_episode = int(meta.get("next_episode", 0))
-        self.acked = int(meta.get("acked", -1))
+        self.acked = -1  # highest ack seen by this process (the files are the durable record)
 
     def _read_meta(self) -> dict:
         path = self.dir / "meta.json"
@@ -68,8 +68,7 @@ class Spool:
 
     def _write_meta(self) -> None:
         tmp = self.dir / "meta.json.tmp"
-        tmp.write_text(json.dumps({"next_seq": self.next_seq, "next_episode": self.next_episode,
-                                   "acked": self.acked}))
+        tmp.write_text(json.dumps({"next_seq": self.next_seq, "next_episode": self.next_episode}))
         os.replace(tmp, self.dir / "meta.json")
 
     @property
@@ -142,7 +141,7 @@ class Spool:
                 self._cached -= len(blob)
         # meta.json is not rewritten per ack (write + rename over the old file: 0.3-10 ms of
         # blocking ext4 metadata work each time): pending = the files; next_seq/next_episode
-        # change only in append/set_next_episode, which write it (with the current acked).
+        # change only in append/set_next_episode, which write it.
         return len(done)
 
     def set_next_episode(self, episode: int) -> None:

@@ -103,10 +103,6 @@ def make_env(env_cfg: Any, *, intervention=None,
     """
     cfg = to_dict(env_cfg)
     env = make_raw_env(cfg)
-    if intervention is None and isinstance(env, gym.wrappers.TimeLimit) and not any(
-        cfg.get(k) for k in ("crop", "image_size", "reward_classifier", "safety", "record_dir")
-    ):
-        return env  # registered gymnasium env (e.g. the reacher demo) needs no wrapper
     from envs import wrappers as W
 
     crop = cfg.get("crop")

@@ -97,7 +97,6 @@ class LearnerService(threading.Thread):
         self.counters = {"rejected": 0, "duplicates": 0, "acts": 0, "transitions": 0}
         self.finished = False  # eval done: tell actors to stop
         self._stop_event = threading.Event()
-        self._ready = threading.Event()
         self._outbox_local = threading.local()
         self._outbox_socks: list[zmq.Socket] = []
         self._outbox_lock = threading.Lock()
@@ -152,27 +151,15 @@ class LearnerService(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
-        self._ready.set()
         try:
             while not self._stop_event.is_set():
                 events = dict(poller.poll(100))
                 if self.pull in events:
-                    for _ in range(256):
-                        try:
-                            frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        kind = frames[0].bytes
-                        if kind == b"R":
-                            self.router.send_multipart(frames[1:], copy=False)
-                        else:
-                            self.pub.send_multipart(frames[1:], copy=False)
+                    for frames in _drain(self.pull):
+                        out = self.router if frames[0].bytes == b"R" else self.pub
+                        out.send_multipart(frames[1:], copy=False)
                 if self.router in events:
-                    for _ in range(256):
-                        try:
-                            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                    for frames in _drain(self.router):
                         self._handle(frames[0].bytes, frames[1:])
         finally:
             for s in (self.router, self.pub, self.pull):
@@ -309,6 +296,15 @@ class LearnerService(threading.Thread):
 
     def _on_bye(self, identity: bytes, peer: Peer, msg) -> None:
         self.peers.pop(identity, None)
+
+
+def _drain(sock: zmq.Socket, limit: int = 256):
+    """Up to ``limit`` waiting messages, without blocking (so neither socket starves)."""
+    for _ in range(limit):
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
 
 
 def check_obs(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec) -> str | None:
