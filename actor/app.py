@@ -14,7 +14,8 @@ from actor.client import LearnerClient
 from actor.loop import ActorLoop
 from actor.spool import Spool
 from envs.registry import make_env
-from envs.spec import EnvSpec, config_hash
+from data.core.spec import EnvSpec, config_hash
+from envs.spec import spec_from_env
 
 log = logging.getLogger("tandem.actor")
 
@@ -64,7 +65,7 @@ class Actor:
         self.env = make_env(cfg.env, intervention=self.intervention,
                             intervention_kwargs={"action_map": None if cfg.intervention.action_map is None
                                                 else list(cfg.intervention.action_map)})
-        self.spec = EnvSpec.from_env(self.env)
+        self.spec = spec_from_env(self.env)
         chunk = int(cfg.policy.get("chunk_size", 1))
         if cfg.chunk.execute > chunk:
             raise ValueError(f"chunk.execute={cfg.chunk.execute} exceeds policy.chunk_size={chunk}")

@@ -17,8 +17,8 @@ import numpy as np
 import zmq
 
 from actor.spool import Spool
-from data.codec import CodecError, Message, decode, encode
-from learner.security import configure_client_socket
+from data.core.codec import CodecError, Message, decode, encode
+from data.core.security import configure_client_socket
 
 log = logging.getLogger("tandem.actor.client")
 

@@ -15,10 +15,10 @@ import torch
 import zmq
 
 from agents import registry
-from data.codec import CodecError, Message, decode
-from data.schema import TASK
-from learner.security import configure_client_socket
-from learner.weights import from_wire
+from data.core.codec import CodecError, Message, decode
+from data.core.schema import TASK
+from data.core.security import configure_client_socket
+from data.core.weights import from_wire
 
 log = logging.getLogger("tandem.actor.local")
 

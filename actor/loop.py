@@ -18,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 from actor.client import LearnerClient
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from data.transitions import TransitionBatch
 
 log = logging.getLogger("tandem.actor")

@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from data.codec import CodecError, encode_to_bytes, frames_from_bytes
+from data.core.codec import CodecError, encode_to_bytes, frames_from_bytes
 from data.transitions import TransitionBatch
 
 log = logging.getLogger("tandem.actor.spool")

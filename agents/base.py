@@ -1,6 +1,6 @@
 """The contracts between the learner and what it trains: Policy, Agent, and their pairing.
 
-Batches are dicts of torch tensors with the keys of :mod:`data.schema`:
+Batches are dicts of torch tensors with the keys of :mod:`data.core.schema`:
 
     "observation.state"           float32 [B, S]
     "observation.images.<cam>"    uint8   [B, H, W, 3]

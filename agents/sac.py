@@ -24,7 +24,7 @@ from torch import nn
 
 from agents.base import Batch, check_pair
 from agents.policies.mlp import EnsembleCritic, MLPPolicy, MLPPolicyConfig
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Any local LeRobot v3.0 dataset as a demo replay buffer.
 
-Frames become records of :mod:`data.schema`; each episode's frames are transitions to the
+Frames become records of :mod:`data.core.schema`; each episode's frames are transitions to the
 following frame. The columns are mapped as follows (first one present wins):
 
 =================== ===================================================== ================
@@ -42,9 +42,9 @@ import numpy as np
 
 from data.episode_store import DatasetEpisode, read_episode_table, read_episodes, read_info
 from data.replay import ReplayBuffer
-from data.schema import OBS_STATE
+from data.core.schema import OBS_STATE
 from data.transitions import TransitionBatch
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.data.demos")
 

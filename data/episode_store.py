@@ -3,7 +3,7 @@
 The dataset lives in the run directory (``<run_dir>/dataset`` by default) and is written
 through ``lerobot``'s own dataset writer (``LeRobotDataset.create / resume``, ``add_frame``,
 ``save_episode``), so ``LeRobotDataset(repo_id, root=...)`` and every lerobot tool load it.
-One Tandem record (:mod:`data.schema`) is one dataset frame:
+One Tandem record (:mod:`data.core.schema`) is one dataset frame:
 
 =========================== ========================== =====================================
 frame feature               dtype / shape              from the record
@@ -78,9 +78,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
 from data.transitions import TransitionBatch
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.data.episode_store")
 

@@ -1,6 +1,6 @@
 """In-memory replay ring: uint8 images, next observation by index, thread-safe.
 
-One slot holds one *record* of :mod:`data.schema` (``obs_t``, the action taken in it and the
+One slot holds one *record* of :mod:`data.core.schema` (``obs_t``, the action taken in it and the
 reward / termination / truncation that followed; or an episode's final ``is_last``
 observation). A record's next observation is the record that follows it in the same
 (actor, episode), reached through ``next_idx``: nothing is copied, every observation is
@@ -26,7 +26,7 @@ so a sampleable record's successor is never overwritten before it. ``episode_suc
 set on every record of an episode when its ``is_last`` record (whose ``success`` is the
 episode's outcome) arrives; the success-filtered view of :mod:`data.sampler` uses it.
 
-``sample(n)`` returns torch tensors: the record keys with :data:`data.schema.STEP_ARRAYS`
+``sample(n)`` returns torch tensors: the record keys with :data:`data.core.schema.STEP_ARRAYS`
 dtypes, the observation keys, ``"next." + <obs key>`` and ``"task"`` (a list of str).
 Images stay uint8 ``[B, H, W, 3]`` (the policy converts them on its device). When the
 buffer's device is CUDA, the batch is gathered into pinned host memory and copied with
@@ -54,9 +54,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
 from data.transitions import TransitionBatch
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 
 IMAGE_CODECS = ("raw", "lz4", "zlib", "auto")
 # A filter for :meth:`ReplayBuffer.sample`: called under the buffer's lock with the buffer,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from data.replay import ReplayBuffer
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.data.sampler")
 

@@ -1,7 +1,7 @@
 """Transition batches: building them on the actor, validating them on the learner.
 
-See :mod:`data.schema` for the layout. :meth:`TransitionBatch.validate` is the learner's
-check of untrusted input against the agreed :class:`envs.spec.EnvSpec`.
+See :mod:`data.core.schema` for the layout. :meth:`TransitionBatch.validate` is the learner's
+check of untrusted input against the agreed :class:`data.core.spec.EnvSpec`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from data.codec import Message, encode
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, STEP_ARRAYS, TASK
-from envs.spec import EnvSpec
+from data.core.codec import Message, encode
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, STEP_ARRAYS, STEP_DEFAULTS, TASK
+from data.core.spec import EnvSpec
 
 
 _DTYPES = {dt: np.dtype(dt) for dt in ("float32", "uint8", *STEP_ARRAYS.values())}
@@ -29,6 +29,13 @@ class TransitionBatch:
     first_seq: int
     arrays: dict[str, np.ndarray]
     tasks: list[str]
+
+    def __post_init__(self) -> None:
+        # columns a producer may leave out (demos, older datasets, tests) take their defaults
+        n = len(self.tasks)
+        for k, v in STEP_DEFAULTS.items():
+            if k not in self.arrays:
+                self.arrays[k] = np.full(n, v, dtype=STEP_ARRAYS[k])
 
     @property
     def last_seq(self) -> int:
@@ -51,7 +58,8 @@ class TransitionBatch:
 
     @classmethod
     def from_records(cls, actor_id: str, first_seq: int, records: Sequence[dict]) -> "TransitionBatch":
-        """Stack per-step record dicts (obs keys + STEP_ARRAYS keys + "task")."""
+        """Stack per-step record dicts (obs keys + STEP_ARRAYS keys + "task"; the keys of
+        :data:`STEP_DEFAULTS` may be left out and take their default)."""
         if not records:
             raise TransitionError("no records to stack")
         keys = [k for k in records[0] if k != TASK]

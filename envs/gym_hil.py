@@ -40,7 +40,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs.wrappers import TEXT_SPACE
 
 TASKS: dict[str, dict[str, Any]] = {

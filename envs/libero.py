@@ -1,6 +1,6 @@
 """LIBERO benchmark suites as gymnasium envs, headless and offline.
 
-Observation (a ``gym.spaces.Dict`` in the common schema of :mod:`data.schema`)::
+Observation (a ``gym.spaces.Dict`` in the common schema of :mod:`data.core.schema`)::
 
     "observation.state"              float32 [8]  eef pos (3) + eef axis-angle (3) + gripper qpos (2)
     "observation.images.image"       uint8 [H, W, 3]  agent view, rotated 180 degrees
@@ -80,7 +80,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs.wrappers import TEXT_SPACE
 
 SUITE_MAX_STEPS: dict[str, int] = {

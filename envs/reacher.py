@@ -38,7 +38,7 @@ import numpy as np
 from gymnasium.envs.mujoco.inverted_pendulum_v5 import InvertedPendulumEnv
 from gymnasium.envs.mujoco.reacher_v5 import ReacherEnv
 
-from data.schema import OBS_STATE
+from data.core.schema import OBS_STATE
 
 REACHER_ID = "tandem/Reacher-v0"
 PENDULUM_ID = "tandem/InvertedPendulum-v0"

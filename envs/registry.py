@@ -1,7 +1,7 @@
 """Env registry: ``make_env(env_cfg) -> gym.Env`` dispatching on ``env_cfg["name"]``.
 
 A factory takes the env config as a plain dict and returns the *raw* env (observation
-space already in the common schema of :mod:`data.schema`); :func:`make_env` then adds the
+space already in the common schema of :mod:`data.core.schema`); :func:`make_env` then adds the
 wrappers the config asks for, in this order (innermost first)::
 
     raw env
@@ -138,7 +138,7 @@ def make_env(env_cfg: Any, *, intervention=None,
 
 
 def _images_already(env: gym.Env, size) -> bool:
-    from data.schema import OBS_IMAGE_PREFIX
+    from data.core.schema import OBS_IMAGE_PREFIX
 
     hw = (size, size) if isinstance(size, int) else tuple(size)
     shapes = [tuple(s.shape[:2]) for k, s in env.observation_space.spaces.items()

@@ -1,6 +1,6 @@
 """A robot reached through the Tandem driver protocol, as a gymnasium env.
 
-The protocol (ZMQ, DEALER client -> ROUTER driver; the wire codec of :mod:`data.codec` with
+The protocol (ZMQ, DEALER client -> ROUTER driver; the wire codec of :mod:`data.core.codec` with
 the schemas in :data:`DRIVER_SCHEMAS`; never pickle) has four verbs plus a handshake and a
 heartbeat::
 
@@ -59,8 +59,8 @@ import numpy as np
 import zmq
 from gymnasium import spaces
 
-from data.codec import CodecError, decode, encode
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK, MessageSchema
+from data.core.codec import CodecError, decode, encode
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK, MessageSchema
 from envs.wrappers import TEXT_SPACE
 
 DRIVER_PROTOCOL_VERSION = 1

@@ -34,7 +34,7 @@ import gymnasium as gym
 import numpy as np
 import zmq
 
-from data.codec import CodecError, decode, encode
+from data.core.codec import CodecError, decode, encode
 from envs.robot import (
     DEFAULT_PORT, DRIVER_PROTOCOL_VERSION, DRIVER_SCHEMAS, MAX_DRIVER_MESSAGE_BYTES, is_loopback,
     jsonable, obs_to_arrays, spec_from_env,

@@ -2,7 +2,7 @@
 
 All of them keep ``terminated`` (the task ended: success, failure, a safety stop) and
 ``truncated`` (a time limit or an outside interruption) apart, and work on the common
-observation dict of :mod:`data.schema`.
+observation dict of :mod:`data.core.schema`.
 
 * :class:`ImageTransform`      crop and/or resize every ``observation.images.*`` entry
 * :class:`ObsRemap`            map a foreign observation dict onto the common schema
@@ -29,7 +29,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, STEP_ARRAYS, TASK
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, STEP_ARRAYS, TASK
 
 TEXT_SPACE = spaces.Text(max_length=512, charset=string.printable)  # the "task" entry
 
@@ -382,7 +382,7 @@ class ActionChunkWrapper(gym.Wrapper):
 
 class EpisodeRecorder(gym.Wrapper):
     """Write every finished episode to ``<out_dir>/episode_<n>.npz`` in the transition
-    layout of :mod:`data.schema` (step ``t`` holds obs_t, the action taken and what
+    layout of :mod:`data.core.schema` (step ``t`` holds obs_t, the action taken and what
     followed; one extra ``is_last`` record holds the final observation), plus
     ``human_action`` [N, A] when an intervention wrapper is inside this one.
 

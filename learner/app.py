@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from agents import registry
 from data.sampler import build_replay
 from envs.registry import make_env
-from envs.spec import EnvSpec, config_hash
+from data.core.spec import EnvSpec, config_hash
+from envs.spec import spec_from_env
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
@@ -37,7 +38,7 @@ log = logging.getLogger("tandem.learner")
 def read_env_spec(env_cfg) -> EnvSpec:
     env = make_env(env_cfg)
     try:
-        return EnvSpec.from_env(env)
+        return spec_from_env(env)
     finally:
         env.close()
 

@@ -19,8 +19,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from data.codec import encode
-from data.schema import TASK
+from data.core.codec import encode
+from data.core.schema import TASK
 from learner.service import ActRequest
 
 log = logging.getLogger("tandem.learner.inference")

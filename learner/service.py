@@ -29,12 +29,12 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from data.codec import CodecError, decode, encode
-from data.schema import OBS_STATE, TASK
+from data.core.codec import CodecError, decode, encode
+from data.core.schema import OBS_STATE, TASK
 from data.transitions import TransitionBatch, TransitionError
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 from learner.ingest import Ingest
-from learner.security import configure_server_socket
+from data.core.security import configure_server_socket
 
 log = logging.getLogger("tandem.learner.service")
 
@@ -229,7 +229,7 @@ class LearnerService(threading.Thread):
             "learner_id": self.learner_id, "acked_seq": acked,
             "received_seq": max(acked, self.ingest.received.get(actor_id, -1)),
             "policy_version": self.get_version(), "mode": self.mode,
-            "next_episode": next_episode,
+            "next_episode": next_episode, "spec": self.spec.to_dict(), "jobs": False,
         }))
 
     def _on_act(self, identity: bytes, peer: Peer, msg) -> None:

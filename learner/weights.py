@@ -13,27 +13,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from data.codec import encode
-
-
-def to_wire(state: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], list[str]]:
-    arrays, bf16 = {}, []
-    for k, t in state.items():
-        t = t.detach().cpu().contiguous()
-        if t.dtype == torch.bfloat16:
-            arrays[k] = t.view(torch.uint16).numpy() if hasattr(torch, "uint16") else t.view(torch.int16).numpy()
-            bf16.append(k)
-        else:
-            arrays[k] = t.numpy()
-    return arrays, bf16
-
-
-def from_wire(arrays: dict[str, np.ndarray], bf16: list[str] | tuple = ()) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, a in arrays.items():
-        t = torch.from_numpy(np.array(a))  # copy: wire buffers are read-only
-        out[k] = t.view(torch.bfloat16) if k in bf16 else t
-    return out
+from data.core.codec import encode
+from data.core.weights import to_wire
 
 
 class WeightPublisher:

@@ -4,8 +4,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from data.codec import CodecError, decode, encode, encode_to_bytes, frames_from_bytes
-from data.schema import PROTOCOL_VERSION
+from data.core.codec import CodecError, decode, encode, encode_to_bytes, frames_from_bytes
+from data.core.schema import PROTOCOL_VERSION
 
 
 def _act_arrays():

@@ -26,7 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from envs.spec import EnvSpec  # noqa: E402
+from data.core.spec import EnvSpec  # noqa: E402
 
 VSPEC = EnvSpec(state_dim=3, action_dim=2, cameras={"front": (32, 32, 3)})
 LENGTH = 24  # steps per episode (+ 1 final record)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs.gym_hil import canonical_task
 from envs.registry import make_env
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
+from envs.spec import spec_from_env
 
 
 def scripted_pick(obs, phase: dict) -> np.ndarray:
@@ -38,7 +39,7 @@ def test_pick_cube_episode_with_images_succeeds():
     env = make_env({"name": "gym_hil", "task": "gym_hil/PandaPickCubeBase-v0", "image_size": 48,
                     "include_env_state": True})
     try:
-        spec = EnvSpec.from_env(env)
+        spec = spec_from_env(env)
         assert spec.state_dim == 21 and spec.action_dim == 4 and spec.max_episode_steps == 100
         assert spec.cameras == {"front": (48, 48, 3), "wrist": (48, 48, 3)} and spec.has_task
         obs, info = env.reset(seed=0)

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from data.codec import decode
-from data.schema import OBS_STATE
+from data.core.codec import decode
+from data.core.schema import OBS_STATE
 from data.transitions import TransitionBatch
 from envs import wrappers as W
 from envs.intervention import (
@@ -19,7 +19,8 @@ from envs.intervention import (
     ScriptedIntervention, SpaceMouseIntervention, default_action_map, make_source,
 )
 from envs.registry import make_env
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
+from envs.spec import spec_from_env
 from test_envs_wrappers import PointEnv
 
 HUMAN = np.array([0.0, 1.0, 0.0, 1.0], np.float32)
@@ -78,7 +79,7 @@ def test_intervention_recorded_end_to_end_into_the_transition_message(tmp_path):
     env.close()
     arrays, meta = W.load_episode(tmp_path / "episode_000000.npz")
     assert meta["interventions"] == 2
-    spec = EnvSpec.from_env(W.TimeLimit(PointEnv(), 6))
+    spec = spec_from_env(W.TimeLimit(PointEnv(), 6))
     batch = TransitionBatch("actor-0", 100, arrays, meta["tasks"])
     batch.validate(spec)
     msg = decode(batch.to_frames())  # what the learner's service decodes

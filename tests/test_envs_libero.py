@@ -15,10 +15,11 @@ import tarfile
 import numpy as np
 import pytest
 
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs import libero as L
 from envs.registry import make_env
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
+from envs.spec import spec_from_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +45,7 @@ def test_suites_tasks_and_limits_without_building_a_sim():
                       "libero_90": 90}
     for suite, steps in L.SUITE_MAX_STEPS.items():
         env = make_env({"name": suite, "task_id": 1, "image_size": 96})
-        spec = EnvSpec.from_env(env)  # spaces only: the simulator is built on first reset
+        spec = spec_from_env(env)  # spaces only: the simulator is built on first reset
         assert env.unwrapped._env is None
         assert spec.max_episode_steps == steps
         assert spec.state_dim == 8 and spec.action_dim == 7 and spec.has_task

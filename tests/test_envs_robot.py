@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import zmq
 
-from data.codec import decode, encode
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.codec import decode, encode
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs.registry import make_env, make_raw_env
 from envs.robot import DRIVER_SCHEMAS, RobotEnv, RobotError, RobotLinkLost, RobotStopped
 from envs.robot_driver import RobotDriverServer, serve_in_thread
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
+from envs.spec import spec_from_env
 from tandem_testutil import ROOT, free_port
 
 SIM_CFG = {"name": "gym_hil", "task": "PandaPickCube", "image_size": 32}
@@ -54,8 +55,8 @@ def test_client_env_drives_the_simulator(driver):
                     "max_episode_steps": 4,
                     "safety": {"workspace_low": [0.2, -0.3, 0.0], "workspace_high": [0.6, 0.3, 0.5]}})
     try:
-        spec = EnvSpec.from_env(env)
-        sim_spec = EnvSpec.from_env(make_env(SIM_CFG))
+        spec = spec_from_env(env)
+        sim_spec = spec_from_env(make_env(SIM_CFG))
         assert spec.state_dim == sim_spec.state_dim == 18 and spec.action_dim == 4
         assert spec.cameras == sim_spec.cameras == {"front": (32, 32, 3), "wrist": (32, 32, 3)}
         assert spec.has_task and spec.max_episode_steps == 4
@@ -210,7 +211,7 @@ def test_spec_from_config_connects_only_on_reset(driver):
             "cameras": {"front": [32, 32, 3], "wrist": [32, 32, 3]}, "default_max_episode_steps": 100}
     port = free_port()  # nothing listens here: building the env must not need the driver
     env = make_env({"name": "robot", "port": port, "spec": spec})
-    assert EnvSpec.from_env(env).cameras == {"front": (32, 32, 3), "wrist": (32, 32, 3)}
+    assert spec_from_env(env).cameras == {"front": (32, 32, 3), "wrist": (32, 32, 3)}
     assert env.spec.max_episode_steps == 100
     env.close()
     env = make_env({"name": "robot", "port": _port(driver), "spec": spec})

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from data.transitions import TransitionBatch
 from envs import registry
 from envs import wrappers as W
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
+from envs.spec import spec_from_env
 
 
 class PointEnv(gym.Env):
@@ -79,7 +80,7 @@ def test_registry_dispatch_and_errors():
     assert isinstance(env.unwrapped, PointEnv)
     # the env's default limit is applied and visible to EnvSpec
     assert W.has_time_limit(env) and env.spec.max_episode_steps == 30
-    spec = EnvSpec.from_env(env)
+    spec = spec_from_env(env)
     assert spec.state_dim == 4 and spec.action_dim == 4 and spec.cameras == {"cam": (24, 32, 3)}
     assert spec.has_task and spec.max_episode_steps == 30
     with pytest.raises(ValueError, match="unknown env 'nope'"):
@@ -210,7 +211,7 @@ def test_episode_recorder_writes_transition_layout(tmp_path):
     assert arrays["terminated"][n - 1] and arrays["success"][n - 1] and meta["success"]
     assert arrays[OBS_IMAGE_PREFIX + "cam"].shape == (n + 1, 24, 32, 3)
     # the recording is a valid transition batch for this env
-    spec = EnvSpec.from_env(W.TimeLimit(PointEnv(), 30))
+    spec = spec_from_env(W.TimeLimit(PointEnv(), 30))
     batch = TransitionBatch("recorder", 0, arrays, meta["tasks"])
     batch.validate(spec)
 

@@ -14,7 +14,7 @@ import torch
 from data.episode_store import Episode, EpisodeStore, StoreError
 from data.replay import ReplayBuffer
 from data.sampler import MixedSampler, build_replay
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 from test_buffer_helpers import SPEC, check_successor, episode_batch, pixel
 
 ROOT = Path(__file__).resolve().parents[1]

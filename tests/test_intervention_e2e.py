@@ -12,7 +12,8 @@ from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
 from data.replay import ReplayBuffer
 from envs.intervention import ScriptedIntervention
 from envs.registry import make_env
-from envs.spec import EnvSpec, config_hash
+from data.core.spec import EnvSpec, config_hash
+from envs.spec import spec_from_env
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
 from learner.service import LearnerService
@@ -25,7 +26,7 @@ TAKEOVER = [3, 4, 5, 6]
 def test_intervention_reaches_the_learner(tmp_path, ports):
     env_cfg = {"name": "reacher", "max_episode_steps": 20}
     env = make_env(env_cfg, intervention=ScriptedIntervention(takeover=TAKEOVER, action=HUMAN))
-    spec = EnvSpec.from_env(env)
+    spec = spec_from_env(env)
     chash = config_hash(spec, env_name="reacher", policy_name="mlp", chunk=1)
     ctx = zmq.Context()
     buffer = ReplayBuffer(1000, spec)

@@ -20,7 +20,7 @@ import envs.reacher  # noqa: F401  (registers the tandem/* ids)
 from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
 from agents.sac import SACAgent, SACConfig
 from data.replay import ReplayBuffer
-from data.schema import OBS_STATE
+from data.core.schema import OBS_STATE
 from data.transitions import TransitionBatch
 from envs.reacher import (
     PENDULUM_ID,
@@ -28,7 +28,8 @@ from envs.reacher import (
     make_inverted_pendulum_env,
     make_reacher_env,
 )
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
+from envs.spec import spec_from_env
 
 
 # -- the envs ---------------------------------------------------------------------------------
@@ -36,7 +37,7 @@ from envs.spec import EnvSpec
                          [(REACHER_ID, 10, 2, 50), (PENDULUM_ID, 4, 1, 100)])
 def test_env_layout_and_spec(env_id, state_dim, action_dim, steps):
     env = gym.make(env_id)
-    spec = EnvSpec.from_env(env)
+    spec = spec_from_env(env)
     assert spec == EnvSpec(state_dim=state_dim, action_dim=action_dim, max_episode_steps=steps)
     assert env.action_space == gym.spaces.Box(-1.0, 1.0, (action_dim,), np.float32)
     obs, info = env.reset(seed=0)
@@ -141,7 +142,7 @@ def train_sac(env: gym.Env, eval_env: gym.Env, *, sac: SACConfig, pcfg: MLPPolic
     """In-process actor/learner loop; stops once a deterministic evaluation reaches
     ``stop_success`` or a budget runs out. Returns the policy and counters."""
     torch.manual_seed(seed)
-    spec = EnvSpec.from_env(env)
+    spec = spec_from_env(env)
     policy = MLPPolicy(pcfg, spec)
     agent = SACAgent(sac, policy, spec, Accelerator(cpu=True))
     replay = ReplayBuffer(2 * max_env_steps, spec, seed=seed)

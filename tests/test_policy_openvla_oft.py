@@ -12,7 +12,7 @@ from agents import registry
 from agents.policies.openvla_oft import (OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig, OpenVLAOFTPolicy,
                                          OpenVLAOFTPolicyConfig)
 from agents.policies.vla_common import CheckpointMismatch, state_nbytes
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import make_openvla_oft
 
 SPEC = EnvSpec(state_dim=8, action_dim=7, cameras={"image": (48, 48, 3), "wrist_image": (48, 48, 3)}, has_task=True)

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from agents import registry
 from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
 from agents.policies.vla_common import CheckpointMismatch, state_nbytes
-from envs.spec import EnvSpec
-from learner.weights import from_wire, to_wire
+from data.core.spec import EnvSpec
+from data.core.weights import from_wire, to_wire
 from tools.make_tiny_checkpoints import make_pi0
 
 SPEC = EnvSpec(state_dim=8, action_dim=7, cameras={"image": (48, 48, 3), "wrist_image": (48, 48, 3)}, has_task=True)

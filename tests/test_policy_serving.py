@@ -11,9 +11,9 @@ import zmq
 from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
 from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
 from agents.policies.vla_common import state_nbytes
-from data.codec import decode, encode
+from data.core.codec import decode, encode
 from data.replay import ReplayBuffer
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
 from learner.service import LearnerService

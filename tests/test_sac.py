@@ -19,7 +19,7 @@ from agents.sac import (
     td_target,
     temperature_loss,
 )
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 
 torch.set_num_threads(1)
 

@@ -2,8 +2,8 @@
 
 import zmq
 
-from data.codec import decode, encode
-from learner.security import configure_client_socket, configure_server_socket
+from data.core.codec import decode, encode
+from data.core.security import configure_client_socket, configure_server_socket
 from tools.gen_keys import make_keys
 
 

@@ -9,10 +9,10 @@ import torch
 import zmq
 
 from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
-from data.codec import decode, encode
+from data.core.codec import decode, encode
 from data.replay import ReplayBuffer
 from data.transitions import TransitionBatch
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
 from learner.service import LearnerService

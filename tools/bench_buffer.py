@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.replay import ReplayBuffer  # noqa: E402
 from data.transitions import TransitionBatch  # noqa: E402
-from envs.spec import EnvSpec  # noqa: E402
+from data.core.spec import EnvSpec  # noqa: E402
 
 CAMS = ("front", "wrist")
 H = W = 128

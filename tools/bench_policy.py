@@ -305,7 +305,7 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from envs.spec import EnvSpec
+    from data.core.spec import EnvSpec
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny and args.device == "cpu":

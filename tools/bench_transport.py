@@ -71,10 +71,10 @@ import zmq
 
 from actor.client import LearnerClient
 from actor.spool import Spool
-from data.codec import encode_to_bytes, frames_from_bytes
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE
+from data.core.codec import encode_to_bytes, frames_from_bytes
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
 from data.transitions import TransitionBatch
-from envs.spec import EnvSpec, config_hash
+from data.core.spec import EnvSpec, config_hash
 
 HOST = "127.0.0.1"
 ACT_ACTOR = "bench-act"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from envs.spec import EnvSpec
+from data.core.spec import EnvSpec
 
 #: instructions the tiny tokenizers are trained on (any text still tokenizes: byte-level
 #: alphabet), plus numbers for PI0.5's discretised state

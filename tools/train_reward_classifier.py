@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.schema import OBS_IMAGE_PREFIX
+from data.core.schema import OBS_IMAGE_PREFIX
 from envs.wrappers import RewardClassifier, load_episode, resize_image
 
 DEFAULT_CONVS = [[16, 5, 2], [32, 3, 2], [32, 3, 2], [64, 3, 1]]

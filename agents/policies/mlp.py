@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from agents.base import ActionChunk, Batch
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE
-from envs.spec import EnvSpec
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
+from data.core.spec import EnvSpec
 
 _LOG2 = math.log(2.0)
 

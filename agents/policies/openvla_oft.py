@@ -43,8 +43,8 @@ from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
 from agents.policies.prismatic import (DEFAULT_TIMM_IDS, L1RegressionActionHead, OpenVLA, PrismaticConfig,
                                        ProprioProjector)
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE
-from envs.spec import EnvSpec
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
+from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.policies.openvla_oft")
 

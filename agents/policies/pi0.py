@@ -49,8 +49,8 @@ from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
 from agents.policies.pi0_lerobot import (ARCH_FILE, Pi0Arch, build_lerobot_pi, lerobot_config,  # noqa: F401
                                          lerobot_pi_module, save_lerobot_checkpoint)
-from data.schema import OBS_STATE
-from envs.spec import EnvSpec
+from data.core.schema import OBS_STATE
+from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.policies.pi0")
 

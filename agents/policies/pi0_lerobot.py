@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data.schema import OBS_STATE
-from envs.spec import EnvSpec
+from data.core.schema import OBS_STATE
+from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.policies.pi0")
 

@@ -3,7 +3,7 @@
 tokenizers, LoRA through peft (injected in place, no wrapper model), adapter-only state
 dicts, adapters folded into the weights for serving, strict checkpoint loading.
 
-Observation layout (see :mod:`data.schema`): ``"observation.state"`` float32 [B, S],
+Observation layout (see :mod:`data.core.schema`): ``"observation.state"`` float32 [B, S],
 ``"observation.images.<cam>"`` uint8 [B, H, W, 3] for each camera of the env spec,
 ``"task"`` list[str] of length B.
 """
@@ -19,8 +19,8 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from data.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
-from envs.spec import EnvSpec
+from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.policies")
 

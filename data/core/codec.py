@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import numpy as np
 
-from data.schema import MESSAGE_SCHEMAS, PROTOCOL_VERSION, MessageSchema
+from data.core.schema import MESSAGE_SCHEMAS, PROTOCOL_VERSION, MessageSchema
 
 ALLOWED_DTYPES = frozenset(
     ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",

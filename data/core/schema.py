@@ -12,8 +12,19 @@ A transition batch (message ``transitions``) carries N steps of one actor, stack
             "action" [N,A] float32, "reward" [N] float32, "terminated" [N] bool,
             "truncated" [N] bool, "intervened" [N] bool, "is_last" [N] bool,
             "success" [N] bool, "policy_version" [N] int64, "episode" [N] int64,
-            "step" [N] int64
+            "step" [N] int64, "chunk_start" [N] bool, "chunk_index" [N] int64,
+            "group_id" [N] int64,
+            "extra.<name>" [N, ...] (one per policy extra the learner declared)
     fields  "actor_id" str, "first_seq" int, "last_seq" int, "tasks" [str]*N
+
+``chunk_start`` marks the step whose observation the policy was asked about, and
+``chunk_index`` is the step's position in the executed action chunk (0 at a chunk start).
+``group_id`` is the group of the learner job the episode ran (-1: no job).
+Policy extras (``log_prob``, ``value``, PI0's noise, OFT's action tokens, ...) come with the
+act reply as ``extra.<name>`` arrays [B, ...]; every step of a chunk carries its chunk's
+extras. Their names, dtypes and shapes are declared once by the policy
+(:attr:`agents.base.Policy.extras_spec`), sent to actors in the ``welcome`` (``spec``) and
+checked on ingest like every other array.
 
 Step ``t`` of an episode holds ``obs_t``, the action taken in it and the reward,
 termination and truncation that followed. After the step that ends an episode the actor
@@ -44,7 +55,16 @@ STEP_ARRAYS: dict[str, str] = {
     "policy_version": "int64",
     "episode": "int64",
     "step": "int64",
+    "chunk_start": "bool",
+    "chunk_index": "int64",
+    "group_id": "int64",
 }
+
+#: values of the per-step arrays that a record may leave out (a step outside any chunk or job)
+STEP_DEFAULTS: dict[str, object] = {"chunk_start": True, "chunk_index": 0, "group_id": -1}
+
+#: prefix of policy extras in act replies, records, replay batches and the dataset
+EXTRA_PREFIX = "extra."
 
 
 @dataclass(frozen=True)
@@ -63,15 +83,22 @@ MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
     "ping": MessageSchema({"t": float}),
     "get_weights": MessageSchema({"have_version": int}),
     "bye": MessageSchema({}),
+    # ask for the next episode's job before resetting (only when the welcome says jobs=True)
+    "get_job": MessageSchema({"episode": int}),
     # learner -> actor
     # acked_seq: every record <= it is durable (the actor may delete it from its spool);
     # received_seq: every record <= it has arrived (the actor need not send it again
     # on this connection). received_seq >= acked_seq.
     "welcome": MessageSchema(
         {"learner_id": str, "acked_seq": int, "received_seq": int, "policy_version": int,
-         "mode": str, "next_episode": int}
+         "mode": str, "next_episode": int, "spec": dict, "jobs": bool}
     ),
+    # actions [B, H, A] float32, plus "extra.<name>" [B, ...] arrays of the policy's extras
     "act_reply": MessageSchema({"req_id": int, "policy_version": int}, ("actions",)),
+    # the next episode to run exactly: reset with this seed, task and initial state
+    "job": MessageSchema({"episode": int, "job_id": int, "task_id": int, "init_state": int,
+                          "seed": int, "group_id": int, "deterministic": bool}),
+    "no_job": MessageSchema({"episode": int}),
     "ack": MessageSchema({"acked_seq": int, "received_seq": int, "policy_version": int}),
     "pong": MessageSchema({"t": float, "policy_version": int}),
     "weights": MessageSchema({"policy_version": int}),

@@ -17,7 +17,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-log = logging.getLogger("tandem.learner.security")
+log = logging.getLogger("tandem.data.core.security")
 
 _auth_lock = threading.Lock()
 _authenticators: dict[int, ThreadAuthenticator] = {}

@@ -1,0 +1,97 @@
+"""What an actor and a learner must agree on about an environment, without gymnasium.
+
+An :class:`EnvSpec` lists the observation layout of :mod:`data.core.schema`
+(``observation.state`` [S], ``observation.images.<cam>`` [H, W, 3], optionally ``task``),
+the action size A (a float Box in [-1, 1]^A) and the episode limit. ``extras`` is the
+per-record policy extras the records carry (declared by the policy, see
+:attr:`agents.base.Policy.extras_spec`): name -> (dtype, shape of one record's value).
+
+The learner reads the spec from the env *config* (``envs.registry.env_spec``) without
+building a simulator; an actor reads it off its env (``envs.spec.spec_from_env``) and the
+two meet in the config hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+from data.core.schema import EXTRA_PREFIX, OBS_IMAGE_PREFIX
+
+#: dtypes a policy extra may have on the wire and in the dataset
+EXTRA_DTYPES = ("float32", "int64", "int32", "bool")
+#: elements one record's extra may hold (size limit for untrusted input)
+MAX_EXTRA_NUMEL = 1 << 16
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    state_dim: int
+    action_dim: int
+    cameras: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    has_task: bool = False
+    max_episode_steps: int = 0
+    #: policy extras per record: name (without the ``extra.`` prefix) -> (dtype, shape)
+    extras: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.state_dim < 0 or self.action_dim < 1:
+            raise ValueError(f"spec: state_dim must be >= 0 and action_dim >= 1, got "
+                             f"{self.state_dim}, {self.action_dim}")
+        for cam, shape in self.cameras.items():
+            if len(tuple(shape)) != 3 or tuple(shape)[2] != 3 or min(shape) < 1:
+                raise ValueError(f"spec: camera {cam!r} must be [H, W, 3], got {shape}")
+        for name, (dt, shape) in self.extras.items():
+            if dt not in EXTRA_DTYPES:
+                raise ValueError(f"spec: extra {name!r} has dtype {dt!r}; allowed {EXTRA_DTYPES}")
+            n = 1
+            for d in shape:
+                n *= int(d)
+            if n > MAX_EXTRA_NUMEL or any(int(d) < 1 for d in shape):
+                raise ValueError(f"spec: extra {name!r} shape {shape} is empty or over "
+                                 f"{MAX_EXTRA_NUMEL} elements")
+
+    @property
+    def image_keys(self) -> list[str]:
+        return [OBS_IMAGE_PREFIX + c for c in sorted(self.cameras)]
+
+    @property
+    def extra_keys(self) -> list[str]:
+        """Record array names of the extras (``extra.<name>``), sorted."""
+        return [EXTRA_PREFIX + k for k in sorted(self.extras)]
+
+    def with_extras(self, extras: dict[str, tuple[str, tuple[int, ...]]]) -> "EnvSpec":
+        return replace(self, extras={k: (str(dt), tuple(int(d) for d in s))
+                                     for k, (dt, s) in extras.items()})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cameras"] = {k: list(v) for k, v in sorted(self.cameras.items())}
+        d["extras"] = {k: [dt, list(s)] for k, (dt, s) in sorted(self.extras.items())}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EnvSpec":
+        """Inverse of :meth:`to_dict` (config files, the welcome message)."""
+        try:
+            return cls(
+                state_dim=int(d["state_dim"]), action_dim=int(d["action_dim"]),
+                cameras={str(k): tuple(int(x) for x in v) for k, v in dict(d.get("cameras") or {}).items()},
+                has_task=bool(d.get("has_task", False)),
+                max_episode_steps=int(d.get("max_episode_steps") or 0),
+                extras={str(k): (str(v[0]), tuple(int(x) for x in v[1]))
+                        for k, v in dict(d.get("extras") or {}).items()},
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"bad env spec {d!r}: {exc}") from exc
+
+
+def config_hash(spec: EnvSpec, *, env_name: str, policy_name: str, chunk: int) -> str:
+    """Short hash of everything an actor and the learner must agree on (the env layout, the
+    policy and its chunk size; the policy's extras are the learner's to declare)."""
+    d = spec.to_dict()
+    d.pop("extras")
+    blob = json.dumps({"env": env_name, "spec": d, "policy": policy_name, "chunk": int(chunk)},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
