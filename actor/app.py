@@ -1,4 +1,9 @@
-"""The actor process: env + connection + (remote or local) policy + loop."""
+"""The actor process: env + connection + (remote or local) policy + loop.
+
+Both policy modes give the loop the same thing per query: actions [1, H, A], the policy
+version and the policy extras ``{"extra.<name>": [1, *shape]}``. When the learner hands out
+jobs (its welcome says so) the loop asks for one before every reset.
+"""
 
 from __future__ import annotations
 
@@ -110,6 +115,7 @@ class Actor:
             batch_size=int(cfg.spool.batch_size), execute=int(cfg.chunk.execute),
             deterministic=bool(cfg.deterministic), seed=int(cfg.seed), log_every_s=cfg.log_every_s,
             on_poll=self._refresh_local if self.local is not None else None,
+            get_job=self.client.get_job,
         )
         try:
             self.client.connect()

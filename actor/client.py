@@ -5,6 +5,10 @@ with timeouts, retries and heartbeats. When the learner stops answering (restart
 link) it closes the socket, opens a new one and handshakes again ("lazy pirate"); the
 welcome says what the learner has acknowledged, and everything after that is resent from
 the spool. A config mismatch or an evaluation that is finished is final and raised.
+
+The welcome carries the learner's :class:`data.core.spec.EnvSpec` (:attr:`LearnerClient.spec`:
+the env layout plus the policy extras every record must carry) and whether the learner hands
+out jobs (:attr:`LearnerClient.jobs`, then :meth:`LearnerClient.get_job` before each reset).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import zmq
 
 from actor.spool import Spool
 from data.core.codec import CodecError, Message, decode, encode
+from data.core.jobs import Job
+from data.core.schema import EXTRA_PREFIX
 from data.core.security import configure_client_socket
+from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.actor.client")
 
@@ -62,6 +69,12 @@ class LearnerClient:
         self.sock: zmq.Socket | None = None
         self.learner_id: str | None = None
         self.mode = "train"
+        #: the learner's spec from the last welcome (env layout + policy extras), or None
+        self.spec: EnvSpec | None = None
+        #: the learner hands out jobs (ask with :meth:`get_job` before each reset)
+        self.jobs = False
+        self._job_warned = False
+        self._job_misses = 0
         self.policy_version = 0
         self.connected = False
         self.reconnects = 0
@@ -132,7 +145,13 @@ class LearnerClient:
         if self.learner_id is not None and msg["learner_id"] != self.learner_id:
             log.info("learner restarted (%s -> %s)", self.learner_id, msg["learner_id"])
         self.reconnects += int(self.learner_id is not None)
+        try:
+            spec = EnvSpec.from_dict(msg["spec"])
+        except ValueError as exc:
+            raise HandshakeError(f"learner sent a bad spec: {exc}") from None
         self.learner_id = msg["learner_id"]
+        self.spec = spec
+        self.jobs = bool(msg["jobs"])
         self.mode = msg["mode"]
         self.policy_version = msg["policy_version"]
         acked = msg["acked_seq"]
@@ -149,8 +168,9 @@ class LearnerClient:
         self._hello_attempts = 0
         now = time.monotonic()
         self._last_rx = self._last_ping = self._last_progress = now
-        log.info("connected to learner %s at %s: acked seq %d, %d records to resend, version %d, mode %s",
-                 self.learner_id, self.endpoint, acked, len(self.spool), self.policy_version, self.mode)
+        log.info("connected to learner %s at %s: acked seq %d, %d records to resend, version %d, "
+                 "mode %s, extras %s, jobs %s", self.learner_id, self.endpoint, acked, len(self.spool),
+                 self.policy_version, self.mode, sorted(spec.extras), self.jobs)
         self.flush()
 
     def reconnect(self, *, block: bool = True) -> None:
@@ -261,9 +281,11 @@ class LearnerClient:
             self._next_send = key[1] + 1
 
     def act(self, arrays: dict[str, np.ndarray], tasks: list[str], *, deterministic: bool = False
-            ) -> tuple[np.ndarray, int]:
-        """Actions [B, H, A] and the policy version that produced them. Retries forever
-        (a robot waits for its learner); reconnects after ``reconnect_after`` timeouts."""
+            ) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
+        """Actions [B, H, A], the policy version that produced them and the policy extras
+        ``{"extra.<name>": [B, *shape]}`` (each extra the welcome's spec declares, checked).
+        Retries forever (a robot waits for its learner); reconnects after
+        ``reconnect_after`` timeouts."""
         misses = 0
         while True:
             if self.sock is None:
@@ -286,7 +308,8 @@ class LearnerClient:
                 if msg.type == "act_reply" and msg["req_id"] == req:
                     self.last_act_ms = (time.perf_counter() - t0) * 1000.0
                     self.policy_version = msg["policy_version"]
-                    return np.array(msg.arrays["actions"]), msg["policy_version"]
+                    actions = np.array(msg.arrays["actions"])
+                    return actions, msg["policy_version"], self._reply_extras(msg, len(actions))
                 if msg.type == "error" and msg["code"] in ("bad_observation", "inference_failed"):
                     raise ValueError(f"learner rejected the observation: {msg['message']}")
                 self._dispatch(msg)
@@ -297,6 +320,65 @@ class LearnerClient:
             misses += 1
             if misses % self.reconnect_after == 0 or not self.connected:
                 self.reconnect()
+
+    def _reply_extras(self, msg: Message, n: int) -> dict[str, np.ndarray]:
+        extras = {k: np.array(v) for k, v in msg.arrays.items() if k.startswith(EXTRA_PREFIX)}
+        for name, (dt, shape) in (self.spec.extras if self.spec else {}).items():
+            a = extras.get(EXTRA_PREFIX + name)
+            if a is None or a.dtype != np.dtype(dt) or a.shape != (n, *shape):
+                got = "nothing" if a is None else f"{a.dtype.name}{tuple(a.shape)}"
+                raise ValueError(f"act reply: extra {name!r} is {got}, the learner declared "
+                                 f"{dt}{(n, *shape)}")
+        return extras
+
+    def get_job(self, episode: int) -> Job | None:
+        """The learner's job for ``episode`` (the episode this actor is about to start), or
+        None: the learner hands out no jobs (welcome ``jobs`` false), has none now
+        (``no_job``), or did not answer within ``timeout_s`` (then the actor runs as it
+        likes; logged once per outage, and after ``reconnect_after`` such misses the socket
+        is rebuilt as for other requests)."""
+        deadline = time.monotonic() + self.timeout_s
+        sent_on = None  # the connection (learner id, socket) the request went out on
+        while time.monotonic() < deadline:
+            if self.sock is None or not self.connected:
+                self._pump_handshake(min(0.2, max(0.0, deadline - time.monotonic())))
+                continue
+            if not self.jobs:
+                return None
+            if sent_on != (self.learner_id, id(self.sock)):
+                self.sock.send_multipart(encode("get_job", {"episode": int(episode)}))
+                sent_on = (self.learner_id, id(self.sock))
+            if not self.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                break
+            msg = self._recv()
+            if msg is None:
+                continue
+            if msg.type in ("job", "no_job") and msg["episode"] == episode:
+                self._job_misses, self._job_warned = 0, False
+                if msg.type == "no_job":
+                    return None
+                try:
+                    return Job.from_fields(msg)
+                except (KeyError, TypeError, ValueError) as exc:
+                    log.error("bad job from learner for episode %d: %s", episode, exc)
+                    return None
+            if msg.type == "error" and msg["code"] in ("job_failed", "bad_request"):
+                log.error("learner could not give a job for episode %d: %s", episode, msg["message"])
+                return None
+            if msg.type in ("job", "no_job"):
+                continue  # a late answer for an earlier episode
+            self._dispatch(msg)
+        if self.connected and not self.jobs:
+            return None
+        self._job_misses += 1
+        if not self._job_warned:
+            log.warning("no job from the learner for episode %d within %.1fs: running it as this "
+                        "actor likes (logged once until the learner answers again)", episode,
+                        self.timeout_s)
+            self._job_warned = True
+        if self.connected and self._job_misses % self.reconnect_after == 0:
+            self.reconnect(block=False)
+        return None
 
     def request_weights(self, have_version: int = -1) -> Message | None:
         """Ask for the latest weights over the reliable channel; returns the message or None."""

@@ -4,6 +4,10 @@ Weights arrive on the learner's PUB socket (latest wins: the SUB queue is draine
 the newest version is loaded). PUB is lossy, so when a pong reports a newer version than
 the one loaded and no broadcast brought it, the weights are fetched over the request
 channel instead.
+
+:meth:`LocalPolicy.act` returns what a remote act reply holds: actions [B, H, A], the
+version and ``{"extra.<name>": [B, *shape]}`` of the policy's declared extras, checked the
+same way the learner's inference thread checks them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from data.core.codec import CodecError, Message, decode
 from data.core.schema import TASK
 from data.core.security import configure_client_socket
 from data.core.weights import from_wire
+from data.transitions import extras_to_numpy
 
 log = logging.getLogger("tandem.actor.local")
 
@@ -27,6 +32,9 @@ class LocalPolicy:
     def __init__(self, policy_cfg, spec, *, ctx: zmq.Context, host: str, pub_port: int,
                  security: dict | None = None):
         self.policy = registry.build_policy(policy_cfg, spec).eval()
+        spec_fn = getattr(self.policy, "extras_spec", None)
+        #: the policy's declared extras: name -> (dtype, per-chunk shape)
+        self.extras_spec = dict(spec_fn()) if callable(spec_fn) else {}
         self.version = -1
         self.learner_id: str | None = None
         self.sub = ctx.socket(zmq.SUB)
@@ -72,11 +80,17 @@ class LocalPolicy:
             self.fetch(client)
 
     @torch.no_grad()
-    def act(self, arrays: dict[str, np.ndarray], tasks: list[str], deterministic: bool):
+    def act(self, arrays: dict[str, np.ndarray], tasks: list[str], deterministic: bool
+            ) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
         obs = {k: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()}
         obs[TASK] = tasks
         chunk = self.policy.act(obs, deterministic=deterministic)
-        return chunk.actions.float().numpy(), max(self.version, 0)
+        actions = chunk.actions.float().numpy()
+        try:
+            extras = extras_to_numpy(chunk.extras_with_log_prob(), self.extras_spec, len(actions))
+        except ValueError as exc:
+            raise ValueError(f"local policy: {exc}") from None
+        return actions, max(self.version, 0), extras
 
     def close(self) -> None:
         self.sub.close(0)

@@ -5,6 +5,27 @@ terminated and truncated (separately), intervened, success, the policy version t
 produced the action, the episode id and step index. After an episode's last step it
 records the final observation (``is_last``). Records are batched into the spool and
 streamed by :class:`actor.client.LearnerClient`.
+
+Chunks, extras and jobs (columns of :mod:`data.core.schema`):
+
+- ``chunk_start`` is True on the step whose observation the policy was just asked about
+  and whose executed action is the first of that chunk; ``chunk_index`` is the step's
+  position in the chunk being executed (0, 1, ...).
+- ``extra.<name>``: every step carries the extras of the chunk it belongs to (the same
+  value on each step of a chunk). The layout (names, dtypes, shapes) is the one the
+  learner declared in its welcome (``client.spec.extras``); a policy that misses a declared
+  extra is an error, one the learner did not declare is dropped (logged once).
+- A step driven by the human (``intervened``): ``chunk_start`` is False (its action is not
+  the policy's), ``chunk_index`` is its position in the policy chunk it interrupted, and it
+  carries that interrupted chunk's extras and version. After the human lets go the policy
+  is asked again, so the next policy step starts a new chunk.
+- The ``is_last`` record (final observation, no action, no policy query): ``chunk_start``
+  False, ``chunk_index`` 0, every extra zeros of its declared dtype and shape.
+- ``group_id``: the group of the learner's job for the episode, -1 without one. When the
+  welcome said ``jobs``, the loop asks ``get_job(episode)`` before each reset and runs the
+  job exactly: ``env.reset(seed=job.seed, options=job.reset_options())`` and deterministic
+  actions if ``job.deterministic``. Without a job it resets with ``seed + episode`` and no
+  options, as before.
 """
 
 from __future__ import annotations
@@ -18,12 +39,18 @@ import gymnasium as gym
 import numpy as np
 
 from actor.client import LearnerClient
-from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.jobs import NO_GROUP, Job
+from data.core.schema import EXTRA_PREFIX, OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from data.transitions import TransitionBatch
 
 log = logging.getLogger("tandem.actor")
 
-ActFn = Callable[[dict[str, np.ndarray], list[str], bool], tuple[np.ndarray, int]]
+#: (obs arrays [1, ...], [task], deterministic) -> (actions [1, H, A], policy version,
+#: {"extra.<name>": [1, *shape]})
+ActFn = Callable[[dict[str, np.ndarray], list[str], bool],
+                 tuple[np.ndarray, int, dict[str, np.ndarray]]]
+#: episode id -> the learner's job for it, or None
+JobFn = Callable[[int], "Job | None"]
 
 
 def obs_arrays(obs: dict) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -49,6 +76,7 @@ class ActorLoop:
         seed: int = 0,
         log_every_s: float = 5.0,
         on_poll: Callable[[], None] | None = None,
+        get_job: JobFn | None = None,
     ):
         self.env = env
         self.client = client
@@ -60,6 +88,9 @@ class ActorLoop:
         self.seed = seed
         self.log_every_s = log_every_s
         self.on_poll = on_poll
+        self.get_job = get_job
+        self.jobs_run = 0
+        self._warned_undeclared: set[str] = set()
         self.records: list[dict] = []
         self.steps = 0
         self.episodes = 0
@@ -93,22 +124,62 @@ class ActorLoop:
         spool.set_next_episode(episode + 1)
         return episode
 
+    def _declared_extras(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        spec = getattr(self.client, "spec", None)
+        return dict(spec.extras) if spec is not None else {}
+
+    def _zero_extras(self) -> dict[str, np.ndarray]:
+        return {EXTRA_PREFIX + k: np.zeros(shape, dt) for k, (dt, shape) in self._declared_extras().items()}
+
+    def _chunk_extras(self, extras: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Row 0 of the act reply's extras, exactly as the learner declared them."""
+        out = {}
+        for name, (dt, shape) in self._declared_extras().items():
+            a = extras.get(EXTRA_PREFIX + name)
+            if a is None:
+                raise ValueError(f"the learner declares policy extra {name!r} but the policy "
+                                 f"returned only {sorted(extras)}")
+            row = np.asarray(a[0], dtype=dt)
+            if row.shape != tuple(shape):
+                raise ValueError(f"policy extra {name!r}: shape {row.shape}, the learner "
+                                 f"declared {tuple(shape)}")
+            out[EXTRA_PREFIX + name] = row
+        for k in set(extras) - set(out) - self._warned_undeclared:
+            log.warning("dropping policy extra %r: the learner does not declare it", k)
+            self._warned_undeclared.add(k)
+        return out
+
+    def _start_episode(self) -> tuple[int, Job | None, dict]:
+        """Reserve the next episode id, ask the learner for its job, reset the env."""
+        episode = self._new_episode()
+        job = self.get_job(episode) if self.get_job is not None else None
+        if job is None:
+            obs, _ = self.env.reset(seed=self.seed + episode)
+        else:
+            obs, _ = self.env.reset(seed=job.seed, options=job.reset_options())
+            self.jobs_run += 1
+            log.debug("episode %d runs job %s", episode, job)
+        return episode, job, obs
+
     def run(self, *, max_episodes: int = 0, stop: Callable[[], bool] = lambda: False) -> None:
         spool = self.client.spool
         last_log, last_steps = time.monotonic(), 0
-        episode = self._new_episode()
-        obs, info = self.env.reset(seed=self.seed + episode)
+        episode, job, obs = self._start_episode()
         step, ret, success, chunk, ci = 0, 0.0, False, None, 0
-        version = 0
+        version, extras = 0, {}
         while not stop() and not (max_episodes and self.episodes >= max_episodes):
+            group = job.group_id if job is not None else NO_GROUP
             if chunk is None or ci >= len(chunk):
                 arrays, tasks = obs_arrays(obs)
-                actions, version = self.act_fn(arrays, tasks, self.deterministic)
+                deterministic = self.deterministic or (job is not None and job.deterministic)
+                actions, version, reply_extras = self.act_fn(arrays, tasks, deterministic)
+                extras = self._chunk_extras(reply_extras)
                 chunk = actions[0]
                 if self.execute:
                     chunk = chunk[: self.execute]
                 ci = 0
             action = np.asarray(chunk[ci], dtype=np.float32)
+            index = ci
             ci += 1
             next_obs, reward, terminated, truncated, info = self.env.step(action)
             intervened = bool(info.get("intervened", False))
@@ -118,7 +189,8 @@ class ActorLoop:
                 obs, action=executed, reward=np.float32(reward), terminated=bool(terminated),
                 truncated=bool(truncated), intervened=intervened, is_last=False,
                 success=bool(info.get("is_success", False)), policy_version=version,
-                episode=episode, step=step,
+                episode=episode, step=step, chunk_start=index == 0 and not intervened,
+                chunk_index=index, group_id=group, **extras,
             )
             self.steps += 1
             ret += float(reward)
@@ -130,14 +202,16 @@ class ActorLoop:
                 self._record(
                     obs, action=np.zeros_like(action), reward=np.float32(0.0), terminated=False,
                     truncated=False, intervened=False, is_last=True, success=success,
-                    policy_version=version, episode=episode, step=step,
+                    policy_version=version, episode=episode, step=step, chunk_start=False,
+                    chunk_index=0, group_id=group, **self._zero_extras(),
                 )
                 self._flush(force=True)
                 self.episodes += 1
                 self.returns.append(ret)
                 self.successes.append(float(success))
-                episode = self._new_episode()
-                obs, info = self.env.reset(seed=self.seed + episode)
+                if max_episodes and self.episodes >= max_episodes:
+                    break  # do not reserve (or take a job for) an episode that will not run
+                episode, job, obs = self._start_episode()
                 step, ret, success, chunk = 0, 0.0, False, None
             else:
                 self._flush()

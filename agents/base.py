@@ -1,4 +1,5 @@
-"""The contracts between the learner and what it trains: Policy, Agent, and their pairing.
+"""The contracts between the learner and what it trains: Policy, its typed capabilities,
+and the algorithm Builder.
 
 Batches are dicts of torch tensors with the keys of :mod:`data.core.schema`:
 
@@ -6,20 +7,27 @@ Batches are dicts of torch tensors with the keys of :mod:`data.core.schema`:
     "observation.images.<cam>"    uint8   [B, H, W, 3]
     "task"                        list[str] of length B (only where the env has tasks)
 
-A training batch (from the replay buffer) adds ``action`` [B, A] (or [B, H, A] for chunked
-policies), ``reward`` [B], ``terminated`` [B] bool, ``truncated`` [B] bool,
-``intervened`` [B] bool, ``policy_version`` [B] int64, and ``next.<obs key>`` for each
-observation key.
+A training batch (from the replay buffer) adds ``action`` [B, A] (or [B, H, A] when the
+algorithm samples whole chunks), ``reward`` [B] (or [B, H]), ``terminated`` [B] bool,
+``truncated`` [B] bool, ``intervened`` [B] bool, ``policy_version`` [B] int64,
+``extra.<name>`` for each policy extra, and ``next.<obs key>`` for each observation key.
+
+Capabilities are Protocols: a policy class has a capability when it defines every member of
+the protocol (:func:`capabilities_of`). An algorithm lists the ones it needs in ``requires``
+and :func:`check_pair` fails at start-up naming the pair and what is missing.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
 Batch = dict[str, Any]
+#: a policy's extras: name -> (dtype, per-chunk shape), see :meth:`Policy.extras_spec`
+ExtrasSpec = dict[str, tuple[str, tuple[int, ...]]]
 
 
 class NotSupported(NotImplementedError):
@@ -28,42 +36,165 @@ class NotSupported(NotImplementedError):
 
 @dataclass
 class ActionChunk:
-    """Policy output: ``actions`` [B, H, A] float32 in [-1, 1]; ``log_prob`` [B] or None."""
+    """Policy output: ``actions`` [B, H, A] float32 in [-1, 1]; ``log_prob`` [B] or None;
+    ``extras`` name -> [B, ...] tensors (PI0's noise, OFT's action tokens, a value, ...)."""
 
     actions: torch.Tensor
     log_prob: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def extras_with_log_prob(self) -> dict[str, torch.Tensor]:
+        """``extras`` plus ``log_prob`` under that name when there is one."""
+        out = dict(self.extras)
+        if self.log_prob is not None:
+            out["log_prob"] = self.log_prob
+        return out
+
 
 @runtime_checkable
 class Policy(Protocol):
-    #: capabilities this policy provides, e.g. {"reparam_sample", "log_prob", "bc_loss"}
-    capabilities: frozenset[str]
     chunk_size: int
 
     def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk: ...
+
+    def extras_spec(self) -> ExtrasSpec:
+        """The extras every :meth:`act` returns (``log_prob`` included when it returns one),
+        name -> (dtype, shape of one chunk's value). They travel with the act reply into the
+        records, the replay columns and the dataset as ``extra.<name>``."""
+        ...
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
-class Agent(Protocol):
-    policy: Policy
+# -- typed capabilities -----------------------------------------------------------------------
+@runtime_checkable
+class BCPolicy(Protocol):
+    def bc_loss(self, batch: Batch) -> torch.Tensor:
+        """Behaviour-cloning loss (scalar) of ``batch["action"]`` under the policy."""
+        ...
 
-    def update(self, batches: Iterator[Batch]) -> dict[str, float]: ...
+
+@runtime_checkable
+class LogProbPolicy(Protocol):
+    def log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
+        """Log-likelihood [B] of ``actions`` [B, H, A] (or [B, A] when H = 1)."""
+        ...
+
+
+@runtime_checkable
+class ReparamSampler(Protocol):
+    def sample(self, obs: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """Reparameterised sample: (actions [B, H, A], log_prob [B]), differentiable in the
+        policy's parameters. ``prefix="next."`` reads the next observation of a batch."""
+        ...
+
+
+@runtime_checkable
+class ValuePolicy(Protocol):
+    def value(self, obs: Batch) -> torch.Tensor:
+        """State value [B]."""
+        ...
+
+
+@runtime_checkable
+class FeaturePolicy(Protocol):
+    @property
+    def feature_dim(self) -> int: ...
+
+    def features(self, obs: Batch, prefix: str = "") -> torch.Tensor:
+        """Observation features [B, feature_dim] a critic or value head can read."""
+        ...
+
+
+@runtime_checkable
+class ReferencePolicy(Protocol):
+    def reference(self) -> contextlib.AbstractContextManager:
+        """Inside ``with policy.reference():`` the policy computes as its reference (for a
+        LoRA model: the same model with the adapters disabled; no second copy)."""
+        ...
+
+
+CAPABILITIES: tuple[type, ...] = (BCPolicy, LogProbPolicy, ReparamSampler, ValuePolicy,
+                                  FeaturePolicy, ReferencePolicy)
+
+
+def _members(proto: type) -> frozenset[str]:
+    return frozenset(getattr(proto, "__protocol_attrs__", ()))
+
+
+def has_capability(policy_or_cls: Any, proto: type) -> bool:
+    """True when the class defines every member of ``proto`` (checked on the class, so it
+    works before a large model is built)."""
+    cls = policy_or_cls if isinstance(policy_or_cls, type) else type(policy_or_cls)
+    return all(getattr(cls, m, None) is not None for m in _members(proto))
+
+
+def capabilities_of(policy_or_cls: Any) -> frozenset[type]:
+    return frozenset(p for p in CAPABILITIES if has_capability(policy_or_cls, p))
+
+
+def check_pair(algo_name: str, requires: Iterable[type], policy_name: str,
+               policy_or_cls: Any) -> None:
+    """Fail with a message naming the pair and what is missing, at start-up."""
+    have = capabilities_of(policy_or_cls)
+    missing = sorted(p.__name__ for p in requires if p not in have)
+    if missing:
+        raise ValueError(
+            f"algorithm {algo_name!r} cannot train policy {policy_name!r}: the policy does not "
+            f"provide {', '.join(missing)} (it provides "
+            f"{', '.join(sorted(p.__name__ for p in have)) or 'nothing'})"
+        )
+
+
+# -- algorithms --------------------------------------------------------------------------------
+class Sink(Protocol):
+    """Where ingest puts accepted records (replay ring, rollout queue, ...)."""
+
+    def add(self, batch) -> int:
+        """Store a validated :class:`data.transitions.TransitionBatch` of one actor."""
+        ...
+
+    def abandon(self, actor_id: str, episode: int) -> None:
+        """An unfinished episode of the actor was dropped by ingest."""
+        ...
+
+
+class AlgoLearner(Protocol):
+    """An algorithm's training side, built by its :class:`Builder`. It owns the update
+    cadence: :meth:`step` runs one update when its data allows and returns metrics, else
+    None. :attr:`policy` is the trained policy, whose ``trainable_state_dict`` is published."""
+
+    policy: Any
+
+    def step(self) -> dict[str, float] | None: ...
+
+    def should_publish(self) -> bool:
+        """True after an update that must go out as a new weights version."""
+        ...
 
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def check_pair(algo_name: str, requires: frozenset[str], policy_name: str,
-               provides: frozenset[str]) -> None:
-    """Fail with a message naming the pair and what is missing, at config time."""
-    missing = sorted(requires - provides)
-    if missing:
-        raise ValueError(
-            f"algorithm {algo_name!r} cannot train policy {policy_name!r}: the policy does not "
-            f"provide {', '.join(missing)} (it provides {', '.join(sorted(provides)) or 'nothing'})"
-        )
+class Builder(Protocol):
+    """One per algorithm (acme-style). The learner app calls, in order: ``make_networks``,
+    ``make_data``, ``make_learner``; ``jobs`` may hand actors their next episodes."""
+
+    name: str
+    requires: tuple[type, ...]
+
+    def make_networks(self, spec, policy, device: torch.device) -> Any: ...
+
+    def make_data(self, spec, replay_cfg: Any, *, run_dir, seed: int, device: str, train: bool) -> Any:
+        """The algorithm's data: an object with ``sink`` (a :class:`Sink` for ingest),
+        ``store`` (the episode store or None) and what ``make_learner`` samples from."""
+        ...
+
+    def make_learner(self, networks: Any, data: Any, accelerator: Any, *, env_steps) -> AlgoLearner: ...
+
+    def jobs(self) -> Any:
+        """A job source (``next_job(actor_id, episode)``) or None: actors run as they like."""
+        ...

@@ -1,4 +1,10 @@
-"""Algorithm and policy registry: Hydra config -> objects, with pairing checks at start-up."""
+"""Algorithm and policy registry: Hydra config -> objects, with pairing checks at start-up.
+
+A policy entry names its class and config dataclass; an algorithm entry names its builder
+class (:class:`agents.base.Builder`) and config dataclass. The learner app builds
+everything through :func:`build_builder` and the builder's methods, with no
+algorithm-specific branch.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +23,9 @@ POLICIES: dict[str, tuple[str, str, str]] = {
     "openvla_oft_discrete": ("agents.policies.openvla_oft", "OpenVLAOFTDiscretePolicy",
                              "OpenVLAOFTDiscretePolicyConfig"),
 }
-ALGOS: dict[str, tuple[str, str, str]] = {
-    "sac": ("agents.sac", "SACAgent", "SACConfig"),
+# name -> (builder module, builder class, config module, config dataclass)
+ALGOS: dict[str, tuple[str, str, str, str]] = {
+    "sac": ("agents.sac_builder", "SACBuilder", "agents.sac", "SACConfig"),
 }
 
 
@@ -64,24 +71,24 @@ def policy_class(name: str):
     return _load(POLICIES, "policy", name)[0]
 
 
-def algo_class(name: str):
-    return _load(ALGOS, "algorithm", name)[0]
+def build_builder(algo_cfg: Mapping[str, Any]):
+    """The algorithm's builder from its config section (``name`` picks the algorithm)."""
+    name = algo_cfg["name"]
+    if name not in ALGOS:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGOS)}")
+    bmod, bcls, cmod, ccls = ALGOS[name]
+    cfg = make_config(getattr(importlib.import_module(cmod), ccls), algo_cfg, f"algo={name}")
+    return getattr(importlib.import_module(bmod), bcls)(cfg)
 
 
-def check_algo_policy(algo_name: str, policy_name: str) -> None:
-    algo_cls = algo_class(algo_name)
-    pol_cls = policy_class(policy_name)
-    check_pair(algo_name, frozenset(getattr(algo_cls, "requires", ())), policy_name,
-               frozenset(getattr(pol_cls, "capabilities", ())))
+def check_algo_policy(algo_cfg: Mapping[str, Any], policy_name: str) -> None:
+    """Fail at start-up, before any model is built, when the policy class lacks a
+    capability the configured algorithm needs."""
+    builder = build_builder(algo_cfg)
+    check_pair(algo_cfg["name"], builder.requires, policy_name, policy_class(policy_name))
 
 
 def build_policy(policy_cfg: Mapping[str, Any], spec):
     name = policy_cfg["name"]
     cls, cfg_cls = _load(POLICIES, "policy", name)
     return cls(make_config(cfg_cls, policy_cfg, f"policy={name}"), spec)
-
-
-def build_agent(algo_cfg: Mapping[str, Any], policy, spec, accelerator):
-    name = algo_cfg["name"]
-    cls, cfg_cls = _load(ALGOS, "algorithm", name)
-    return cls(make_config(cfg_cls, algo_cfg, f"algo={name}"), policy, spec, accelerator)

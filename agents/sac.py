@@ -8,6 +8,15 @@ update on the last batch, and returns float metrics. No files, sockets or loggin
 Bootstrapping reads ``terminated`` only; ``truncated`` (time limits) still bootstraps
 from the next observation, which the replay buffer keeps for truncated episodes.
 
+Action chunks (policy ``chunk_size`` H > 1) use Q-chunking: the critic scores the whole
+executed chunk Q(s_t, a_{t:t+H}), trained on replay windows of H steps (``action`` [B, H, A],
+``reward`` [B, H], ``step_mask`` [B, H], ``n_steps`` [B]; see :meth:`data.replay.ReplayBuffer.sample`
+with ``horizon``) against r_t + g r_{t+1} + ... + g^(k-1) r_{t+k-1} + g^k V(s_{t+k}), with k
+the real steps of the window (fewer than H when the episode ended inside it).
+
+The builder (:mod:`agents.sac_builder`) makes the networks and the data, and drives
+updates; this file is the update itself.
+
 The loss computations are plain functions (:func:`td_target`, :func:`critic_loss`,
 :func:`actor_loss`, :func:`temperature_loss`, :func:`soft_update`) so they can be checked
 on known inputs.
@@ -22,55 +31,73 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from agents.base import Batch, check_pair
-from agents.policies.mlp import EnsembleCritic, MLPPolicy, MLPPolicyConfig
+from agents.base import Batch, FeaturePolicy, ReparamSampler, check_pair
+from agents.critics import EnsembleCritic, PolicyFeatures
+from agents.encoders import EncoderConfig, ObsEncoder
 from data.core.spec import EnvSpec
 
 
 @dataclass
 class SACConfig:
-    """Hyperparameters of :class:`SACAgent`.
+    """Hyperparameters of :class:`SACAgent` and its cadence (:mod:`agents.sac_builder`).
 
-    Defaults are the usual SAC ones. Tuned for the CPU demo task tandem/InvertedPendulum-v0
-    (one thread, solved in ~1.2-2.1k env steps): gamma=0.99, tau=0.05, all lrs 1e-3,
-    batch_size=128, utd_ratio=2, init_temperature=0.1, critic_hidden_dims=(64, 64), with
-    ``MLPPolicyConfig(hidden_dims=(64, 64))`` and 250 random steps before learning.
+    The defaults are ``config/algo/sac.yaml``'s, tuned for the CPU demo task
+    tandem/InvertedPendulum-v0 (one thread, solved in ~1.2-2.1k env steps) with
+    ``MLPPolicyConfig(hidden_dims=(64, 64))``. The usual SAC values for bigger tasks:
+    tau=0.005, lrs 3e-4, batch_size=256, init_temperature=1.0, critic widths (256, 256).
     """
 
     #: discount factor
     gamma: float = 0.99
     #: target critic soft-update rate (target <- tau * online + (1 - tau) * target), per critic step
-    tau: float = 0.005
+    tau: float = 0.05
     #: Adam learning rate of the actor
-    actor_lr: float = 3e-4
+    actor_lr: float = 1e-3
     #: Adam learning rate of the critics
-    critic_lr: float = 3e-4
+    critic_lr: float = 1e-3
     #: Adam learning rate of log(alpha)
-    temp_lr: float = 3e-4
-    #: transitions per sampled batch (the trainer samples batches of this size)
-    batch_size: int = 256
-    #: critic updates per ``update`` call, each on its own batch (update-to-data ratio when
-    #: the trainer calls ``update`` once per environment step)
-    utd_ratio: int = 1
+    temp_lr: float = 1e-3
+    #: transitions per sampled batch
+    batch_size: int = 128
+    #: critic updates per ``update`` call, each on its own batch
+    utd_ratio: int = 2
     #: number of Q-functions in the critic ensemble
     num_critics: int = 2
     #: size of the random subset of target critics whose minimum forms the TD target
     #: (RLPD); None means all ``num_critics``
     num_min_qs: int | None = None
     #: initial temperature alpha
-    init_temperature: float = 1.0
+    init_temperature: float = 0.1
     #: entropy target of the temperature loss; None means -(chunk_size * action_dim)
     target_entropy: float | None = None
     #: hidden layer widths of each critic
-    critic_hidden_dims: tuple[int, ...] = (256, 256)
+    critic_hidden_dims: tuple[int, ...] = (64, 64)
     #: LayerNorm after every hidden layer of the critics (RLPD)
     critic_layer_norm: bool = True
+    #: activation of the critics' hidden layers: relu, elu, gelu or silu
+    critic_activation: str = "relu"
+    #: what the critic reads: "own" (its own observation encoder, trained by the critic loss;
+    #: needs nothing from the policy) or "policy" (the policy's frozen ``features``: a small
+    #: head over a VLA's backbone; needs a FeaturePolicy)
+    critic_encoder: str = "own"
+    #: the own encoder's per-camera CNN channels (unused without cameras)
+    critic_cnn_channels: tuple[int, ...] = (32, 32, 32, 32)
+    #: the own encoder's per-camera embedding size
+    critic_image_embed_dim: int = 50
+    #: the own encoder's state MLP width with cameras (0: raw state)
+    critic_state_embed_dim: int = 64
     #: subtract alpha * log pi(a'|s') inside the TD target (soft backup)
     backup_entropy: bool = True
     #: how the actor loss reduces the ensemble's Q-values: "mean" (RLPD) or "min" (SAC)
     actor_q_reduce: str = "mean"
     #: clip the global gradient norm of each network to this value (None: no clipping)
     max_grad_norm: float | None = None
+    #: stored env steps before the first update
+    learning_starts: int = 500
+    #: at most this many updates per stored env step (0 = unlimited)
+    max_update_ratio: float = 1.0
+    #: updates between published weight versions
+    publish_every: int = 25
 
     def __post_init__(self) -> None:
         if self.utd_ratio < 1:
@@ -82,13 +109,23 @@ class SACConfig:
                              f"got {self.num_min_qs}")
         if self.actor_q_reduce not in ("mean", "min"):
             raise ValueError(f"actor_q_reduce must be 'mean' or 'min', got {self.actor_q_reduce!r}")
+        if self.critic_encoder not in ("own", "policy"):
+            raise ValueError(f"critic_encoder must be 'own' or 'policy', got {self.critic_encoder!r}")
         if self.init_temperature <= 0:
             raise ValueError(f"init_temperature must be > 0, got {self.init_temperature}")
+        if self.publish_every < 1 or self.learning_starts < 0 or self.max_update_ratio < 0:
+            raise ValueError("publish_every must be >= 1, learning_starts and max_update_ratio >= 0")
+
+    @property
+    def requires(self) -> tuple[type, ...]:
+        """The policy capabilities this configuration needs."""
+        return (ReparamSampler, FeaturePolicy) if self.critic_encoder == "policy" else (ReparamSampler,)
 
 
 # -- losses on known inputs -------------------------------------------------------------------
 def td_target(reward: torch.Tensor, terminated: torch.Tensor, next_q: torch.Tensor,
-              next_log_prob: torch.Tensor, *, alpha: torch.Tensor | float, gamma: float,
+              next_log_prob: torch.Tensor, *, alpha: torch.Tensor | float,
+              gamma: float | torch.Tensor,
               backup_entropy: bool = True) -> torch.Tensor:
     """Soft TD target [B]: r + gamma * (1 - terminated) * (min_i Q_i(s', a') - alpha * logp').
 
@@ -149,23 +186,54 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
             for k, v in batch.items()}
 
 
-class SACAgent:
-    """SAC over a policy that provides ``reparam_sample``.
+def make_critic(cfg: SACConfig, spec: EnvSpec, policy) -> EnsembleCritic:
+    """The critic ensemble for ``policy``: over its own encoder or the policy's features
+    (``cfg.critic_encoder``), scoring whole chunks of ``policy.chunk_size`` actions."""
+    if cfg.critic_encoder == "policy":
+        encoder: nn.Module = PolicyFeatures(policy)
+    else:
+        encoder = ObsEncoder(spec, EncoderConfig(tuple(cfg.critic_cnn_channels),
+                                                 cfg.critic_image_embed_dim,
+                                                 cfg.critic_state_embed_dim))
+    chunk = int(getattr(policy, "chunk_size", 1))
+    return EnsembleCritic(encoder, chunk * spec.action_dim, num_critics=cfg.num_critics,
+                          hidden_dims=tuple(cfg.critic_hidden_dims),
+                          layer_norm=cfg.critic_layer_norm, activation_name=cfg.critic_activation)
 
-    The policy must offer ``sample_flat(obs, prefix)`` -> (actions [B, H*A], log_prob [B])
-    (reparameterised; ``prefix="next."`` reads the next observation), ``chunk_size`` and
-    ``action_dim``; :class:`agents.policies.mlp.MLPPolicy` does.
+
+def chunk_return(reward: torch.Tensor, gamma: float, step_mask: torch.Tensor | None = None,
+                 n_steps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(discounted reward sum [B], bootstrap discount [B]) of a batch.
+
+    Per-step batches (``reward`` [B]): (reward, gamma). Chunk windows (``reward`` [B, H],
+    ``step_mask`` [B, H], ``n_steps`` [B]): (sum_i gamma^i r_i over the real steps,
+    gamma^n_steps).
+    """
+    if reward.dim() == 1:
+        return reward, torch.full_like(reward, gamma)
+    h = reward.shape[1]
+    powers = gamma ** torch.arange(h, device=reward.device, dtype=reward.dtype)
+    mask = step_mask.to(reward.dtype) if step_mask is not None else torch.ones_like(reward)
+    k = n_steps.to(reward.dtype) if n_steps is not None else mask.sum(1)
+    return (reward * mask * powers).sum(1), torch.pow(torch.tensor(gamma, dtype=reward.dtype,
+                                                                   device=reward.device), k)
+
+
+class SACAgent:
+    """SAC over a :class:`agents.base.ReparamSampler` policy (``sample(obs, prefix)`` ->
+    (actions [B, H, A], log_prob [B]), reparameterised; ``prefix="next."`` reads the next
+    observation).
 
     Networks and optimizers go through ``accelerator.prepare``; ``self.policy`` stays the
-    unwrapped policy (what weight broadcasts read).
+    unwrapped policy (what weight broadcasts read). ``critic`` may be passed in (the builder
+    makes it, :func:`make_critic`); otherwise it is made here.
     """
 
-    requires = frozenset({"reparam_sample"})
     name = "sac"
 
-    def __init__(self, cfg: SACConfig, policy: MLPPolicy, spec: EnvSpec, accelerator: Any):
-        check_pair(self.name, self.requires, type(policy).__name__,
-                   frozenset(getattr(policy, "capabilities", frozenset())))
+    def __init__(self, cfg: SACConfig, policy, spec: EnvSpec, accelerator: Any,
+                 critic: EnsembleCritic | None = None):
+        check_pair(self.name, cfg.requires, type(policy).__name__, policy)
         self.cfg = cfg
         self.spec = spec
         self.accelerator = accelerator
@@ -174,27 +242,24 @@ class SACAgent:
         self.target_entropy = (float(cfg.target_entropy) if cfg.target_entropy is not None
                                else -float(chunk * spec.action_dim))
         self.num_min_qs = cfg.num_min_qs or cfg.num_critics
-        pcfg = getattr(policy, "cfg", None)
-        enc_cfg = pcfg if isinstance(pcfg, MLPPolicyConfig) else MLPPolicyConfig()
-        critic = EnsembleCritic(spec, num_critics=cfg.num_critics,
-                                hidden_dims=tuple(cfg.critic_hidden_dims),
-                                layer_norm=cfg.critic_layer_norm, activation=enc_cfg.activation,
-                                chunk_size=chunk, encoder_cfg=enc_cfg)
+        critic = critic if critic is not None else make_critic(cfg, spec, policy)
         temperature = Temperature(cfg.init_temperature)
         # fused Adam: one kernel per step instead of ~10 ops per tensor (2x faster on CPU)
         fused = accelerator.device.type in ("cpu", "cuda")
         policy.to(accelerator.device)
         critic.to(accelerator.device)
         temperature.to(accelerator.device)
-        actor_opt = torch.optim.Adam(policy.parameters(), lr=cfg.actor_lr, fused=fused)
-        critic_opt = torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr, fused=fused)
+        actor_opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad],
+                                     lr=cfg.actor_lr, fused=fused)
+        critic_opt = torch.optim.Adam([p for p in critic.parameters() if p.requires_grad],
+                                      lr=cfg.critic_lr, fused=fused)
         temp_opt = torch.optim.Adam(temperature.parameters(), lr=cfg.temp_lr, fused=fused)
         (self._actor, self.critic, self.temperature, self.actor_opt, self.critic_opt,
          self.temp_opt) = accelerator.prepare(policy, critic, temperature, actor_opt, critic_opt,
                                               temp_opt)
         self.device = accelerator.device
         # unwrap once: accelerator.unwrap_model is slow (package metadata look-ups per call)
-        self._actor_raw: MLPPolicy = accelerator.unwrap_model(self._actor)
+        self._actor_raw = accelerator.unwrap_model(self._actor)
         self._critic_raw: EnsembleCritic = accelerator.unwrap_model(self.critic)
         self._temp_raw: Temperature = accelerator.unwrap_model(self.temperature)
         self.target_critic = copy.deepcopy(self._critic_raw).to(self.device)
@@ -222,10 +287,12 @@ class SACAgent:
         actor = self._actor_raw
         with torch.no_grad():
             alpha = self.temperature()
-            next_a, next_logp = actor.sample_flat(batch, "next.")
+            next_a, next_logp = actor.sample(batch, "next.")
             next_q = self._target_q_subset(self.target_critic(batch, next_a, "next."))
-            target = td_target(batch["reward"].float(), batch["terminated"], next_q, next_logp,
-                               alpha=alpha, gamma=self.cfg.gamma,
+            reward, discount = chunk_return(batch["reward"].float(), self.cfg.gamma,
+                                            batch.get("step_mask"), batch.get("n_steps"))
+            target = td_target(reward, batch["terminated"], next_q, next_logp,
+                               alpha=alpha, gamma=discount,
                                backup_entropy=self.cfg.backup_entropy)
         q = self.critic(batch, batch["action"])
         loss = critic_loss(q, target)
@@ -242,7 +309,7 @@ class SACAgent:
         actor, critic = self._actor_raw, self._critic_raw
         critic.requires_grad_(False)
         try:
-            a, logp = actor.sample_flat(batch)
+            a, logp = actor.sample(batch)
             q = self.critic(batch, a)
             alpha = self.temperature().detach()
             a_loss = actor_loss(q, logp, alpha, self.cfg.actor_q_reduce)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.episode_store import DatasetEpisode, read_episode_table, read_episodes, read_info
+from data.store import DatasetEpisode, read_episode_table, read_episodes, read_info
 from data.replay import ReplayBuffer
 from data.core.schema import OBS_STATE
 from data.transitions import TransitionBatch
@@ -73,7 +73,7 @@ def demo_batch(ep: DatasetEpisode, spec: EnvSpec, *, actor_id: str, episode_end:
     images = {keys.get(k, k): v for k, v in ep.images.items()}
     n = len(ep)
     if "is_last" in cols and "actor_episode" in cols:  # written by Tandem: exact
-        from data.episode_store import tandem_batch
+        from data.store import tandem_batch
 
         ep2 = DatasetEpisode(ep.index, cols, images, ep.tasks, ep.info)
         b = tandem_batch(ep2, spec)

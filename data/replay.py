@@ -11,13 +11,19 @@ Storage (``capacity`` slots, allocated up front)::
 
     observation.state             float32 [C, S]
     observation.images.<cam>      uint8   [C, H, W, 3]   (image_codec="raw")
-                                  or one lossless blob per slot (image_codec="lz4"/"zlib")
+                                  or one lossless blob per slot (image_codec="lz4"/"zlib",
+                                  see :mod:`data.image_store`)
     action                        float32 [C, A]
     reward                        float32 [C]
     terminated, truncated         bool    [C]   (kept apart everywhere)
     intervened, is_last, success  bool    [C]
+    chunk_start                   bool    [C]
     policy_version, step          int32   [C]   (int64 in sampled batches)
-    episode                       int64   [C]
+    chunk_index                   int32   [C]   (int64 in sampled batches)
+    episode, group_id             int64   [C]
+    extra.<name>                  <dtype> [C, *shape]  one per ``spec.extras`` entry, its
+                                  declared dtype (zeros for records that lack it: demos,
+                                  data written before the policy declared it)
     task id, next_idx             int32   [C]   (tasks kept once in a table)
     valid, episode_success        bool    [C]
 
@@ -27,17 +33,17 @@ set on every record of an episode when its ``is_last`` record (whose ``success``
 episode's outcome) arrives; the success-filtered view of :mod:`data.sampler` uses it.
 
 ``sample(n)`` returns torch tensors: the record keys with :data:`data.core.schema.STEP_ARRAYS`
-dtypes, the observation keys, ``"next." + <obs key>`` and ``"task"`` (a list of str).
-Images stay uint8 ``[B, H, W, 3]`` (the policy converts them on its device). When the
-buffer's device is CUDA, the batch is gathered into pinned host memory and copied with
-``non_blocking=True``.
+dtypes, ``extra.<name>`` [B, *shape] (their declared dtypes), the observation keys,
+``"next." + <obs key>`` and ``"task"`` (a list of str). Images stay uint8 ``[B, H, W, 3]``
+(the policy converts them on its device). When the buffer's device is CUDA, the batch is
+gathered into pinned host memory and copied with ``non_blocking=True``.
 
-Image codecs: ``raw`` (default) keeps uint8 arrays: the fastest sampling, 1/8 of the memory
-of float32 images stored twice (lerobot's RL buffer) plus one final frame per episode.
-``lz4`` (needs the ``lz4`` package; ``auto`` picks it when installed) and ``zlib`` keep each
-frame as a lossless blob (vertical-delta filter + codec): simulator renders shrink 10-40x,
-noisy camera images 1.0-1.8x; decoding costs ~60 us (lz4) or ~300 us (zlib) per 128x128
-frame at sample time. Frames that do not compress are kept as they are.
+``sample(n, horizon=H)`` with H > 1 returns action-chunk windows (:mod:`data.replay_windows`
+says which windows are available and why none is stale): ``action`` [B, H, A] (padded past
+the episode's end with the last real action), ``reward`` [B, H] (0 past the end),
+``step_mask`` [B, H] bool, ``n_steps`` [B] int64 (k real steps), ``terminated`` /
+``truncated`` [B] (at one of the real steps), ``next.<obs key>`` after the k-th step, and
+every other key from the window's first step.
 
 ``add`` and ``sample`` take one lock; the gather runs under it (raw images), or only the
 blob look-up does and encoding / decoding run outside it (lz4, zlib).
@@ -46,168 +52,38 @@ blob look-up does and encoding / decoding run outside it (lz4, zlib).
 from __future__ import annotations
 
 import threading
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
+from data.image_store import IMAGE_CODECS, make_image_store, resolve_codec
+from data.replay_windows import draw, follow
 from data.transitions import TransitionBatch
 from data.core.spec import EnvSpec
 
-IMAGE_CODECS = ("raw", "lz4", "zlib", "auto")
+__all__ = ["IMAGE_CODECS", "ReplayBuffer", "SlotFilter", "resolve_codec"]
+
 # A filter for :meth:`ReplayBuffer.sample`: called under the buffer's lock with the buffer,
 # returns a bool mask [capacity] of the slots it admits (ANDed with "is a transition").
 SlotFilter = Callable[["ReplayBuffer"], np.ndarray]
 
+_FLAGS = ("terminated", "truncated", "intervened", "is_last", "success", "chunk_start")
+# record columns besides action, flags and extras: name -> storage dtype (batches: int64)
+_INTS = {"policy_version": np.int32, "step": np.int32, "chunk_index": np.int32,
+         "episode": np.int64, "group_id": np.int64}
+
 
 @dataclass
-class _OpenEpisode:
+class _OpenChain:
+    """The newest stored record of an (actor, episode) still waiting for its successor."""
+
     slot: int                 # slot of the episode's newest record
     gidx: int                 # global index (total_added at the time) of that record
     gidxs: list[int] = field(default_factory=list)  # every record's global index so far
-
-
-class _RawImages:
-    """uint8 [C, H, W, 3]; gathered under the buffer's lock."""
-
-    lazy = False
-
-    def __init__(self, capacity: int, shape: tuple[int, int, int]):
-        self.shape = tuple(shape)
-        self.data = np.zeros((capacity, *shape), dtype=np.uint8)
-
-    def put(self, slots, arr: np.ndarray) -> None:
-        self.data[slots] = arr
-
-    def get(self, slots: np.ndarray, out: np.ndarray) -> None:
-        np.take(self.data, slots, axis=0, out=out)
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
-
-    def close(self) -> None:
-        pass
-
-
-def _up_filter(img: np.ndarray) -> np.ndarray:
-    """Vertical delta (PNG's "up" filter): smooth images become mostly small values."""
-    d = np.array(img, dtype=np.uint8, copy=True)
-    d[1:] -= img[:-1]
-    return d
-
-
-class _BlobImages:
-    """One lossless blob per slot (vertical-delta filter + a byte codec), decoded outside the
-    buffer's lock in a small thread pool (the codecs and numpy release the GIL)."""
-
-    lazy = True
-    _OBJ_OVERHEAD = 33 + 8  # bytes object header + list pointer
-
-    def __init__(self, capacity: int, shape: tuple[int, int, int], threads: int):
-        self.shape = tuple(shape)
-        self.raw_size = int(np.prod(shape))
-        self.blobs: list[bytes | None] = [None] * capacity
-        self._size = 0
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="replay-decode") \
-            if threads > 1 else None
-        self._zero = self.encode(np.zeros(self.shape, np.uint8))
-
-    def encode(self, img: np.ndarray) -> bytes:
-        raise NotImplementedError
-
-    def _inflate(self, blob: bytes) -> bytes:
-        raise NotImplementedError
-
-    def decode_into(self, blob: bytes, out: np.ndarray) -> None:
-        if len(blob) == self.raw_size + 1 and blob[-1:] == b"R":  # stored uncompressed
-            out[...] = np.frombuffer(blob, np.uint8, self.raw_size).reshape(self.shape)
-            return
-        d = np.frombuffer(self._inflate(blob), np.uint8).reshape(self.shape)
-        np.cumsum(d, axis=0, dtype=np.uint8, out=out)
-
-    def put(self, slots, blobs: list[bytes]) -> None:
-        """Store blobs made by :meth:`encode` (outside the buffer's lock)."""
-        slot_list = range(slots.start, slots.stop) if isinstance(slots, slice) else slots.tolist()
-        for s, new in zip(slot_list, blobs):
-            old = self.blobs[s]
-            self._size += len(new) - (len(old) if old is not None else 0)
-            self.blobs[s] = new
-
-    def refs(self, slots: np.ndarray) -> list[bytes]:
-        b = self.blobs
-        return [b[s] if b[s] is not None else self._zero for s in slots]
-
-    def decode(self, refs: list[bytes], out: np.ndarray) -> None:
-        if self._pool is None or len(refs) < 16:
-            for i, blob in enumerate(refs):
-                self.decode_into(blob, out[i])
-            return
-        parts = np.array_split(np.arange(len(refs)), self._pool._max_workers)
-
-        def run(ix):
-            for i in ix:
-                self.decode_into(refs[i], out[i])
-
-        list(self._pool.map(run, parts))
-
-    @property
-    def nbytes(self) -> int:
-        n = sum(1 for b in self.blobs if b is not None)
-        return self._size + n * self._OBJ_OVERHEAD + len(self.blobs) * 8
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-
-
-class _ZlibImages(_BlobImages):
-    """zlib level 1: the smallest, decoding ~5x slower than lz4."""
-
-    def encode(self, img: np.ndarray) -> bytes:
-        return zlib.compress(_up_filter(img), 1)
-
-    def _inflate(self, blob: bytes) -> bytes:
-        return zlib.decompress(blob)
-
-
-class _Lz4Images(_BlobImages):
-    """lz4 (fast mode, then high-compression mode if that saves little); a frame that does
-    not compress is kept uncompressed (tagged), so it costs a copy to read, no decoding."""
-
-    def __init__(self, capacity: int, shape: tuple[int, int, int], threads: int):
-        import lz4.block
-
-        self._lz4 = lz4.block
-        super().__init__(capacity, shape, threads)
-
-    def encode(self, img: np.ndarray) -> bytes:
-        d = _up_filter(img).tobytes()
-        blob = self._lz4.compress(d, store_size=True)
-        if len(blob) > 0.8 * self.raw_size:
-            blob = min(blob, self._lz4.compress(d, mode="high_compression", compression=3,
-                                                store_size=True), key=len)
-        if len(blob) > 0.95 * self.raw_size:
-            return np.ascontiguousarray(img, np.uint8).tobytes() + b"R"
-        return blob
-
-    def _inflate(self, blob: bytes) -> bytes:
-        return self._lz4.decompress(blob)
-
-
-def resolve_codec(codec: str) -> str:
-    """``auto``: lz4 when the ``lz4`` package is installed, else raw."""
-    if codec != "auto":
-        return codec
-    try:
-        import lz4.block  # noqa: F401
-    except ImportError:
-        return "raw"
-    return "lz4"
 
 
 class ReplayBuffer:
@@ -218,31 +94,30 @@ class ReplayBuffer:
                  image_codec: str = "raw", decode_threads: int = 2, pin_memory: bool | None = None):
         if capacity < 2:
             raise ValueError(f"replay capacity must be >= 2, got {capacity}")
-        if image_codec not in IMAGE_CODECS:
-            raise ValueError(f"image_codec must be one of {IMAGE_CODECS}, got {image_codec!r}")
-        self.capacity = int(capacity)
+        self.capacity = c = int(capacity)
         self.spec = spec
         self.device = torch.device(device)
         self.pin_memory = (self.device.type == "cuda") if pin_memory is None else bool(pin_memory)
         self.image_codec = image_codec = resolve_codec(image_codec)
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
-        c = self.capacity
         self.image_keys = list(spec.image_keys)
-        self._obs_keys = [OBS_STATE] + self.image_keys
         self._state = np.zeros((c, spec.state_dim), np.float32)
-        self._images: dict[str, Any] = {}
-        for k in self.image_keys:
-            shape = tuple(spec.cameras[k[len(OBS_IMAGE_PREFIX):]])
-            cls = {"lz4": _Lz4Images, "zlib": _ZlibImages}.get(image_codec)
-            self._images[k] = _RawImages(c, shape) if cls is None else cls(c, shape, decode_threads)
-        self._action = np.zeros((c, spec.action_dim), np.float32)
-        self._reward = np.zeros(c, np.float32)
-        self._flags = {k: np.zeros(c, bool) for k in
-                       ("terminated", "truncated", "intervened", "is_last", "success")}
-        self._policy_version = np.zeros(c, np.int32)
-        self._step = np.zeros(c, np.int32)
-        self._episode = np.zeros(c, np.int64)
+        self._images: dict[str, Any] = {
+            k: make_image_store(image_codec, c, tuple(spec.cameras[k[len(OBS_IMAGE_PREFIX):]]),
+                                threads=decode_threads)
+            for k in self.image_keys}
+        # every per-record column a batch carries, stored [C, *shape]
+        self._cols: dict[str, np.ndarray] = {
+            "action": np.zeros((c, spec.action_dim), np.float32),
+            "reward": np.zeros(c, np.float32),
+            **{k: np.zeros(c, bool) for k in _FLAGS},
+            **{k: np.zeros(c, dt) for k, dt in _INTS.items()},
+        }
+        for k, name in zip(spec.extra_keys, sorted(spec.extras)):
+            dt, shape = spec.extras[name]
+            self._cols[k] = np.zeros((c, *shape), np.dtype(dt))
+        self._flags = {k: self._cols[k] for k in _FLAGS}
         self._task_id = np.zeros(c, np.int32)
         self._next_idx = np.full(c, -1, np.int32)
         self._valid = np.zeros(c, bool)
@@ -251,7 +126,7 @@ class ReplayBuffer:
         self._task_ids: dict[str, int] = {}
         self._pos = 0
         self._size = 0
-        self._open: dict[tuple[str, int], _OpenEpisode] = {}
+        self._open: dict[tuple[str, int], _OpenChain] = {}
         self._gidx = 0          # records ever written (global index of the next record)
         self.total_added = 0    # records added by ingest (``add``), restored ones excluded
         self.restored = 0       # records reloaded from disk (``add(..., restored=True)``)
@@ -269,11 +144,10 @@ class ReplayBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the ring's storage (arrays and image blobs; the small task table and
-        the open-episode bookkeeping are not counted)."""
-        arrays = [self._state, self._action, self._reward, self._policy_version, self._step,
-                  self._episode, self._task_id, self._next_idx, self._valid, self._ep_success,
-                  *self._flags.values()]
+        """Bytes held by the ring's storage (arrays, extras and image blobs; the small task
+        table and the open-episode bookkeeping are not counted)."""
+        arrays = [self._state, self._task_id, self._next_idx, self._valid, self._ep_success,
+                  *self._cols.values()]
         return sum(a.nbytes for a in arrays) + sum(s.nbytes for s in self._images.values())
 
     # ---- adding ------------------------------------------------------------------------------
@@ -288,7 +162,9 @@ class ReplayBuffer:
     def add(self, batch: TransitionBatch, *, restored: bool = False) -> int:
         """Store a validated batch (records of one actor, in sequence order); returns the
         number of records stored. Batches longer than the capacity keep their newest
-        ``capacity`` records. ``restored``: records reloaded from disk (counted apart)."""
+        ``capacity`` records. ``restored``: records reloaded from disk (counted apart).
+        Extras the batch lacks are stored as zeros; arrays the spec does not name are
+        ignored."""
         n = len(batch)
         start = 0
         while start < n:  # chunks never wrap onto themselves
@@ -324,41 +200,39 @@ class ReplayBuffer:
             self._state[slots] = a[OBS_STATE][sl]
             for k, store in self._images.items():
                 store.put(slots, encoded[k] if store.lazy else a[k][sl])
-            self._action[slots] = a["action"][sl]
-            self._reward[slots] = a["reward"][sl]
-            for k, arr in self._flags.items():
-                arr[slots] = a[k][sl]
-            self._policy_version[slots] = a["policy_version"][sl]
-            self._step[slots] = a["step"][sl]
-            self._episode[slots] = a["episode"][sl]
+            for k, col in self._cols.items():
+                src = a.get(k)
+                col[slots] = 0 if src is None else src[sl]
             self._task_id[slots] = [self._task(t) for t in batch.tasks[i0:i1]]
-            episodes = a["episode"][sl].tolist()
-            last = a["is_last"][sl].tolist()
-            oldest_alive = self._gidx + n - self.capacity  # global index
-            actor = batch.actor_id
-            for i, j in enumerate(slot_list):
-                g = self._gidx + i
-                key = (actor, episodes[i])
-                op = self._open.get(key)
-                if op is not None and op.gidx >= oldest_alive:
-                    self._next_idx[op.slot] = j
-                    if not self._valid[op.slot]:
-                        self._valid[op.slot] = True
-                        self._n_valid += 1
-                if last[i]:
-                    self._open.pop(key, None)
-                    if self._flags["success"][j] and op is not None:
-                        alive = [x % self.capacity for x in op.gidxs if x >= oldest_alive]
-                        self._ep_success[alive] = True
-                        self._ep_success[j] = True
-                else:
-                    if op is None:
-                        op = self._open[key] = _OpenEpisode(j, g)
-                    op.slot, op.gidx = j, g
-                    op.gidxs.append(g)
+            self._link(batch.actor_id, a["episode"][sl].tolist(), a["is_last"][sl].tolist(),
+                       slot_list, n)
             self._pos = (p + n) % self.capacity
             self._size = min(self._size + n, self.capacity)
             self._gidx += n
+
+    def _link(self, actor: str, episodes: list, last: list, slot_list, n: int) -> None:
+        """Point each open chain at its new record (under the lock)."""
+        oldest_alive = self._gidx + n - self.capacity  # global index
+        for i, j in enumerate(slot_list):
+            g = self._gidx + i
+            key = (actor, episodes[i])
+            op = self._open.get(key)
+            if op is not None and op.gidx >= oldest_alive:
+                self._next_idx[op.slot] = j
+                if not self._valid[op.slot]:
+                    self._valid[op.slot] = True
+                    self._n_valid += 1
+            if last[i]:
+                self._open.pop(key, None)
+                if self._flags["success"][j] and op is not None:
+                    alive = [x % self.capacity for x in op.gidxs if x >= oldest_alive]
+                    self._ep_success[alive] = True
+                    self._ep_success[j] = True
+            else:
+                if op is None:
+                    op = self._open[key] = _OpenChain(j, g)
+                op.slot, op.gidx = j, g
+                op.gidxs.append(g)
 
     def abandon(self, actor_id: str, episode: int) -> None:
         """Forget an unfinished episode (its stored transitions stay; its newest record never
@@ -372,18 +246,32 @@ class ReplayBuffer:
 
     # ---- sampling ----------------------------------------------------------------------------
 
-    def count(self, where: SlotFilter | None = None) -> int:
-        """Number of sampleable transitions admitted by ``where``."""
-        if where is None:
+    def _walk(self, horizon: int):
+        f = self._flags
+        return partial(follow, horizon=horizon, next_idx=self._next_idx, valid=self._valid,
+                       is_last=f["is_last"], terminated=f["terminated"],
+                       truncated=f["truncated"])
+
+    def count(self, where: SlotFilter | None = None, *, horizon: int = 1) -> int:
+        """Number of sampleable transitions admitted by ``where`` (``horizon`` > 1: of
+        available windows, see :mod:`data.replay_windows`; that walks every start)."""
+        if where is None and horizon == 1:
             return len(self)
         with self._lock:
-            return int((self._valid & where(self)).sum())
+            mask = self._valid if where is None else (self._valid & where(self))
+            if horizon == 1:
+                return int(mask.sum())
+            return int(self._walk(horizon)(np.flatnonzero(mask)).ok.sum())
 
-    def sample(self, n: int, *, where: SlotFilter | None = None) -> dict[str, Any]:
+    def sample(self, n: int, *, where: SlotFilter | None = None,
+               horizon: int = 1) -> dict[str, Any]:
         """Uniformly sample ``n`` transitions (with replacement) as torch tensors on the
         buffer's device; ``next.<obs key>`` are the successors' observations. ``where``
-        restricts the pool (see :data:`SlotFilter`). Raises ValueError when the pool is
-        empty."""
+        restricts the pool (see :data:`SlotFilter`; it admits a window by its first step).
+        ``horizon`` > 1: windows of that many steps (module docstring), uniform over the
+        available ones. Raises ValueError when the pool is empty."""
+        if horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
         out: dict[str, torch.Tensor] = {}
         pin = self.pin_memory
 
@@ -398,8 +286,12 @@ class ReplayBuffer:
             if len(pool) == 0:
                 raise ValueError("replay buffer has no transition to sample"
                                  + ("" if where is None else " that passes the filter"))
-            idx = pool[self._rng.integers(0, len(pool), size=n)]
-            nxt = self._next_idx[idx].astype(np.int64)
+            if horizon == 1:
+                idx = pool[self._rng.integers(0, len(pool), size=n)]
+                nxt = self._next_idx[idx].astype(np.int64)
+            else:
+                w = draw(self._rng, pool, n, horizon, self._walk(horizon))
+                idx, nxt = w.slots[:, 0], w.final
             for src, pre in ((idx, ""), (nxt, "next.")):
                 np.take(self._state, src, axis=0,
                         out=alloc(pre + OBS_STATE, (n, self.spec.state_dim), torch.float32))
@@ -409,14 +301,22 @@ class ReplayBuffer:
                         lazy.append((store, store.refs(src), buf))
                     else:
                         store.get(src, buf)
-            np.take(self._action, idx, axis=0,
-                    out=alloc("action", (n, self.spec.action_dim), torch.float32))
-            np.take(self._reward, idx, out=alloc("reward", (n,), torch.float32))
-            for k, arr in self._flags.items():
-                np.take(arr, idx, out=alloc(k, (n,), torch.bool))
-            for k, arr in (("policy_version", self._policy_version), ("step", self._step),
-                           ("episode", self._episode)):
-                alloc(k, (n,), torch.int64)[:] = arr[idx]
+            for k, col in self._cols.items():
+                src = idx
+                if horizon > 1 and k in ("action", "reward"):
+                    src = w.slots  # [n, H]: padded with the last real step
+                elif horizon > 1 and k in ("terminated", "truncated"):
+                    src = w.slots[:, -1]  # the last real step (a window stops at either)
+                buf = alloc(k, (*src.shape, *col.shape[1:]),
+                            torch.int64 if k in _INTS else torch.from_numpy(col[:0]).dtype)
+                if buf.dtype == col.dtype:
+                    np.take(col, src, axis=0, out=buf)
+                else:
+                    buf[...] = col[src]
+            if horizon > 1:
+                out["reward"].numpy()[~w.mask] = 0.0
+                alloc("step_mask", (n, horizon), torch.bool)[:] = w.mask
+                alloc("n_steps", (n,), torch.int64)[:] = w.mask.sum(1)
             tasks = [self._tasks[t] for t in self._task_id[idx].tolist()]
         for store, refs, buf in lazy:
             store.decode(refs, buf)
@@ -432,7 +332,7 @@ class ReplayBuffer:
 
     @property
     def policy_versions(self) -> np.ndarray:
-        return self._policy_version
+        return self._cols["policy_version"]
 
     @property
     def intervened(self) -> np.ndarray:

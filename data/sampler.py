@@ -64,14 +64,15 @@ class MixedSampler:
             n_demo = 0
         return n - n_demo, n_demo
 
-    def sample(self, n: int) -> dict[str, Any]:
+    def sample(self, n: int, **kw) -> dict[str, Any]:
+        """``kw`` (e.g. ``horizon``) go to both sides' ``sample``."""
         n_on, n_demo = self.split(n)
         parts, flags = [], []
         if n_on:
-            parts.append(self.online.sample(n_on))
+            parts.append(self.online.sample(n_on, **kw))
             flags.append(torch.zeros(n_on, dtype=torch.bool))
         if n_demo:
-            parts.append(self.demo.sample(n_demo))
+            parts.append(self.demo.sample(n_demo, **kw))
             flags.append(torch.ones(n_demo, dtype=torch.bool))
         batch = _concat(parts) if len(parts) > 1 else parts[0]
         ref = next(v for v in batch.values() if isinstance(v, torch.Tensor))
@@ -93,8 +94,8 @@ class SuccessView:
     def __len__(self) -> int:
         return self.buffer.count(self._where)
 
-    def sample(self, n: int) -> dict[str, Any]:
-        return self.buffer.sample(n, where=self._where)
+    def sample(self, n: int, **kw) -> dict[str, Any]:
+        return self.buffer.sample(n, where=self._where, **kw)
 
 
 class PolicyVersionView:
@@ -113,19 +114,24 @@ class PolicyVersionView:
     def __len__(self) -> int:
         return self.buffer.count(self._where)
 
-    def sample(self, n: int) -> dict[str, Any]:
-        return self.buffer.sample(n, where=self._where)
+    def sample(self, n: int, **kw) -> dict[str, Any]:
+        return self.buffer.sample(n, where=self._where, **kw)
 
 
 @dataclass
 class Replay:
-    """The learner's replay pieces: ``buffer`` (ingest adds to it), ``store`` (or None),
-    ``sampler`` (what the trainer samples: the buffer, or demos mixed in)."""
+    """The learner's replay pieces: ``buffer`` (ingest's sink: it adds records to it),
+    ``store`` (or None), ``sampler`` (what the algorithm samples: the buffer, or demos
+    mixed in)."""
 
     buffer: ReplayBuffer
     store: Any = None
     sampler: Any = None
     demo: ReplayBuffer | None = None
+
+    @property
+    def sink(self) -> ReplayBuffer:
+        return self.buffer
 
     def status(self) -> dict:
         st: dict[str, Any] = {"transitions": len(self.buffer), "records": self.buffer.num_records}
@@ -159,7 +165,7 @@ def build_replay(cfg, spec: EnvSpec, *, run_dir: str | Path, seed: int = 0, devi
     if not train:
         return rep
     if get("persist", True):
-        from data.episode_store import EpisodeStore
+        from data.store import EpisodeStore
 
         root = get("dataset_dir", None) or Path(run_dir) / "dataset"
         rep.store = EpisodeStore(root, spec, fps=int(get("fps", 10)), video=bool(get("video", True)),

@@ -1,7 +1,10 @@
 """Transition batches: building them on the actor, validating them on the learner.
 
 See :mod:`data.core.schema` for the layout. :meth:`TransitionBatch.validate` is the learner's
-check of untrusted input against the agreed :class:`data.core.spec.EnvSpec`.
+check of untrusted input against the agreed :class:`data.core.spec.EnvSpec` (policy extras
+included: exactly ``spec.extra_keys``, each [N, *shape] in its declared dtype).
+:func:`extras_to_numpy` turns a policy's extras into checked ``extra.<name>`` arrays (the
+learner's inference thread and the actor's local policy both use it).
 """
 
 from __future__ import annotations
@@ -12,15 +15,51 @@ from typing import Any, Sequence
 import numpy as np
 
 from data.core.codec import Message, encode
-from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, STEP_ARRAYS, STEP_DEFAULTS, TASK
-from data.core.spec import EnvSpec
+from data.core.schema import EXTRA_PREFIX, OBS_IMAGE_PREFIX, OBS_STATE, STEP_ARRAYS, STEP_DEFAULTS, TASK
+from data.core.spec import EXTRA_DTYPES, EnvSpec
 
 
-_DTYPES = {dt: np.dtype(dt) for dt in ("float32", "uint8", *STEP_ARRAYS.values())}
+_DTYPES = {dt: np.dtype(dt) for dt in ("float32", "uint8", *STEP_ARRAYS.values(), *EXTRA_DTYPES)}
+#: lower bounds of integer step arrays (group_id -1: no job)
+_MIN = {"chunk_index": 0, "group_id": -1}
 
 
 class TransitionError(ValueError):
     """A transition batch that does not match the schema or the env spec."""
+
+
+def extras_to_numpy(extras: dict[str, Any], declared: dict[str, tuple[str, tuple[int, ...]]],
+                    n: int) -> dict[str, np.ndarray]:
+    """A policy's extras (``ActionChunk.extras_with_log_prob()``: name -> tensor or array
+    [n, *shape]) -> ``{"extra.<name>": numpy array}`` in the declared dtype.
+
+    ``declared`` is the policy's ``extras_spec()``: name -> (dtype, per-chunk shape). Raises
+    ValueError naming the extra when one is missing, undeclared, of the wrong shape or not
+    finite. Torch tensors are moved to the CPU (bfloat16 goes through float32) without
+    importing torch here.
+    """
+    missing = sorted(set(declared) - set(extras))
+    undeclared = sorted(set(extras) - set(declared))
+    if missing or undeclared:
+        raise ValueError(f"policy extras do not match its extras_spec(): missing {missing}, "
+                         f"undeclared {undeclared}")
+    out = {}
+    for name, (dt, shape) in declared.items():
+        v = extras[name]
+        if hasattr(v, "detach"):  # a torch tensor
+            v = v.detach()
+            if v.is_floating_point():
+                v = v.float()
+            v = v.cpu().numpy()
+        a = np.asarray(v)
+        want = (n, *tuple(shape))
+        if a.shape != want:
+            raise ValueError(f"policy extra {name!r}: shape {tuple(a.shape)}, declared {want}")
+        a = np.ascontiguousarray(a.astype(_DTYPES[dt], copy=False))
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise ValueError(f"policy extra {name!r} contains NaN or Inf")
+        out[EXTRA_PREFIX + name] = a
+    return out
 
 
 @dataclass
@@ -90,6 +129,8 @@ class TransitionBatch:
         expected["action"] = ("float32", (spec.action_dim,))
         for k, dt in STEP_ARRAYS.items():
             expected.setdefault(k, (dt, ()))
+        for name, (dt, shape) in spec.extras.items():
+            expected[EXTRA_PREFIX + name] = (dt, tuple(shape))
         extra = sorted(set(a) - set(expected))
         if extra:
             raise TransitionError(f"unexpected arrays {extra}")
@@ -103,6 +144,8 @@ class TransitionBatch:
                 raise TransitionError(f"{k}: shape {tuple(arr.shape)}, expected {(n, *shape)}")
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise TransitionError(f"{k}: contains NaN or Inf")
+            if k in _MIN and n and int(arr.min()) < _MIN[k]:
+                raise TransitionError(f"{k}: values must be >= {_MIN[k]}, got {int(arr.min())}")
         if len(self.tasks) != n or not all(isinstance(t, str) for t in self.tasks):
             raise TransitionError(f"tasks: expected {n} strings")
         if self.first_seq < 0:

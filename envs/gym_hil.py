@@ -23,6 +23,16 @@ Reward: 1.0 on success (gym-hil's sparse reward), which terminates; pushing the 
 of the workspace also terminates (``info["is_success"]`` False, ``info["out_of_bounds"]``
 True). gym-hil's 100-step limit (10 s at 10 Hz) is ``default_max_episode_steps``.
 
+Resets: gym-hil places the objects at random (numpy's global RNG, seeded here from the env's
+own, so ``reset(seed=s)`` reproduces a placement). A learner's job resets with
+``options={"task_id": 0, "init_state": i}``: one task per env, so ``task_id`` must be 0;
+``init_state`` fixes the placement (drawn from an RNG seeded by ``i``, whatever the seed;
+see :mod:`envs.reset_options`). ``info["task_id"]`` and ``info["init_state"]`` (None without
+one) report them.
+
+:func:`gym_hil_spec` gives the layout from a config without importing gym-hil or MuJoCo
+(both are imported when an env is built).
+
 Speed: gym-hil renders with a 4096 shadow map and 8x multisampling, which cost a software
 renderer dearly; ``render_quality: fast`` (default) sets the shadow map size and the
 multisample count to 0 and rebuilds the renderer (no shadows, aliased edges);
@@ -34,20 +44,28 @@ cost is almost all per-triangle work on the robot meshes, so image size matters 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+from data.core.spec import EnvSpec
+from envs.rendering import configure_rendering
+from envs.reset_options import init_state_seed, single_task_init_state
 from envs.wrappers import TEXT_SPACE
 
+#: env_state_dim: the object positions ``include_env_state`` appends (3 per object)
 TASKS: dict[str, dict[str, Any]] = {
-    "PandaPickCube": {"instruction": "pick up the cube", "max_steps": 100},
-    "PandaArrangeBoxes": {"instruction": "push each box onto its target", "max_steps": 100},
+    "PandaPickCube": {"instruction": "pick up the cube", "max_steps": 100, "env_state_dim": 3},
+    "PandaArrangeBoxes": {"instruction": "push each box onto its target", "max_steps": 100,
+                          "env_state_dim": 15},
 }
 DEFAULT_CAMERAS = {"front": "front", "wrist": "wrist"}
+ROBOT_STATE_DIM = 18
+ACTION_DIM = 4
+DEFAULT_IMAGE_SIZE = 128
 MAX_GRIPPER_COMMAND = 255.0
 
 
@@ -59,6 +77,43 @@ def canonical_task(name: str) -> str:
     if n not in TASKS:
         raise ValueError(f"unknown gym-hil task {name!r}; one of {', '.join(TASKS)}")
     return n
+
+
+def _image_hw(size) -> tuple[int, int]:
+    if isinstance(size, int):
+        return int(size), int(size)
+    h, w = size
+    return int(h), int(w)
+
+
+def _check_cameras(cameras: Mapping[str, str] | None) -> dict[str, str]:
+    cams = dict(DEFAULT_CAMERAS if cameras is None else cameras)
+    unknown = set(cams) - set(DEFAULT_CAMERAS)
+    if unknown:
+        raise ValueError(f"gym-hil cameras are {sorted(DEFAULT_CAMERAS)}, got {sorted(unknown)}")
+    return cams
+
+
+def _include_env_state(include_env_state: bool | None, cameras: Mapping[str, str]) -> bool:
+    """Default: object positions in the state only for a state-only env."""
+    return (not cameras) if include_env_state is None else bool(include_env_state)
+
+
+def _render_size(cfg: Mapping[str, Any]):
+    size = cfg.get("render_size") or cfg.get("image_size") or DEFAULT_IMAGE_SIZE
+    return tuple(size) if isinstance(size, list) else size
+
+
+def gym_hil_spec(cfg: Mapping[str, Any]) -> EnvSpec:
+    """The layout :func:`make_gym_hil_env` gives for ``cfg`` (before the config-driven
+    wrappers), without gym-hil or MuJoCo."""
+    task = canonical_task(cfg.get("task", "PandaPickCube"))
+    cams = _check_cameras(cfg.get("cameras"))
+    h, w = _image_hw(_render_size(cfg))
+    env_state = TASKS[task]["env_state_dim"] if _include_env_state(cfg.get("include_env_state"), cams) else 0
+    return EnvSpec(state_dim=ROBOT_STATE_DIM + env_state, action_dim=ACTION_DIM,
+                   cameras={key: (h, w, 3) for key in cams.values()}, has_task=True,
+                   max_episode_steps=int(TASKS[task]["max_steps"]))
 
 
 class GymHilEnv(gym.Env):
@@ -78,27 +133,20 @@ class GymHilEnv(gym.Env):
         random_block_position: bool = True,
         include_env_state: bool | None = None,
         render_quality: str = "fast",
-        max_episode_steps: int | None = None,
         gl: str | None = "auto",
         render_mode: str | None = "rgb_array",
     ):
-        from envs.registry import configure_rendering
-
         configure_rendering(gl)
         import mujoco
         from gym_hil.mujoco_gym_env import GymRenderingSpec
 
         self.task_name = canonical_task(task)
         self.instruction = TASKS[self.task_name]["instruction"]
-        self.default_max_episode_steps = int(max_episode_steps or TASKS[self.task_name]["max_steps"])
-        h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-        self.image_hw = (int(h), int(w))
-        self.cameras = dict(DEFAULT_CAMERAS if cameras is None else cameras)
-        unknown = set(self.cameras) - set(DEFAULT_CAMERAS)
-        if unknown:
-            raise ValueError(f"gym-hil cameras are {sorted(DEFAULT_CAMERAS)}, got {sorted(unknown)}")
+        self.default_max_episode_steps = int(TASKS[self.task_name]["max_steps"])
+        self.image_hw = h, w = _image_hw(image_size)
+        self.cameras = _check_cameras(cameras)
         image_obs = bool(self.cameras)
-        self.include_env_state = (not image_obs) if include_env_state is None else bool(include_env_state)
+        self.include_env_state = _include_env_state(include_env_state, self.cameras)
         spec = GymRenderingSpec(height=self.image_hw[0], width=self.image_hw[1])
         if self.task_name == "PandaPickCube":
             from gym_hil.envs import PandaPickCubeGymEnv
@@ -124,7 +172,11 @@ class GymHilEnv(gym.Env):
         self._last_obs: dict[str, Any] | None = None
         self._done = True
 
-        self._state_dim = 18 + (self._env_state().shape[0] if self.include_env_state else 0)
+        env_state = self._env_state().shape[0]
+        if env_state != TASKS[self.task_name]["env_state_dim"]:  # gym-hil changed its scene
+            raise RuntimeError(f"gym-hil {self.task_name} has {env_state} object coordinates, "
+                               f"TASKS says {TASKS[self.task_name]['env_state_dim']}")
+        self._state_dim = ROBOT_STATE_DIM + (env_state if self.include_env_state else 0)
         obs_spaces: dict[str, spaces.Space] = {
             OBS_STATE: spaces.Box(-np.inf, np.inf, (self._state_dim,), np.float32)
         }
@@ -132,7 +184,7 @@ class GymHilEnv(gym.Env):
             obs_spaces[OBS_IMAGE_PREFIX + key] = spaces.Box(0, 255, (*self.image_hw, 3), np.uint8)
         obs_spaces[TASK] = TEXT_SPACE
         self.observation_space = spaces.Dict(obs_spaces)
-        self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+        self.action_space = spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32)
         self.spec = gym.envs.registration.EnvSpec(
             id=f"tandem/gym_hil-{self.task_name}-v0", entry_point="envs.gym_hil:GymHilEnv",
         )
@@ -161,23 +213,30 @@ class GymHilEnv(gym.Env):
         return obs
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """``options``: a learner's job, ``task_id`` 0 and ``init_state`` (see the module
+        docstring)."""
+        init_state = single_task_init_state(options, f"gym_hil {self.task_name}")
         super().reset(seed=seed)
         # gym-hil samples object positions from numpy's global RNG: seed it from this env's
-        # RNG (reproducible with reset(seed=...)) and restore it afterwards.
+        # RNG (reproducible with reset(seed=...)), or from init_state, and restore it after.
+        if init_state is None:
+            layout_seed = int(self.np_random.integers(2**31 - 1))
+        else:
+            layout_seed = init_state_seed(init_state)
         saved = np.random.get_state()
-        np.random.seed(int(self.np_random.integers(2**31 - 1)))
+        np.random.seed(layout_seed)
         try:
             raw, _ = self._env.reset()
         finally:
             np.random.set_state(saved)
         self._done = False
         self._last_obs = self._format(raw)
-        return self._last_obs, {"is_success": False}
+        return self._last_obs, {"is_success": False, "task_id": 0, "init_state": init_state}
 
     def step(self, action):
         if self._done:
             raise RuntimeError("step() after the episode ended; call reset()")
-        a = np.asarray(action, dtype=np.float64).reshape(4)
+        a = np.asarray(action, dtype=np.float64).reshape(ACTION_DIM)
         if not np.all(np.isfinite(a)):
             raise ValueError(f"non-finite action {a}")
         a = np.clip(a, -1.0, 1.0)
@@ -205,22 +264,19 @@ class GymHilEnv(gym.Env):
 
 
 def make_gym_hil_env(cfg: dict) -> GymHilEnv:
-    """Factory for :mod:`envs.registry` (``name: gym_hil``, ``task: PandaPickCube``)."""
-    size = cfg.get("render_size") or cfg.get("image_size") or 128
-    if isinstance(size, list):
-        size = tuple(size)
+    """Factory for :mod:`envs.registry` (``name: gym_hil``, ``task: PandaPickCube``); the
+    keys are documented in ``config/env/gym_hil_*.yaml``."""
     step = cfg.get("ee_step_size", 0.025)
     if isinstance(step, list):
         step = tuple(step)
     return GymHilEnv(
         cfg.get("task", "PandaPickCube"),
-        image_size=size,
+        image_size=_render_size(cfg),
         cameras=cfg.get("cameras"),
         ee_step_size=step,
         random_block_position=bool(cfg.get("random_block_position", True)),
         include_env_state=cfg.get("include_env_state"),
         render_quality=str(cfg.get("render_quality", "fast")),
-        max_episode_steps=cfg.get("task_max_steps"),
         gl=cfg.get("gl", "auto"),
     )
 

@@ -1,4 +1,5 @@
-"""Env registry: ``make_env(env_cfg) -> gym.Env`` dispatching on ``env_cfg["name"]``.
+"""Env registry: ``make_env(env_cfg) -> gym.Env`` and ``env_spec(env_cfg) -> EnvSpec``,
+dispatching on ``env_cfg["name"]``.
 
 A factory takes the env config as a plain dict and returns the *raw* env (observation
 space already in the common schema of :mod:`data.core.schema`); :func:`make_env` then adds the
@@ -13,40 +14,62 @@ wrappers the config asks for, in this order (innermost first)::
                                 input device; human actions pass the safety wrapper too)
     -> EpisodeRecorder         (``record_dir``)
 
-Built-in names: ``libero`` (needs ``suite``), ``libero_spatial``, ``libero_object``,
-``libero_goal``, ``libero_10``, ``libero_90``, ``gym_hil``, ``robot``, ``reacher``. Register
-your own with :func:`register`; an unknown ``name`` first imports ``envs.<name>`` (if that
-module exists), so a module can register itself at import.
+:func:`env_spec` is what ``spec_from_env(make_env(cfg))`` (:mod:`envs.spec`) gives, computed
+from the config alone, so a learner gets the layout without importing or running a
+simulator: the env's static spec function (registered beside its factory; each lives in a
+module that imports no simulator) gives the raw env's layout, and the wrappers' effect
+(``crop`` / ``image_size``, ``max_episode_steps``) is applied to it. An explicit ``spec:``
+block in the env config (``state_dim``, ``action_dim``, ``cameras: {name: [H, W, 3]}``,
+``has_task``, ``max_episode_steps``; ``default_max_episode_steps`` is read too, the robot
+driver's name for it) wins over the static spec function. It describes the raw env, as the
+driver or simulator produces it; ``crop``/``image_size``/``max_episode_steps`` in the config
+still apply on top. ``robot`` has no static layout (it comes from the driver) and requires
+the block.
 
-Headless rendering: :func:`configure_rendering` picks the MuJoCo GL backend (``MUJOCO_GL``
-and ``PYOPENGL_PLATFORM``) before any simulator is imported. The simulator factories call it
-with the config's ``gl`` key (``auto``, ``egl``, ``osmesa``, ``glfw``); ``auto`` keeps a
-backend the user already exported and otherwise prefers OSMesa when its library is present
-(much faster than EGL on Mesa's llvmpipe for small images), then EGL.
+Built-in names: ``libero`` (needs ``suite``), ``libero_spatial``, ``libero_object``,
+``libero_goal``, ``libero_10``, ``libero_90``, ``gym_hil``, ``robot``, ``reacher``,
+``inverted_pendulum``. Register your own with :func:`register`; an unknown ``name`` first
+imports ``envs.<name>`` (if that module exists), so a module can register itself at import.
+
+Importing this module picks the headless GL backend (:mod:`envs.rendering`) before any
+simulator is imported; it imports neither a simulator nor gymnasium itself.
 """
 
 from __future__ import annotations
 
-import ctypes.util
-import os
-import sys
-import warnings
-from typing import Any, Callable, Mapping
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import gymnasium as gym
+from data.core.spec import EnvSpec
+from envs import rendering  # noqa: F401  (picks MUJOCO_GL before any simulator import)
 
-Factory = Callable[[dict], gym.Env]
+if TYPE_CHECKING:  # pragma: no cover
+    import gymnasium as gym
+
+Factory = Callable[[dict], "gym.Env"]
+SpecFn = Callable[[dict], EnvSpec]
 
 _FACTORIES: dict[str, Factory] = {}
+_SPECS: dict[str, SpecFn] = {}
 
-GL_BACKENDS = ("egl", "osmesa", "glfw")
+LIBERO_SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
 
 
-def register(name: str, factory: Factory, *, overwrite: bool = False) -> None:
-    """Register ``factory(env_cfg: dict) -> gym.Env`` under ``name``."""
+def register(name: str, factory: Factory, *, spec: SpecFn | None = None,
+             overwrite: bool = False) -> None:
+    """Register ``factory(env_cfg: dict) -> gym.Env`` under ``name``.
+
+    ``spec(env_cfg: dict) -> EnvSpec``: the layout of the env ``factory`` builds from that
+    config, before the config-driven wrappers (:func:`env_spec` adds their effect), computed
+    without building it. Without one, :func:`env_spec` needs a ``spec:`` block in the config.
+    """
     if not overwrite and name in _FACTORIES and _FACTORIES[name] is not factory:
         raise ValueError(f"env {name!r} is already registered; pass overwrite=True to replace it")
     _FACTORIES[name] = factory
+    if spec is not None:
+        _SPECS[name] = spec
+    else:
+        _SPECS.pop(name, None)
 
 
 def registered() -> list[str]:
@@ -69,33 +92,31 @@ def to_dict(env_cfg: Any) -> dict:
     return dict(env_cfg)
 
 
-def _factory(name: str) -> Factory:
+def _name(cfg: dict) -> str:
+    name = cfg.get("name")
+    if not name:
+        raise ValueError(f"env config has no 'name': {cfg}")
+    name = str(name)
     if name not in _FACTORIES and name.isidentifier():
         # a module envs/<name>.py may register itself on import
-        import importlib
-
         try:
             importlib.import_module(f"envs.{name}")
         except ModuleNotFoundError as exc:
             if exc.name != f"envs.{name}":
                 raise
-    try:
-        return _FACTORIES[name]
-    except KeyError:
-        raise ValueError(f"unknown env {name!r}; registered: {', '.join(registered())}") from None
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown env {name!r}; registered: {', '.join(registered())}")
+    return name
 
 
-def make_raw_env(env_cfg: Any) -> gym.Env:
+def make_raw_env(env_cfg: Any) -> "gym.Env":
     """The env the factory builds, without the config-driven wrappers."""
     cfg = to_dict(env_cfg)
-    name = cfg.get("name")
-    if not name:
-        raise ValueError(f"env config has no 'name': {cfg}")
-    return _factory(str(name))(cfg)
+    return _FACTORIES[_name(cfg)](cfg)
 
 
 def make_env(env_cfg: Any, *, intervention=None,
-             intervention_kwargs: Mapping[str, Any] | None = None) -> gym.Env:
+             intervention_kwargs: Mapping[str, Any] | None = None) -> "gym.Env":
     """Build the env named by ``env_cfg["name"]`` and wrap it as the config says.
 
     ``intervention``: an :class:`envs.intervention.InterventionSource` (started) to put
@@ -110,9 +131,8 @@ def make_env(env_cfg: Any, *, intervention=None,
     if crop or (size and not _images_already(env, size)):
         env = W.ImageTransform(env, size=size, crop=crop)
 
-    limit = cfg.get("max_episode_steps")
-    if limit is None:
-        limit = getattr(env.unwrapped, "default_max_episode_steps", None)
+    # 0 / null: the env's own limit (as env_spec reads it)
+    limit = cfg.get("max_episode_steps") or getattr(env.unwrapped, "default_max_episode_steps", None)
     if limit and not W.has_time_limit(env):
         env = W.TimeLimit(env, int(limit))
 
@@ -137,125 +157,108 @@ def make_env(env_cfg: Any, *, intervention=None,
     return env
 
 
-def _images_already(env: gym.Env, size) -> bool:
+def _hw(size) -> tuple[int, int]:
+    if isinstance(size, int):
+        return size, size
+    h, w = size
+    return int(h), int(w)
+
+
+def _images_already(env: "gym.Env", size) -> bool:
     from data.core.schema import OBS_IMAGE_PREFIX
 
-    hw = (size, size) if isinstance(size, int) else tuple(size)
     shapes = [tuple(s.shape[:2]) for k, s in env.observation_space.spaces.items()
               if k.startswith(OBS_IMAGE_PREFIX)]
-    return all(s == tuple(hw) for s in shapes)
+    return all(s == _hw(size) for s in shapes)
 
 
-# ---------------------------------------------------------------- headless rendering
+# ---------------------------------------------------------------- specs without a simulator
 
-def _have_lib(name: str) -> bool:
-    return ctypes.util.find_library(name) is not None
-
-
-def configure_rendering(backend: str | None = "auto") -> str:
-    """Set ``MUJOCO_GL``/``PYOPENGL_PLATFORM`` for headless rendering; return the backend.
-
-    Must run before ``mujoco`` (or robosuite / OpenGL) is imported to take effect. With
-    ``auto`` an exported ``MUJOCO_GL`` wins; otherwise OSMesa if ``libOSMesa`` is installed
-    (Debian ``libosmesa6``), else EGL (Debian ``libegl1`` + ``libgl1-mesa-dri``).
-    """
-    backend = (backend or "auto").lower()
-    current = os.environ.get("MUJOCO_GL", "").lower()
-    if backend == "auto":
-        if current:
-            backend = current
-        elif _have_lib("OSMesa"):
-            backend = "osmesa"
-        elif _have_lib("EGL"):
-            backend = "egl"
-        else:
-            raise RuntimeError(
-                "no headless OpenGL found: install Debian libosmesa6 (OSMesa) or libegl1 + "
-                "libgl1-mesa-dri (EGL), or export MUJOCO_GL"
-            )
-    if backend not in GL_BACKENDS:
-        raise ValueError(f"gl backend must be one of auto, {', '.join(GL_BACKENDS)}; got {backend!r}")
-    glmod = sys.modules.get("mujoco.rendering.classic.gl_context")
-    chosen = getattr(glmod, "_MUJOCO_GL", None) if glmod is not None else None
-    if chosen is not None and chosen != backend and not (chosen in ("", "glfw") and backend == "glfw"):
-        raise RuntimeError(
-            f"MuJoCo was already imported with MUJOCO_GL={chosen or '(unset: GLFW)'}; it cannot switch "
-            f"to {backend} in this process. Import envs.registry (or export MUJOCO_GL={backend}) "
-            "before anything imports mujoco."
-        )
-    if current and current != backend:
-        warnings.warn(f"MUJOCO_GL={current} from the environment is replaced by {backend}", stacklevel=2)
-    os.environ["MUJOCO_GL"] = backend
-    if backend in ("egl", "osmesa"):
-        plat = os.environ.get("PYOPENGL_PLATFORM", "").lower()
-        if plat and plat != backend and "OpenGL" in sys.modules:
-            raise RuntimeError(
-                f"PyOpenGL was already imported with PYOPENGL_PLATFORM={plat}; cannot use {backend}"
-            )
-        os.environ["PYOPENGL_PLATFORM"] = backend
-    else:
-        os.environ.pop("PYOPENGL_PLATFORM", None)
-    return backend
+def spec_from_block(block: Any, env_name: str = "env") -> EnvSpec:
+    """An :class:`EnvSpec` from a config's ``spec:`` block (extra keys, e.g. the robot
+    driver's ``action_low`` or ``ee_pos_index``, are ignored)."""
+    if not isinstance(block, Mapping):
+        raise ValueError(f"env {env_name!r}: spec must be a mapping with state_dim, action_dim, "
+                         f"cameras, has_task, max_episode_steps; got {block!r}")
+    missing = [k for k in ("state_dim", "action_dim") if block.get(k) is None]
+    if missing:
+        raise ValueError(f"env {env_name!r}: the spec block lacks {', '.join(missing)}")
+    steps = block.get("max_episode_steps") or block.get("default_max_episode_steps") or 0
+    return EnvSpec.from_dict({**block, "max_episode_steps": steps, "extras": {}})
 
 
-# Headless by default: pick the GL backend now, before anything imports mujoco (a user who
-# wants an on-screen viewer exports MUJOCO_GL=glfw).
-if "MUJOCO_GL" not in os.environ and "mujoco" not in sys.modules:
-    try:
-        configure_rendering("auto")
-    except RuntimeError:  # no OpenGL library at all: state-only envs still work
-        pass
+def raw_env_spec(env_cfg: Any) -> EnvSpec:
+    """The layout of :func:`make_raw_env`'s env (no wrappers), from the config alone."""
+    cfg = to_dict(env_cfg)
+    name = _name(cfg)
+    if cfg.get("spec") is not None:
+        return spec_from_block(cfg["spec"], name)
+    fn = _SPECS.get(name)
+    if fn is None:
+        raise ValueError(f"env {name!r} has no static spec: add a spec: block (state_dim, "
+                         f"action_dim, cameras, has_task, max_episode_steps) to its env config, "
+                         f"or register it with register(..., spec=fn)")
+    return fn(cfg)
 
 
-# ---------------------------------------------------------------- built-in factories
-
-def _libero_factory(suite: str | None = None) -> Factory:
-    def factory(cfg: dict) -> gym.Env:
-        from envs.libero import make_libero_env
-
-        if suite is not None:
-            cfg = {**cfg, "suite": cfg.get("suite") or suite}
-        return make_libero_env(cfg)
-
-    return factory
-
-
-def _gym_hil_factory(cfg: dict) -> gym.Env:
-    from envs.gym_hil import make_gym_hil_env
-
-    return make_gym_hil_env(cfg)
+def env_spec(env_cfg: Any) -> EnvSpec:
+    """``spec_from_env(make_env(env_cfg))`` without building the env (see the module doc)."""
+    cfg = to_dict(env_cfg)
+    raw = raw_env_spec(cfg)
+    crop, size = cfg.get("crop"), cfg.get("image_size")
+    cameras = dict(raw.cameras)
+    if crop or (size and any(shape[:2] != _hw(size) for shape in cameras.values())):
+        cameras = {cam: _transformed(shape, crop, size, cam) for cam, shape in cameras.items()}
+    steps = cfg.get("max_episode_steps") or raw.max_episode_steps or 0
+    return EnvSpec(state_dim=raw.state_dim, action_dim=raw.action_dim, cameras=cameras,
+                   has_task=raw.has_task, max_episode_steps=int(steps), extras=dict(raw.extras))
 
 
-def _robot_factory(cfg: dict) -> gym.Env:
-    from envs.robot import make_robot_env
+def _transformed(shape: tuple[int, int, int], crop, size, cam: str) -> tuple[int, int, int]:
+    """A camera's [H, W, 3] after :class:`envs.wrappers.ImageTransform` (crop, then resize)."""
+    c = crop.get(cam) if isinstance(crop, Mapping) else crop
+    if c is not None:
+        import numpy as np
 
-    return make_robot_env(cfg)
+        from envs import wrappers as W
 
-
-register("libero", _libero_factory())
-for _suite in ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90"):
-    register(_suite, _libero_factory(_suite))
-register("gym_hil", _gym_hil_factory)
-register("robot", _robot_factory)
-
-
-def _reacher_factory(cfg: dict) -> gym.Env:
-    # The demo task (gym.make adds its TimeLimit, so make_env adds none).
-    from envs.reacher import make_reacher_env
-
-    return make_reacher_env(max_episode_steps=int(cfg.get("max_episode_steps") or 50),
-                            success_threshold=float(cfg.get("success_threshold", 0.05)))
+        blank = np.broadcast_to(np.zeros((), np.uint8), tuple(shape))  # no memory: a view
+        shape = W.crop_image(blank, c).shape
+    if size:
+        shape = (*_hw(size), shape[2])
+    return tuple(int(x) for x in shape)
 
 
-register("reacher", _reacher_factory)
+# ---------------------------------------------------------------- built-in envs
+
+def _lazy(module: str, attr: str, **fixed: Any) -> Callable[[dict], Any]:
+    """``module.attr(cfg)``, imported on first call (so this module imports no env);
+    ``fixed`` keys fill in config values left empty (a suite name's ``suite``)."""
+    def call(cfg: dict):
+        cfg = {**cfg, **{k: cfg.get(k) or v for k, v in fixed.items()}}
+        return getattr(importlib.import_module(module), attr)(cfg)
+
+    call.__qualname__ = call.__name__ = f"{module}.{attr}"
+    return call
 
 
-def _pendulum_factory(cfg: dict) -> gym.Env:
-    # The demo task: gymnasium's MuJoCo InvertedPendulum in the Tandem layout (envs/reacher.py).
-    from envs.reacher import make_inverted_pendulum_env
+def _robot_spec(cfg: dict) -> EnvSpec:
+    raise ValueError(
+        "env 'robot' gets its layout from the robot driver, which env_spec does not contact: add "
+        "a spec: block to the env config, e.g. spec: {state_dim: 18, action_dim: 4, cameras: "
+        "{front: [480, 640, 3]}, has_task: true, default_max_episode_steps: 100} (the driver's "
+        "'describe' reply has these values); it is checked against the driver on reset")
 
-    return make_inverted_pendulum_env(max_episode_steps=int(cfg.get("max_episode_steps") or 100),
-                                      success_steps=cfg.get("success_steps"))
 
-
-register("inverted_pendulum", _pendulum_factory)
+register("libero", _lazy("envs.libero.env", "make_libero_env"),
+         spec=_lazy("envs.libero.spec", "libero_spec"))
+for _suite in LIBERO_SUITES:
+    register(_suite, _lazy("envs.libero.env", "make_libero_env", suite=_suite),
+             spec=_lazy("envs.libero.spec", "libero_spec", suite=_suite))
+register("gym_hil", _lazy("envs.gym_hil", "make_gym_hil_env"),
+         spec=_lazy("envs.gym_hil", "gym_hil_spec"))
+register("robot", _lazy("envs.robot", "make_robot_env"), spec=_robot_spec)
+register("reacher", _lazy("envs.reacher", "reacher_from_config"),
+         spec=_lazy("envs.reacher", "reacher_spec"))
+register("inverted_pendulum", _lazy("envs.pendulum", "pendulum_from_config"),
+         spec=_lazy("envs.pendulum", "pendulum_spec"))

@@ -1,8 +1,16 @@
-"""The learner process: wires the service, inference and trainer together and runs them.
+"""The learner process: wires the service, inference and the algorithm together and runs them.
+
+The algorithm comes as a builder (:class:`agents.base.Builder`, picked by ``algo.name``): it
+makes its networks, its data (the sink ingest feeds and what it samples from) and its
+learner (update cadence, what it publishes), and may hand actors jobs. Nothing here
+depends on which algorithm it is.
 
 Threads: the socket thread (:mod:`learner.service`), the inference thread
-(:mod:`learner.inference`) and this main thread, which trains (:mod:`learner.trainer`),
-publishes weight versions, checkpoints and logs.
+(:mod:`learner.inference`) and this main thread, which steps the algorithm, publishes
+weight versions, checkpoints and logs.
+
+The env spec comes from the env config (:func:`envs.registry.env_spec`): no simulator is
+built or imported here, so ``env=libero_spatial`` starts on a GPU box without LIBERO.
 """
 
 from __future__ import annotations
@@ -20,27 +28,17 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from agents import registry
-from data.sampler import build_replay
-from envs.registry import make_env
 from data.core.spec import EnvSpec, config_hash
-from envs.spec import spec_from_env
+from envs.registry import env_spec
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
+from learner.jobs import JobQueue
 from learner.metrics import MetricsLogger
 from learner.service import LearnerService
-from learner.trainer import Trainer
 from learner.weights import WeightPublisher
 
 log = logging.getLogger("tandem.learner")
-
-
-def read_env_spec(env_cfg) -> EnvSpec:
-    env = make_env(env_cfg)
-    try:
-        return spec_from_env(env)
-    finally:
-        env.close()
 
 
 def pick_device(name: str) -> torch.device:
@@ -64,7 +62,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.buffer.capacity < cfg.algo.get("batch_size", 1):
         raise ValueError(f"buffer.capacity ({cfg.buffer.capacity}) < algo.batch_size "
                          f"({cfg.algo.batch_size})")
-    registry.check_algo_policy(cfg.algo.name, cfg.policy.name)
+    registry.check_algo_policy(cfg.algo, cfg.policy.name)
 
 
 class Learner:
@@ -80,20 +78,26 @@ class Learner:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.device = pick_device(cfg.device)
         self.accelerator = Accelerator(cpu=self.device.type == "cpu")
-        self.spec = read_env_spec(cfg.env)
-        self.config_hash = config_hash(self.spec, env_name=cfg.env.name, policy_name=cfg.policy.name,
-                                       chunk=int(cfg.policy.get("chunk_size", 1)))
-        policy = registry.build_policy(cfg.policy, self.spec)
-        self.agent = registry.build_agent(cfg.algo, policy, self.spec, self.accelerator)
-        serving = registry.build_policy(cfg.policy, self.spec).to(self.device).eval()
-        # buffer + LeRobot episode store (recovered, refilled from disk) + demo mix: data/sampler.py
-        self.replay = build_replay(cfg.buffer, self.spec, run_dir=self.run_dir, seed=cfg.seed,
-                                   device=str(self.device), train=cfg.mode == "train")
-        self.buffer = self.replay.buffer
-        self.ingest = Ingest(self.buffer, store=self.replay.store, store_transitions=cfg.mode == "train",
+        env = env_spec(cfg.env)
+        self.config_hash = config_hash(env, env_name=cfg.env.name, policy_name=cfg.policy.name,
+                                       chunk=int(cfg.policy.chunk_size))
+        policy = registry.build_policy(cfg.policy, env)
+        # records carry the policy's extras (log_prob, noise, tokens, ...): declared once here
+        self.spec: EnvSpec = env.with_extras(policy.extras_spec())
+        self.builder = registry.build_builder(cfg.algo)
+        networks = self.builder.make_networks(self.spec, policy, self.device)
+        # the algorithm's data: its sink (ingest feeds it), the LeRobot episode store (recovered,
+        # refilled from disk) and what it samples from
+        self.data = self.builder.make_data(self.spec, cfg.buffer, run_dir=self.run_dir, seed=cfg.seed,
+                                           device=str(self.device), train=cfg.mode == "train")
+        self.ingest = Ingest(self.data.sink, store=self.data.store, store_transitions=cfg.mode == "train",
                              stats_window=int(cfg.eval.episodes if cfg.mode == "eval"
                                               else cfg.logging.stats_window),
                              on_ack=lambda actor, seq: self._push_ack(actor, seq))
+        self.algo = self.builder.make_learner(networks, self.data, self.accelerator,
+                                              env_steps=lambda: self.ingest.steps)
+        serving = registry.build_policy(cfg.policy, env).to(self.device).eval()
+        self.jobs = self.builder.jobs() or (JobQueue.from_config(list(cfg.jobs)) if cfg.jobs else None)
         self.ctx = zmq.Context()
         t = cfg.transport
         self.service = LearnerService(
@@ -102,6 +106,7 @@ class Learner:
             get_weights=lambda: self.weights.latest(), host=t.host, port=t.port, pub_port=t.pub_port,
             max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
             mode=cfg.mode, security=OmegaConf.to_container(t.security, resolve=True),
+            next_job=None if self.jobs is None else self.jobs.next_job,
         )
         self.inference = InferenceServer(
             serving, reply=self.service.reply, active_actors=self.service.active_actors,
@@ -109,7 +114,6 @@ class Learner:
             batch_window_ms=cfg.inference.batch_window_ms,
         )
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
-        self.trainer = Trainer(self.agent, self.replay.sampler, self.ingest, cfg.trainer)
         self._restore()
         self.metrics = MetricsLogger(
             run_dir=self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
@@ -126,23 +130,25 @@ class Learner:
                 raise FileNotFoundError(f"resume=must but {ckpt_root} has no checkpoint")
             if self.cfg.mode == "eval":
                 log.warning("evaluating an untrained policy: no checkpoint in %s", ckpt_root)
-            self.weights.publish(self.agent.policy.trainable_state_dict(), version=0)
+            self.weights.publish(self.algo.policy.trainable_state_dict(), version=0)
             return
         state = load_checkpoint(path)
-        self.agent.load_state_dict(state["agent"])
-        self.trainer.load_state_dict(state["trainer"])
+        if "algo" not in state:
+            raise ValueError(f"{path} is a checkpoint of an older Tandem (no 'algo' state); "
+                             "start a new run_dir or pass resume=never")
+        self.algo.load_state_dict(state["algo"])
         if self.cfg.mode == "train":
             self.ingest.load_state_dict(state["ingest"])
-        self.weights.publish(self.agent.policy.trainable_state_dict(), version=int(state["version"]))
-        log.info("resumed from %s: %d updates, policy version %d", path, self.trainer.updates,
+        self.weights.publish(self.algo.policy.trainable_state_dict(), version=int(state["version"]))
+        log.info("resumed from %s: %d updates, policy version %d", path, self.algo.updates,
                  self.weights.version)
 
     def save(self) -> Path:
         state: dict[str, Any] = {
-            "agent": self.agent.state_dict(), "trainer": self.trainer.state_dict(),
-            "ingest": self.ingest.state_dict(), "version": self.weights.version,
+            "algo": self.algo.state_dict(), "ingest": self.ingest.state_dict(),
+            "version": self.weights.version,
         }
-        return save_checkpoint(self.run_dir / "checkpoints", self.trainer.updates, state,
+        return save_checkpoint(self.run_dir / "checkpoints", self.algo.updates, state,
                                keep=self.cfg.trainer.keep_checkpoints)
 
     # ---- running -------------------------------------------------------------------------
@@ -170,7 +176,7 @@ class Learner:
         except KeyboardInterrupt:
             log.info("interrupted: stopping")
         finally:
-            if cfg.mode == "train" and self.trainer.updates > 0:
+            if cfg.mode == "train" and self.algo.updates > 0:
                 log.info("checkpoint %s", self.save())
             self.write_status()
             self.close()
@@ -185,7 +191,7 @@ class Learner:
                 self.service.reply(ident, self.service.ack_frames(actor_id, seq))
 
     def close(self) -> None:
-        self.replay.close()  # writes queued episodes first, while the service can still ack
+        self.data.close()  # writes queued episodes first, while the service can still ack
         self.inference.stop()
         self.inference.join(timeout=5)  # before the service closes the threads' outbox sockets
         self.service.stop()
@@ -197,10 +203,10 @@ class Learner:
         s = self.ingest.stats.summary()
         sizes = self.inference.batch_sizes[-200:]
         return {
-            "updates": self.trainer.updates, "version": self.weights.version,
+            "updates": self.algo.updates, "version": self.weights.version,
             "env_steps": self.ingest.steps, "episodes": int(s.get("episodes", 0)),
             "return": s.get("return", float("nan")), "success": s.get("success", float("nan")),
-            "actors": self.service.active_actors(), "buffer": len(self.buffer),
+            "actors": self.service.active_actors(), "buffer": len(self.data.sink),
             "infer_batch": float(sum(sizes) / len(sizes)) if sizes else 0.0,
             "rejected": self.service.counters["rejected"],
             "duplicates": self.service.counters["duplicates"],
@@ -211,37 +217,37 @@ class Learner:
         st = self._status()
         st.update(learner_id=self.service.learner_id, port=self.service.port,
                   pub_port=self.service.pub_port, received=dict(self.ingest.received),
-                  stored=self.buffer.total_added, rejections=dict(self.ingest.rejections),
-                  dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.replay.status())
+                  stored=self.data.sink.total_added, rejections=dict(self.ingest.rejections),
+                  dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status())
         tmp = self.run_dir / ".status.json.tmp"
         tmp.write_text(json.dumps(st, indent=1))
         tmp.replace(self.run_dir / "status.json")
 
     def _train_loop(self) -> dict:
         cfg = self.cfg.trainer
-        last_log, last_updates, last_ckpt = time.monotonic(), self.trainer.updates, self.trainer.updates
+        last_log, last_updates, last_ckpt = time.monotonic(), self.algo.updates, self.algo.updates
         metrics: dict[str, float] = {}
         while True:
-            m = self.trainer.step()
+            m = self.algo.step()
             if m:
                 metrics = m
-                if self.trainer.updates % cfg.publish_every == 0:
-                    self.weights.publish(self.agent.policy.trainable_state_dict())
-                if cfg.checkpoint_every and self.trainer.updates - last_ckpt >= cfg.checkpoint_every:
+                if self.algo.should_publish():
+                    self.weights.publish(self.algo.policy.trainable_state_dict())
+                if cfg.checkpoint_every and self.algo.updates - last_ckpt >= cfg.checkpoint_every:
                     self.save()
-                    last_ckpt = self.trainer.updates
+                    last_ckpt = self.algo.updates
             else:
                 time.sleep(0.005)
             now = time.monotonic()
             if now - last_log >= self.cfg.logging.every_s:
                 status = self._status()
-                status["updates_per_s"] = (self.trainer.updates - last_updates) / (now - last_log)
-                self.metrics.log({**status, **metrics}, step=self.trainer.updates, console_keys=[
+                status["updates_per_s"] = (self.algo.updates - last_updates) / (now - last_log)
+                self.metrics.log({**status, **metrics}, step=self.algo.updates, console_keys=[
                     "updates", "updates_per_s", "version", "env_steps", "episodes", "return",
                     "success", "actors", "infer_batch"])
-                last_log, last_updates = now, self.trainer.updates
+                last_log, last_updates = now, self.algo.updates
                 self.write_status()
-            if cfg.max_updates and self.trainer.updates >= cfg.max_updates:
+            if cfg.max_updates and self.algo.updates >= cfg.max_updates:
                 break
             s = self.ingest.stats.summary()
             if (cfg.stop_at_success and s.get("episodes", 0) >= cfg.stop_min_episodes

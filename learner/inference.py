@@ -6,6 +6,12 @@ lingers up to ``batch_window_ms`` for the rest, so that with a request in flight
 of N actors one forward of batch N runs. It owns a serving copy of the policy; the trainer
 hands it new trainable weights through :meth:`set_weights` and they are loaded between
 forwards, so every reply carries exactly the version that produced it.
+
+A reply holds ``actions`` [n, H, A] float32 and, for each extra the policy declares in
+``extras_spec()`` (name -> (dtype, per-chunk shape)), ``extra.<name>`` [n, *shape] in the
+declared dtype: the request's rows of ``chunk.extras_with_log_prob()``. A policy that
+returns an extra it did not declare, or misses one, gets every request of the batch an
+``inference_failed`` error naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 
 from data.core.codec import encode
 from data.core.schema import TASK
+from data.transitions import extras_to_numpy
 from learner.service import ActRequest
 
 log = logging.getLogger("tandem.learner.inference")
@@ -47,6 +54,9 @@ class InferenceServer(threading.Thread):
         self.window_s = batch_window_ms / 1000.0
         self.autocast_dtype = autocast_dtype
         self.version = 0
+        spec_fn = getattr(policy, "extras_spec", None)
+        #: the policy's declared extras: name -> (dtype, per-chunk shape)
+        self.extras_spec = dict(spec_fn()) if callable(spec_fn) else {}
         self.requests: queue.Queue[ActRequest] = queue.Queue()
         self._pending: tuple[int, dict] | None = None
         self._lock = threading.Lock()
@@ -130,6 +140,7 @@ class InferenceServer(threading.Thread):
             with torch.autocast(self.device.type, dtype=self.autocast_dtype):
                 chunk = self.policy.act(obs, deterministic=deterministic)
         actions = chunk.actions.float().cpu().numpy()
+        extras = extras_to_numpy(chunk.extras_with_log_prob(), self.extras_spec, actions.shape[0])
         infer_ms = (time.perf_counter() - t0) * 1000.0
         self.batches += 1
         self.served += len(group)
@@ -142,6 +153,6 @@ class InferenceServer(threading.Thread):
                 "act_reply",
                 {"req_id": r.req_id, "policy_version": self.version, "infer_ms": infer_ms,
                  "batch": len(group)},
-                {"actions": actions[i:i + r.n]},
+                {"actions": actions[i:i + r.n], **{k: v[i:i + r.n] for k, v in extras.items()}},
             ))
             i += r.n

@@ -117,7 +117,7 @@ class _Recent:
 
 
 @dataclass
-class _OpenEpisode:
+class _StagedEpisode:
     """An actor's episode in progress: check state, and its records while a store needs them."""
 
     episode: int
@@ -130,20 +130,21 @@ class _OpenEpisode:
 
 @dataclass
 class _Actor:
-    open: _OpenEpisode | None = None
+    open: _StagedEpisode | None = None
     pending: dict[int, int] = field(default_factory=dict)  # episode -> first seq, in the store
     ended: _Recent = field(default_factory=_Recent)
     dropped: _Recent = field(default_factory=_Recent)
 
 
 class Ingest:
-    """Thread-safe front of the replay buffer and the episode store; called from the service
-    thread (``add``, ``skip``, ``resync``) and the store's writer thread (callbacks)."""
+    """Thread-safe front of the algorithm's sink (:class:`agents.base.Sink`: the replay ring
+    for SAC) and the episode store; called from the service thread (``add``, ``skip``,
+    ``resync``) and the store's writer thread (callbacks)."""
 
-    def __init__(self, buffer, *, store=None, store_transitions: bool = True,
+    def __init__(self, sink, *, store=None, store_transitions: bool = True,
                  stats_window: int = 100, on_ack: Callable[[str, int], None] | None = None,
                  max_episode_records: int = 100_000):
-        self.buffer = buffer
+        self.sink = sink
         self.max_episode_records = int(max_episode_records)
         self.store_transitions = store_transitions
         self.store = store if store_transitions else None
@@ -234,10 +235,10 @@ class Ingest:
                 return self.acked.get(actor, -1), dup
             keep = self._route(new)
             if keep.all():
-                self.buffer.add(new)
+                self.sink.add(new)
             elif keep.any():
                 idx = np.flatnonzero(keep)
-                self.buffer.add(TransitionBatch(actor, new.first_seq + int(idx[0]),
+                self.sink.add(TransitionBatch(actor, new.first_seq + int(idx[0]),
                                                 {k: v[idx] for k, v in new.arrays.items()},
                                                 [new.tasks[i] for i in idx]))
             self.received[actor] = new.last_seq
@@ -316,7 +317,7 @@ class Ingest:
                     self.discarded_records += j - i
                     i = j
                     continue
-                op = st.open = _OpenEpisode(ep, b.first_seq + i)
+                op = st.open = _StagedEpisode(ep, b.first_seq + i)
             op.records += j - i
             if op.records > self.max_episode_records and not last[j - 1]:
                 # it would hold the actor's ack (and its staged records) forever
@@ -347,8 +348,8 @@ class Ingest:
         st.dropped.add(op.episode)
         self.dropped_episodes[reason] += 1
         self._running.pop((actor, op.episode), None)
-        if hasattr(self.buffer, "abandon"):
-            self.buffer.abandon(actor, op.episode)
+        if hasattr(self.sink, "abandon"):
+            self.sink.abandon(actor, op.episode)
         log.warning("actor %s: episode %d dropped (%s): %s; it is not written to the dataset",
                     actor, op.episode, reason, why)
 
@@ -458,8 +459,8 @@ class Ingest:
             self.steps = int(state.get("steps", 0))
 
 
-def _episode(actor: str, op: _OpenEpisode):
-    from data.episode_store import Episode
+def _episode(actor: str, op: _StagedEpisode):
+    from data.store import Episode
 
     keys = op.chunks[0][0].keys()
     arrays = {k: np.concatenate([c[0][k] for c in op.chunks]) for k in keys}

@@ -11,7 +11,11 @@ Per message from an actor (first frame is the ROUTER identity):
 - ``act``: validates the observation and queues it for the inference thread;
 - ``transitions``: validates, drops duplicates by sequence number, hands new records to
   :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number;
-- ``ping`` -> ``pong``; ``get_weights`` -> ``weights``; ``bye`` forgets the peer.
+- ``ping`` -> ``pong``; ``get_weights`` -> ``weights``; ``bye`` forgets the peer;
+- ``get_job`` (episode id the actor is about to start): ``job`` (the episode to run exactly,
+  from ``next_job(actor_id, episode)``) or ``no_job``. The welcome's ``jobs`` says whether
+  this learner hands out jobs at all; its ``spec`` is the env layout with the policy extras
+  that records must carry.
 
 Anything malformed, oversized, unknown or out of order gets an ``error`` reply naming what
 is wrong, and the loop keeps serving.
@@ -30,6 +34,7 @@ import numpy as np
 import zmq
 
 from data.core.codec import CodecError, decode, encode
+from data.core.jobs import Job
 from data.core.schema import OBS_STATE, TASK
 from data.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
@@ -80,6 +85,7 @@ class LearnerService(threading.Thread):
         peer_timeout_s: float = 10.0,
         mode: str = "train",
         security: dict | None = None,
+        next_job: Callable[[str, int], Job | None] | None = None,
     ):
         super().__init__(name="tandem-service", daemon=True)
         self.ctx = ctx
@@ -92,9 +98,10 @@ class LearnerService(threading.Thread):
         self.max_message_bytes = max_message_bytes
         self.peer_timeout_s = peer_timeout_s
         self.mode = mode
+        self.next_job = next_job
         self.learner_id = uuid.uuid4().hex[:12]
         self.peers: dict[bytes, Peer] = {}
-        self.counters = {"rejected": 0, "duplicates": 0, "acts": 0, "transitions": 0}
+        self.counters = {"rejected": 0, "duplicates": 0, "acts": 0, "transitions": 0, "jobs": 0}
         self.finished = False  # eval done: tell actors to stop
         self._stop_event = threading.Event()
         self._outbox_local = threading.local()
@@ -199,6 +206,7 @@ class LearnerService(threading.Thread):
                 "ping": self._on_ping,
                 "get_weights": self._on_get_weights,
                 "bye": self._on_bye,
+                "get_job": self._on_get_job,
             }[msg.type]
         except KeyError:
             self._error(identity, "unexpected_type", f"{msg.type!r} is not a request")
@@ -229,7 +237,7 @@ class LearnerService(threading.Thread):
             "learner_id": self.learner_id, "acked_seq": acked,
             "received_seq": max(acked, self.ingest.received.get(actor_id, -1)),
             "policy_version": self.get_version(), "mode": self.mode,
-            "next_episode": next_episode, "spec": self.spec.to_dict(), "jobs": False,
+            "next_episode": next_episode, "spec": self.spec.to_dict(), "jobs": self.next_job is not None,
         }))
 
     def _on_act(self, identity: bytes, peer: Peer, msg) -> None:
@@ -296,6 +304,28 @@ class LearnerService(threading.Thread):
 
     def _on_bye(self, identity: bytes, peer: Peer, msg) -> None:
         self.peers.pop(identity, None)
+
+    def _on_get_job(self, identity: bytes, peer: Peer, msg) -> None:
+        episode = msg["episode"]
+        if not 0 <= episode <= 2**62:
+            self._error(identity, "bad_request", f"get_job: episode {episode} out of range")
+            return
+        if self.finished:
+            self._send(identity, encode("error", {"code": "finished", "message": "evaluation is done"}))
+            return
+        job = None
+        if self.next_job is not None:
+            try:
+                job = self.next_job(peer.actor_id, episode)
+            except Exception as exc:  # a broken job source must not stop the service
+                log.exception("job source failed")
+                self._error(identity, "job_failed", f"{type(exc).__name__}: {exc}")
+                return
+        if job is None:
+            self._send(identity, encode("no_job", {"episode": episode}))
+            return
+        self.counters["jobs"] += 1
+        self._send(identity, encode("job", {**job.to_fields(), "episode": episode}))
 
 
 def _drain(sock: zmq.Socket, limit: int = 256):

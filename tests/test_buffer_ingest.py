@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from data.episode_store import EpisodeStore, read_episodes
+from data.store import EpisodeStore, read_episodes
 from data.replay import ReplayBuffer
 from data.transitions import TransitionError
 from learner.ingest import Ingest
@@ -47,7 +47,7 @@ def test_acks_wait_until_the_episode_is_durable(learner):
     recs = episode_records(0, 9)  # 10 records
     assert service_receive(ingest, batch("a0", 0, recs[:4])) == -1
     assert service_receive(ingest, batch("a0", 4, recs[4:8])) == -1
-    assert ingest.buffer.total_added == 8 and len(ingest.buffer) == 7  # sampleable already
+    assert ingest.sink.total_added == 8 and len(ingest.sink) == 7  # sampleable already
     service_receive(ingest, batch("a0", 8, recs[8:]))
     assert store.flush(60)
     assert acks.event.wait(5) and acks.log[-1] == ("a0", 9)
@@ -59,9 +59,9 @@ def test_acks_wait_until_the_episode_is_durable(learner):
     # the commit record carries the acks: a restarted learner starts from them
     store2 = EpisodeStore(store.root, SPEC, video=False)
     ingest2 = Ingest(ReplayBuffer(500, SPEC), store=store2)
-    store2.load_into(ingest2.buffer)
+    store2.load_into(ingest2.sink)
     assert ingest2.actor_position("a0") == (9, 1)
-    assert ingest2.buffer.restored == 10 and ingest2.buffer.total_added == 0
+    assert ingest2.sink.restored == 10 and ingest2.sink.total_added == 0
     ingest2.load_state_dict({"acked": {"a0": 3}, "received": {"a0": 12}, "steps": 5})
     assert ingest2.acked["a0"] == 9 and ingest2.received["a0"] == 9  # never lowered, 10.. resent
 
@@ -79,7 +79,7 @@ def test_malformed_records_are_rejected_and_nothing_stored_changes(learner, what
     ingest, store, _ = learner
     service_receive(ingest, episode_batch("a0", 0, 0, 4))
     assert store.flush(60) and store.total_episodes == 1
-    before = (ingest.buffer.total_added, len(ingest.buffer), store.total_frames)
+    before = (ingest.sink.total_added, len(ingest.sink), store.total_frames)
     recs = episode_records(1, 4)
     BAD[what](recs)
     if what in ("image_shape", "dtype"):
@@ -96,7 +96,7 @@ def test_malformed_records_are_rejected_and_nothing_stored_changes(learner, what
     acked = service_receive(ingest, b)
     assert acked == 9  # consumed: the actor's stream goes on
     assert sum(ingest.rejections.values()) == 1
-    assert (ingest.buffer.total_added, len(ingest.buffer), store.total_frames) == before
+    assert (ingest.sink.total_added, len(ingest.sink), store.total_frames) == before
     assert store.flush(30) and store.total_episodes == 1
 
 
@@ -105,7 +105,7 @@ def test_steps_after_an_episode_end_are_rejected(learner, caplog):
     caplog.set_level(logging.WARNING, "tandem.learner.ingest")
     service_receive(ingest, episode_batch("a0", 0, 0, 4))  # seq 0..4
     assert store.flush(60)
-    before = (ingest.buffer.total_added, store.total_frames)
+    before = (ingest.sink.total_added, store.total_frames)
     # another step of episode 0 after its final record
     late = episode_records(0, 6)[5:6]
     assert service_receive(ingest, batch("a0", 5, late)) == 5
@@ -124,7 +124,7 @@ def test_steps_after_an_episode_end_are_rejected(learner, caplog):
     recs[4] = {**recs[5], "step": 4}
     service_receive(ingest, batch("a0", 15, recs[:5]))
     assert ingest.rejections["is_last_without_end"] == 1
-    assert (ingest.buffer.total_added, store.total_frames) == before
+    assert (ingest.sink.total_added, store.total_frames) == before
     assert store.flush(30) and store.total_episodes == 1
     assert "after_episode_end" in caplog.text and "step_gap" in caplog.text
 

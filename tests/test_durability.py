@@ -41,7 +41,7 @@ def _emit(**kw):
 
 
 def worker(root: str, video: bool) -> None:
-    from data.episode_store import Episode, EpisodeStore
+    from data.store import Episode, EpisodeStore
     from test_buffer_helpers import episode_batch
 
     store = EpisodeStore(root, VSPEC, video=video, fps=10)  # opening recovers
@@ -62,9 +62,9 @@ def worker(root: str, video: bool) -> None:
 def zygote(root: str, video: bool) -> None:
     """Import lerobot once, then fork a fresh worker process per line read from stdin (so
     that each kill/restart cycle does not pay the import again)."""
-    import data.episode_store  # noqa: F401  (lerobot is imported on first store use)
+    from data.store.compat import import_lerobot  # lerobot is imported on first store use
 
-    data.episode_store._lerobot()
+    import_lerobot()
     for _ in sys.stdin:
         pid = os.fork()
         if pid == 0:
@@ -79,7 +79,7 @@ def zygote(root: str, video: bool) -> None:
 
 def diskfull_worker(root: str) -> None:
     """Run inside a mount namespace with a small tmpfs at ``root``'s parent."""
-    from data.episode_store import Episode, EpisodeStore, is_disk_full
+    from data.store import Episode, EpisodeStore, is_disk_full
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
     from test_buffer_helpers import episode_batch
 
@@ -114,7 +114,7 @@ def _check_dataset(root: Path, acked: set[int]) -> list[int]:
     """The dataset loads with lerobot, holds every acked episode, each one whole and right."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-    from data.episode_store import read_episodes
+    from data.store import read_episodes
     from test_buffer_helpers import pixel
 
     ds = LeRobotDataset("tandem/replay", root=root, video_backend="pyav")
@@ -186,15 +186,15 @@ def test_sigkill_mid_write_leaves_a_loadable_dataset_with_every_acked_episode(tm
     """Kill the writing process at random points of its commits, four times; after each
     restart the dataset loads with lerobot, holds every acknowledged episode whole, nothing
     half written, and the writer continues without gaps or duplicates."""
-    from data.episode_store import EpisodeStore
+    from data.store import EpisodeStore
 
     root = tmp_path / "dataset"
     rng = random.Random(0)
     acked_all: set[int] = set()
     zygote = Zygote(root, True, tmp_path / "worker.log")
-    from data.episode_store import _lerobot
+    from data.store.compat import import_lerobot
 
-    _lerobot()  # import here while the worker imports there
+    import_lerobot()  # import here while the worker imports there
     partial = []
     try:
         for cycle in range(4):
@@ -256,7 +256,7 @@ def test_disk_full_is_a_clear_error_and_training_goes_on(tmp_path, monkeypatch, 
     store's writer thread, with ingest and sampling going on."""
     import pyarrow.parquet as pq
 
-    from data.episode_store import EpisodeStore, read_episodes
+    from data.store import EpisodeStore, read_episodes
     from data.replay import ReplayBuffer
     from learner.ingest import Ingest
     from test_buffer_helpers import SPEC, episode_batch
@@ -284,7 +284,7 @@ def test_disk_full_is_a_clear_error_and_training_goes_on(tmp_path, monkeypatch, 
     assert store.counters["disk_full"] >= 1
     assert "disk full" in store.last_error and "stay readable" in store.last_error
     assert "disk full writing episodes" in caplog.text
-    assert len(ingest.buffer.sample(32)["reward"]) == 32  # training samples on
+    assert len(ingest.sink.sample(32)["reward"]) == 32  # training samples on
     assert [int(e.columns["actor_episode"][0]) for e in read_episodes(store.root)] == [0]
     full["on"] = False  # space freed
     assert store.flush(60)

@@ -88,3 +88,29 @@ def test_arrange_boxes_and_task_names():
     assert canonical_task("gym_hil/PandaPickCubeKeyboard-v0") == "PandaPickCube"
     with pytest.raises(ValueError, match="unknown gym-hil task"):
         canonical_task("PandaStackCubes")
+
+
+def test_job_reset_options_pick_a_deterministic_placement():
+    env = make_env({"name": "gym_hil", "task": "PandaPickCube", "cameras": {}})
+    try:
+        a, info = env.reset(seed=1, options={"task_id": 0, "init_state": 3})
+        assert (info["task_id"], info["init_state"]) == (0, 3)
+        b, _ = env.reset(seed=99, options={"task_id": 0, "init_state": 3})
+        c, _ = env.reset(seed=1, options={"init_state": 4})
+        assert np.array_equal(a[OBS_STATE], b[OBS_STATE])  # the seed does not move the cube
+        assert not np.array_equal(a[OBS_STATE][18:], c[OBS_STATE][18:])
+        _, info = env.reset(seed=1)
+        assert (info["task_id"], info["init_state"]) == (0, None)
+        # a job's reset leaves the env's own RNG stream as it was
+        env.reset(seed=4)
+        plain, _ = env.reset()
+        env.reset(seed=4)
+        env.reset(options={"init_state": 3})
+        after_job, _ = env.reset()
+        assert np.array_equal(plain[OBS_STATE], after_job[OBS_STATE])
+        with pytest.raises(ValueError, match="one task: task_id must be 0"):
+            env.reset(options={"task_id": 1})
+        with pytest.raises(ValueError, match="unknown reset options"):
+            env.reset(options={"init_state_id": 1})
+    finally:
+        env.close()

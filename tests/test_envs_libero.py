@@ -17,6 +17,7 @@ import pytest
 
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs import libero as L
+from envs.libero import assets as A
 from envs.registry import make_env
 from data.core.spec import EnvSpec
 from envs.spec import spec_from_env
@@ -32,7 +33,7 @@ def _assets_available() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(not _assets_available(), reason="no LIBERO assets (see envs/libero.py)")
+pytestmark = pytest.mark.skipif(not _assets_available(), reason="no LIBERO assets (see envs/libero/assets.py)")
 
 # one task per suite whose goal force_goal_state can satisfy: an On, an In, an Open, a
 # Turnon + On, and a Turnon
@@ -75,7 +76,7 @@ def test_assets_tarball_extracted_once_keyed_by_sha(tmp_path, monkeypatch):
     with tarfile.open(tar, "w:gz") as tf:
         tf.add(src, arcname=".")
     first = L.extract_assets_tarball(tar)
-    sha = L._file_sha256(tar)
+    sha = A._file_sha256(tar)
     assert first == tmp_path / "cache" / "libero-assets" / sha
     assert (first / "scenes" / "x.txt").read_text() == "scenes"
     mtime = (first / ".tandem-complete").stat().st_mtime_ns
@@ -113,7 +114,7 @@ def test_real_task_reset_step_render_success(suite, task_id):
     base = env.unwrapped
     try:
         obs, info = env.reset(seed=3)
-        assert info["init_state_id"] == 3 and not info["is_success"]
+        assert info["init_state"] == 3 and info["task_id"] == task_id and not info["is_success"]
         assert env.observation_space.contains(obs)
         assert obs[OBS_STATE].shape == (8,) and obs[OBS_STATE].dtype == np.float32
         assert obs[TASK] == base.task.language and obs[TASK]
@@ -154,25 +155,40 @@ def test_init_state_is_restored_exactly_and_layouts_are_seeded():
         a, _ = env.reset(seed=11)
         b, _ = env.reset(seed=11)
         assert np.array_equal(a[OBS_IMAGE_PREFIX + "image"], b[OBS_IMAGE_PREFIX + "image"])
-        c, info = env.reset(options={"init_state_id": 2})
-        assert info["init_state_id"] == 2
+        c, info = env.reset(options={"init_state": 2})
+        assert info["init_state"] == 2
     finally:
         env.close()
 
 
-def test_multi_task_env_walks_tasks_and_init_states():
+def test_multi_task_env_walks_tasks_and_runs_jobs_exactly():
     env = L.LiberoEnv("libero_goal", [0, 1], init_state_id=None, image_size=32, num_steps_wait=0)
     try:
         langs = []
         for seed in (2, 1):  # episode k: task k mod 2, init state k div 2
             obs, info = env.reset(seed=seed)
             langs.append(obs[TASK])
-            assert info["task_id"] == seed % 2 and info["init_state_id"] == seed // 2
+            assert info["task_id"] == seed % 2 and info["init_state"] == seed // 2
         assert langs[0] == L.list_tasks("libero_goal")[0].language != langs[1]
-        obs, info = env.reset(options={"task_id": 1, "init_state_id": 4})
-        assert (info["task_id"], info["init_state_id"]) == (1, 4) and obs[TASK] == langs[1]
-        with pytest.raises(ValueError, match="not one of"):
-            env.reset(options={"task_id": 5})
+        # a learner's job: exactly that task and init state, whatever the seed says
+        job = {"task_id": 1, "init_state": 4}
+        obs, info = env.reset(seed=0, options=job)
+        assert (info["task_id"], info["init_state"]) == (1, 4) and obs[TASK] == langs[1]
+        init = env.init_states[4]
+        assert np.array_equal(env.init_states, L.load_init_states(L.list_tasks("libero_goal")[1].init_states_file))
+        assert np.allclose(env.sim.get_state().flatten()[: len(init)], init)
+        again, _ = env.reset(seed=0, options=job)
+        assert np.array_equal(obs[OBS_STATE], again[OBS_STATE])
+        # bad jobs are refused before the env changes: it still steps in its episode
+        for bad, msg in [({"task_id": 10}, r"out of range: libero_goal has tasks 0\.\.9"),
+                         ({"task_id": 5}, r"not one of this env's tasks \[0, 1\]"),
+                         ({"task_id": 0, "init_state": 50}, r"init states 0\.\.49"),
+                         ({"init_state": -1}, "must be an int >= 0"),
+                         ({"init_state_id": 1}, "unknown reset options")]:
+            with pytest.raises(ValueError, match=msg):
+                env.reset(options=bad)
+        assert env.task.task_id == 1
+        env.step(np.zeros(7, np.float32))
     finally:
         env.close()
     assert len(L.LiberoEnv("libero_10", "all").tasks) == 10

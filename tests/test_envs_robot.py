@@ -19,7 +19,7 @@ from data.core.codec import decode, encode
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs.registry import make_env, make_raw_env
 from envs.robot import DRIVER_SCHEMAS, RobotEnv, RobotError, RobotLinkLost, RobotStopped
-from envs.robot_driver import RobotDriverServer, serve_in_thread
+from envs.robot.driver import RobotDriverServer, serve_in_thread
 from data.core.spec import EnvSpec
 from envs.spec import spec_from_env
 from tandem_testutil import ROOT, free_port
@@ -171,7 +171,7 @@ def test_driver_stops_the_robot_when_the_client_dies(driver):
 
 def test_client_detects_a_dead_driver_and_recovers_when_it_returns():
     port = free_port()
-    cmd = [sys.executable, "-m", "envs.robot_driver", "--env", "gym_hil", "--set", "cameras={}",
+    cmd = [sys.executable, "-m", "envs.robot.driver", "--env", "gym_hil", "--set", "cameras={}",
            "--port", str(port), "--heartbeat-timeout", "0.6", "--log-level", "WARNING"]
 
     def start():

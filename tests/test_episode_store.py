@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from data.episode_store import Episode, EpisodeStore, StoreError
+from data.store import Episode, EpisodeStore, StoreError
 from data.replay import ReplayBuffer
 from data.sampler import MixedSampler, build_replay
 from data.core.spec import EnvSpec
-from test_buffer_helpers import SPEC, check_successor, episode_batch, pixel
+from test_buffer_helpers import (SPEC, batch, check_successor, episode_batch, episode_records,
+                                 pixel)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,6 +111,103 @@ def test_another_spec_or_a_foreign_dataset_is_a_clear_error(tmp_path):
     shutil.rmtree(root / ".tandem")
     with pytest.raises(StoreError, match="did not write"):
         EpisodeStore(root, SPEC, video=False)
+
+
+XSPEC = SPEC.with_extras({"log_prob": ("float32", ()), "noise": ("float32", (2, 3))})
+
+
+def extras_episode(actor: str, first_seq: int, e: int, length: int):
+    """An episode whose records carry policy extras and non-default chunk / group columns."""
+    recs = episode_records(e, length, spec=XSPEC, policy_version=e, task=f"task {e}")
+    for t, r in enumerate(recs):
+        r["extra.log_prob"] = np.float32(-0.125 * t - e)
+        r["extra.noise"] = (np.arange(6, dtype=np.float32).reshape(2, 3) * 0.5 + 100 * e + t)
+        r["chunk_start"] = t % 3 == 0
+        r["chunk_index"] = t % 3
+        r["group_id"] = 40 + e
+    return Episode.from_batch(batch(actor, first_seq, recs))
+
+
+def test_extras_and_chunk_columns_round_trip(tmp_path):
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    from data.store import read_episodes, tandem_batch
+
+    root = tmp_path / "dataset"
+    store = EpisodeStore(root, XSPEC, video=False, fps=10)
+    eps = [extras_episode("a0", 0, 0, 4), extras_episode("a0", 5, 1, 5)]
+    done, dropped = store.write(eps)
+    assert len(done) == 2 and not dropped and store.total_frames == 11
+    ds = LeRobotDataset("tandem/replay", root=root, video_backend="pyav")
+    feats = ds.meta.features
+    assert feats["extra.log_prob"]["dtype"] == "float32"
+    assert tuple(feats["extra.log_prob"]["shape"]) == (1,)
+    assert tuple(feats["extra.noise"]["shape"]) == (2, 3)
+    for k, dt in (("chunk_start", "bool"), ("chunk_index", "int64"), ("group_id", "int64")):
+        assert feats[k]["dtype"] == dt and tuple(feats[k]["shape"]) == (1,)
+    i = 0
+    for ep in eps:  # lerobot's own loader
+        a = ep.arrays
+        for t in range(len(ep)):
+            item = ds[i]
+            assert int(item["episode_index"]) == ep.episode and int(item["frame_index"]) == t
+            assert item["extra.log_prob"].numel() == 1  # a (1,) feature: lerobot gives a scalar
+            assert float(item["extra.log_prob"]) == float(a["extra.log_prob"][t])
+            assert item["extra.noise"].shape == (2, 3)
+            assert np.array_equal(item["extra.noise"].numpy(), a["extra.noise"][t])
+            assert bool(item["chunk_start"]) == bool(a["chunk_start"][t])
+            assert int(item["chunk_index"]) == int(a["chunk_index"][t])
+            assert int(item["group_id"]) == int(a["group_id"][t])
+            i += 1
+    assert i == len(ds)
+    got = [tandem_batch(e, XSPEC) for e in read_episodes(root)]  # Tandem's reader
+    assert len(got) == 2
+    for b, ep in zip(got, eps):
+        assert b.actor_id == "a0" and b.first_seq == ep.first_seq
+        for k in ("extra.log_prob", "extra.noise", "chunk_start", "chunk_index", "group_id",
+                  "observation.state", "action", "reward", "episode", "step", "is_last",
+                  "policy_version", "observation.images.front"):
+            want = ep.arrays[k]
+            assert b.arrays[k].dtype == want.dtype and b.arrays[k].shape == want.shape, k
+            assert np.array_equal(b.arrays[k], want), k
+    assert got[1].arrays["extra.noise"].shape == (6, 2, 3)
+    assert got[1].arrays["extra.log_prob"].shape == (6,)
+    # a reopened store refills a buffer from it
+    store2 = EpisodeStore(root, XSPEC, video=False, fps=10)
+    assert store2.total_episodes == 2 and store2.acked == {"a0": 10}
+
+
+def test_episode_without_a_declared_extra_is_dropped_not_written(tmp_path):
+    store = EpisodeStore(tmp_path / "dataset", XSPEC, video=False, fps=10)
+    good = extras_episode("a0", 0, 0, 3)
+    bad = Episode.from_batch(episode_batch("a0", 4, 1, 3, spec=XSPEC))  # no extras
+    done, dropped = store.write([good, bad])
+    assert done == [good] and dropped == [bad]
+    assert store.total_episodes == 1 and store.counters["dropped_episodes"] == 1
+
+
+def _snapshot(root: Path) -> dict:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_dataset_from_before_the_extras_is_refused_naming_them_and_kept(tmp_path):
+    root = tmp_path / "dataset"
+    write_episodes(root, 2, video=False)  # no extras declared then
+    before = _snapshot(root)
+    with pytest.raises(StoreError) as err:
+        EpisodeStore(root, XSPEC, video=False)
+    msg = str(err.value)
+    assert "extra.log_prob" in msg and "extra.noise" in msg and "missing" in msg
+    assert _snapshot(root) == before  # nothing lost, nothing changed
+    assert EpisodeStore(root, SPEC, video=False).total_episodes == 2
+    # and the other way round: a dataset with extras, opened without them
+    xroot = tmp_path / "x"
+    EpisodeStore(xroot, XSPEC, video=False).write([extras_episode("a0", 0, 0, 3)])
+    xbefore = _snapshot(xroot)
+    with pytest.raises(StoreError, match=r"unexpected features \['extra.log_prob', 'extra.noise'\]"):
+        EpisodeStore(xroot, SPEC, video=False)
+    assert _snapshot(xroot) == xbefore
 
 
 def plain_lerobot_dataset(root: Path, n_eps: int, length: int):

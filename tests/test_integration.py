@@ -31,7 +31,7 @@ class Run:
 
     def learner(self, *over, log="learner.log"):
         args = [sys.executable, "-m", "learner", *self.common(), "logging.wandb=disabled",
-                "logging.every_s=0.5", "trainer.learning_starts=100", "trainer.publish_every=5",
+                "logging.every_s=0.5", "algo.learning_starts=100", "algo.publish_every=5",
                 "trainer.num_threads=1", "algo.batch_size=64", *over]
         return self._start(args, log)
 

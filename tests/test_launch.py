@@ -18,7 +18,7 @@ def _launch(tmp_path, *extra):
     env = {**os.environ, "TANDEM_PYTHON": sys.executable, "WANDB_MODE": "disabled"}
     args = ["bash", str(ROOT / "launch" / "run_local.sh"), "--actors", "1", f"run_dir={tmp_path}/run",
             f"transport.port={free_port()}", f"transport.pub_port={free_port()}",
-            "learner:logging.wandb=disabled", "learner:trainer.learning_starts=100",
+            "learner:logging.wandb=disabled", "learner:algo.learning_starts=100",
             "learner:logging.every_s=1", "actor:spool.fsync=false", *extra]
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)

@@ -16,18 +16,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-import envs.reacher  # noqa: F401  (registers the tandem/* ids)
 from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
 from agents.sac import SACAgent, SACConfig
 from data.replay import ReplayBuffer
 from data.core.schema import OBS_STATE
 from data.transitions import TransitionBatch
-from envs.reacher import (
-    PENDULUM_ID,
-    REACHER_ID,
-    make_inverted_pendulum_env,
-    make_reacher_env,
-)
+from envs.pendulum import PENDULUM_ID, make_inverted_pendulum_env  # registers the tandem/* ids
+from envs.reacher import REACHER_ID, make_reacher_env
 from data.core.spec import EnvSpec
 from envs.spec import spec_from_env
 

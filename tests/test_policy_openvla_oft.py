@@ -6,6 +6,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+
+from agents.base import BCPolicy, LogProbPolicy, capabilities_of
 from safetensors.torch import load_file
 
 from agents import registry
@@ -62,7 +64,7 @@ def test_published_layout_loads_bit_exactly(ckpts):
 
 def test_l1_head_acts_and_trains(ckpts):
     p = policy(ckpts["pt"])
-    assert p.capabilities == frozenset({"bc_loss"})
+    assert capabilities_of(p) == {BCPolicy} and p.extras_spec() == {}
     a = p.act(obs()).actions
     assert a.shape == (3, 8, 7) and a.dtype == torch.float32 and a.abs().max() <= 1
     assert torch.equal(a, p.act(obs(), deterministic=True).actions)
@@ -83,7 +85,8 @@ def test_l1_head_acts_and_trains(ckpts):
 
 def test_discrete_head_sampling_and_log_probs(ckpts):
     p = policy(ckpts["pt"], discrete=True, temperature=0.7)
-    assert {"log_prob", "bc_loss"} <= p.capabilities
+    assert {LogProbPolicy, BCPolicy} <= capabilities_of(p)
+    assert p.extras_spec() == {"log_prob": ("float32", ()), "action_tokens": ("int64", (8 * 7,))}
     torch.manual_seed(0)
     c = p.act(obs())
     assert c.actions.shape == (3, 8, 7) and c.log_prob.shape == (3,) and torch.isfinite(c.log_prob).all()

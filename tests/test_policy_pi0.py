@@ -6,6 +6,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+
+from agents.base import BCPolicy, capabilities_of
 from safetensors.torch import load_file, save_file
 
 from agents import registry
@@ -40,9 +42,12 @@ def obs(b=3, seed=0):
 
 def test_act_shapes_noise_seed_and_deterministic(ckpts):
     p = policy(ckpts["pi0"]).eval()
-    assert p.capabilities == frozenset({"bc_loss"}) and p.chunk_size == CHUNK
+    assert capabilities_of(p) == {BCPolicy} and p.chunk_size == CHUNK
     c = p.act(obs())
     assert c.actions.shape == (3, CHUNK, 7) and c.actions.dtype == torch.float32 and c.log_prob is None
+    (dt, shape), = p.extras_spec().values()
+    assert dt == "float32" and c.extras["noise"].shape == (3, *shape)
+    torch.testing.assert_close(p.act(obs(), noise=c.extras["noise"]).actions, c.actions)
     assert c.actions.abs().max() <= 1.0
     torch.manual_seed(5)
     a1 = p.act(obs()).actions

@@ -8,8 +8,11 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from agents.base import ActionChunk, Policy
-from agents.policies.mlp import EnsembleCritic, MLPPolicy, MLPPolicyConfig
+from agents.base import (ActionChunk, BCPolicy, FeaturePolicy, LogProbPolicy, Policy, ReparamSampler,
+                         capabilities_of)
+from agents.critics import EnsembleCritic
+from agents.encoders import ObsEncoder
+from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
 from agents.sac import (
     SACAgent,
     SACConfig,
@@ -93,7 +96,7 @@ def test_agent_bootstraps_on_truncation_but_not_on_termination():
             b[flag] = torch.ones(32, dtype=torch.bool)
         torch.manual_seed(7)  # same next-action noise for each variant
         with torch.no_grad():
-            a, logp = agent.policy.sample_flat(b, "next.")
+            a, logp = agent.policy.sample(b, "next.")
             nq = agent.target_critic(b, a, "next.")
         targets[flag] = td_target(b["reward"], b["terminated"], nq, logp, alpha=agent.alpha,
                                   gamma=agent.cfg.gamma)
@@ -164,7 +167,7 @@ def test_policy_is_a_policy_and_actions_are_bounded():
     torch.manual_seed(0)
     pol = MLPPolicy(SMALL, STATE_SPEC)
     assert isinstance(pol, Policy)
-    assert pol.capabilities == {"reparam_sample", "log_prob", "bc_loss"}
+    assert capabilities_of(pol) == {ReparamSampler, LogProbPolicy, BCPolicy, FeaturePolicy}
     # huge observations push the pre-tanh mean far out: actions must still be in [-1, 1]
     obs = obs_batch(STATE_SPEC, 64, scale=1e4)
     for det in (False, True):
@@ -173,9 +176,16 @@ def test_policy_is_a_policy_and_actions_are_bounded():
         assert out.actions.shape == (64, 1, 2) and out.actions.dtype == torch.float32
         assert out.actions.abs().max() <= 1.0
         assert torch.isfinite(out.actions).all()
-        assert (out.log_prob is None) == det
+        assert set(out.extras_with_log_prob()) == set(pol.extras_spec())
+        assert torch.isfinite(out.log_prob).all()
+    # every act carries its declared extras: log_prob of the returned actions, the noise
+    obs = obs_batch(STATE_SPEC, 64)
+    for det in (False, True):
+        out = pol.act(obs, deterministic=det)
+        torch.testing.assert_close(out.log_prob, pol.log_prob(obs, out.actions), atol=2e-3, rtol=1e-3)
+        assert out.extras["noise"].shape == (64, 1, 2) and bool((out.extras["noise"] == 0).all()) == det
     a, logp = pol.sample(obs)
-    assert a.shape == (64, 2) and logp.shape == (64,) and a.abs().max() <= 1.0
+    assert a.shape == (64, 1, 2) and logp.shape == (64,) and a.abs().max() <= 1.0
     d1 = pol.act(obs, deterministic=True).actions
     d2 = pol.act(obs, deterministic=True).actions
     torch.testing.assert_close(d1, d2)
@@ -249,7 +259,7 @@ def test_pixel_and_state_policy_and_critic_shapes():
     obs = obs_batch(PIXEL_SPEC, 6)
     assert pol.act(obs).actions.shape == (6, 1, 3)
     a, logp = pol.sample(obs)
-    assert a.shape == (6, 3) and logp.shape == (6,)
+    assert a.shape == (6, 1, 3) and logp.shape == (6,)
     assert pol.log_prob(obs, a.detach()).shape == (6,)
     batch = dict(obs, action=a.detach())
     loss = pol.bc_loss(batch)
@@ -257,8 +267,10 @@ def test_pixel_and_state_policy_and_critic_shapes():
     loss.backward()
     for cam in pol.encoder.cams.values():  # each camera's CNN gets gradient
         assert cam.convs[0].weight.grad.abs().sum() > 0
-    critic = EnsembleCritic(PIXEL_SPEC, num_critics=3, hidden_dims=(16,), encoder_cfg=SMALL)
+    critic = EnsembleCritic(ObsEncoder(PIXEL_SPEC, SMALL), 3, num_critics=3, hidden_dims=(16,))
     assert critic(obs, a.detach()).shape == (3, 6)
+    with pytest.raises(ValueError, match="critic scores actions of 3 values"):
+        critic(obs, torch.zeros(6, 2, 3))
 
 
 def test_chunked_policy_shapes():
@@ -279,11 +291,12 @@ def test_chunked_policy_shapes():
 # -- the agent --------------------------------------------------------------------------------
 def test_sac_refuses_a_policy_without_reparam_sample():
     class NoSample(MLPPolicy):
-        capabilities = frozenset({"bc_loss"})
+        sample = None  # the class does not provide the ReparamSampler capability
 
-    with pytest.raises(ValueError, match="reparam_sample"):
+    with pytest.raises(ValueError, match="does not provide ReparamSampler"):
         SACAgent(SACConfig(), NoSample(SMALL, STATE_SPEC), STATE_SPEC, Accelerator(cpu=True))
-    assert SACAgent.requires == {"reparam_sample"}
+    assert SACConfig().requires == (ReparamSampler,)
+    assert SACConfig(critic_encoder="policy").requires == (ReparamSampler, FeaturePolicy)
 
 
 def test_update_draws_utd_ratio_batches_and_changes_every_network():

@@ -4,8 +4,9 @@
     python tools/view_episode.py runs/tandem/dataset --episode -1 --save last.rrd --no-viewer
 
 Logs, per frame of the episode on the ``frame`` timeline: every camera image, every action
-dimension, the reward, and the intervention, termination and truncation flags (as 0/1
-plots), plus the task as a text entry. It always saves an ``.rrd`` file (default
+dimension, the reward, the intervention, termination, truncation and chunk-start flags (as
+0/1 plots), the chunk index, every scalar policy extra (``extra.log_prob`` ... as
+``extras/<name>``), plus the task as a text entry. It always saves an ``.rrd`` file (default
 ``episode_<n>.rrd`` next to the dataset; open it later with ``rerun file.rrd``) and also opens
 the live viewer where a display exists (``--no-viewer`` to skip). Works on any LeRobot v3.0
 dataset, Tandem's or not: missing columns are skipped.
@@ -22,14 +23,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.episode_store import read_episode_table, read_episodes, read_info  # noqa: E402
+from data.store import read_episode_table, read_episodes, read_info  # noqa: E402
 
 PLOTS = {  # dataset column -> rerun entity path
     "next.reward": "reward", "reward": "reward",
     "intervened": "flags/intervened", "complementary_info.is_intervention": "flags/intervened",
     "next.terminated": "flags/terminated", "next.done": "flags/terminated",
     "next.truncated": "flags/truncated", "next.success": "flags/success",
-    "policy_version": "policy_version",
+    "policy_version": "policy_version", "chunk_start": "flags/chunk_start",
+    "chunk_index": "chunk_index",
 }
 
 
@@ -54,6 +56,12 @@ def log_episode(root: Path, episode: int, rr) -> dict:
         if col in ep.columns and path not in logged:
             v = np.asarray(ep.columns[col], np.float64).reshape(n)
             rr.send_columns(path, indexes=[times], columns=rr.Scalars.columns(scalars=v))
+            logged.add(path)
+    for col, v in ep.columns.items():  # scalar policy extras (log_prob, value, ...)
+        if col.startswith("extra.") and np.asarray(v).ndim == 1 and np.asarray(v).dtype.kind in "biuf":
+            path = "extras/" + col[len("extra."):]
+            rr.send_columns(path, indexes=[times],
+                            columns=rr.Scalars.columns(scalars=np.asarray(v, np.float64)))
             logged.add(path)
     for i in range(n):
         rr.set_time("frame", sequence=int(frames[i]))

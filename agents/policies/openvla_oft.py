@@ -146,7 +146,6 @@ def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 class OpenVLAOFTPolicy(nn.Module):
     """OpenVLA-OFT behind :class:`agents.base.Policy` (see the module docstring)."""
 
-    capabilities = frozenset({"bc_loss"})
     head_kind = "l1"
 
     def __init__(self, cfg: OpenVLAOFTPolicyConfig, spec: EnvSpec):
@@ -392,6 +391,10 @@ class OpenVLAOFTPolicy(nn.Module):
         """Actions [B, chunk, A] float32 (L1 head: deterministic either way)."""
         return ActionChunk(self._finish(self.forward_model(self.model_inputs(obs))))
 
+    def extras_spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The L1 head's act is deterministic regression: no extras."""
+        return {}
+
     def bc_loss(self, batch: Batch) -> torch.Tensor:
         """OFT's L1 loss on normalised actions; ``batch["action"]`` [B, A] or [B, <=chunk, A]."""
         target, valid = self._targets(batch)
@@ -433,21 +436,24 @@ class OpenVLAOFTPolicy(nn.Module):
 class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
     """OpenVLA-OFT with the 256-bin action-token head: sampling, log-probabilities."""
 
-    capabilities = frozenset({"bc_loss", "log_prob"})
     head_kind = "discrete"
 
     @torch.no_grad()
     def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
-        """Actions [B, chunk, A]; log_prob [B] of the sampled chunk (None when deterministic);
-        ``extras["action_tokens"]`` [B, chunk*A] the sampled classes (0..255)."""
+        """Actions [B, chunk, A]; log_prob [B] of the returned chunk's tokens (the greedy ones
+        when deterministic); ``extras["action_tokens"]`` [B, chunk*A] the classes (0..255)."""
         logits = self.action_logits(self.action_hidden(obs))
         if deterministic:
-            cls, logp = logits.argmax(-1), None
+            cls = logits.argmax(-1)
         else:
             cls = torch.distributions.Categorical(logits=logits).sample()
-            logp = logits.log_softmax(-1).gather(-1, cls[..., None]).squeeze(-1).sum(-1)
+        logp = logits.float().log_softmax(-1).gather(-1, cls[..., None]).squeeze(-1).sum(-1)
         a = self.class_values[cls].view(cls.shape[0], self.chunk_size, self.action_dim)
         return ActionChunk(self._finish(a), logp, {"action_tokens": cls})
+
+    def extras_spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {"log_prob": ("float32", ()),
+                "action_tokens": ("int64", (self.chunk_size * self.action_dim,))}
 
     def log_prob(self, obs: Batch, actions: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """log pi(chunk | obs) [B] of env actions [B, chunk, A] (or of their ``tokens``)."""

@@ -25,7 +25,9 @@ The model is lerobot's own ``PI0Policy`` / ``PI05Policy`` (``lerobot.policies.pi
   ``trainable_state_dict`` unfold them.
 
 PI0 cannot give a log-probability or a reparameterised sample (it is a flow-matching
-model), so its capabilities are ``{"bc_loss"}``; pairing it with SAC fails at config time.
+model), so it is a BCPolicy only (:mod:`agents.base`); pairing it with SAC fails at start-up.
+Its extra is ``noise`` [B, chunk_size, max_action_dim]: the flow's starting sample, so a
+chunk can be replayed exactly (zeros when deterministic).
 
 Sizes: lerobot builds the standard PaliGemma-3B (gemma_2b + SigLIP-So400m) and gemma_300m
 action expert. A :class:`Pi0Arch` with other sizes (tests, smoke benches) builds the same
@@ -177,7 +179,6 @@ class _DropRecords(logging.Filter):
 class Pi0Policy(nn.Module):
     """PI0 / PI0.5 behind :class:`agents.base.Policy` (see the module docstring)."""
 
-    capabilities = frozenset({"bc_loss"})
 
     def __init__(self, cfg: Pi0PolicyConfig, spec: EnvSpec):
         super().__init__()
@@ -358,10 +359,17 @@ class Pi0Policy(nn.Module):
         """Actions [B, chunk_size, A] float32; ``noise`` [B, chunk_size, max_action_dim] overrides
         the flow's starting sample (deterministic: zeros)."""
         inputs = self.model_inputs(obs)  # what lerobot's predict_action_chunk does, minus its eval()
-        if noise is None and deterministic:
-            noise = torch.zeros(inputs[2].shape[0], self.chunk_size, self.lr_cfg.max_action_dim, device=self.device)
-        actions = self.forward_model(inputs, None if noise is None else noise.to(self.device))
-        return ActionChunk(self._postprocess(actions))
+        shape = (inputs[2].shape[0], self.chunk_size, self.lr_cfg.max_action_dim)
+        if noise is None:
+            noise = (torch.zeros(shape, device=self.device) if deterministic
+                     else torch.randn(shape, device=self.device))
+        noise = noise.to(self.device, torch.float32)
+        actions = self.forward_model(inputs, noise)
+        return ActionChunk(self._postprocess(actions), None, {"noise": noise})
+
+    def extras_spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``noise``: the flow's starting sample of each chunk."""
+        return {"noise": ("float32", (self.chunk_size, int(self.lr_cfg.max_action_dim)))}
 
     def _postprocess(self, actions: torch.Tensor) -> torch.Tensor:
         a = self.norm(actions[..., :self.action_dim].float(), "action", inverse=True)

@@ -1,20 +1,20 @@
 """Reference robot driver: serves any registered env over the driver protocol.
 
-    python -m envs.robot_driver --env gym_hil --set task=PandaPickCube image_size=128 \\
+    python -m envs.robot.driver --env gym_hil --set task=PandaPickCube image_size=128 \\
         --bind tcp://127.0.0.1:5590
 
-    python -m envs.robot_driver --env-config config/env/libero_spatial.yaml --port 5590
+    python -m envs.robot.driver --env-config config/env/libero_spatial.yaml --port 5590
 
 Then an actor with ``env=robot`` (``host``/``port`` of this driver) drives it exactly as it
 would a real arm. A driver for real hardware implements the same messages (see
-:mod:`envs.robot`); subclass :class:`RobotDriverServer` and give it an env whose
+:mod:`envs.robot.protocol`); subclass :class:`RobotDriverServer` and give it an env whose
 ``step``/``reset`` move the arm and whose ``unwrapped.stop()`` (if present) halts it.
 
 The driver runs the *raw* env (no time limit: episode length is the actor's business, the
 driver reports the env's ``default_max_episode_steps``). It binds loopback by default;
-another interface needs CURVE keys (``--curve-secret``: this driver's key file,
+another interface needs CURVE keys (``--curve-secret``: this driver's key file, and
 ``--curve-clients``: a folder of allowed client public keys, both ``zmq.auth``
-certificates) or ``--insecure``.
+certificates; applied by :mod:`data.core.security`) or ``--insecure``.
 
 This module opens sockets: it is a process entry point, not something envs import.
 """
@@ -35,47 +35,42 @@ import numpy as np
 import zmq
 
 from data.core.codec import CodecError, decode, encode
-from envs.robot import (
-    DEFAULT_PORT, DRIVER_PROTOCOL_VERSION, DRIVER_SCHEMAS, MAX_DRIVER_MESSAGE_BYTES, is_loopback,
-    jsonable, obs_to_arrays, spec_from_env,
+from data.core.security import configure_server_socket
+from envs.robot.protocol import (
+    DEFAULT_PORT, DRIVER_PROTOCOL_VERSION, DRIVER_SCHEMAS, DRIVER_TO_CLIENT, MAX_DRIVER_MESSAGE_BYTES,
+    endpoint_host, jsonable, obs_to_arrays, spec_message, with_req,
 )
 
-log = logging.getLogger("tandem.robot_driver")
+log = logging.getLogger("tandem.robot.driver")
 
 
 class RobotDriverServer:
-    """Serve one env to one controlling client at a time (see :mod:`envs.robot`)."""
+    """Serve one env to one controlling client at a time (see :mod:`envs.robot.protocol`).
+    A non-loopback ``bind`` needs ``curve_secret`` (this driver's secret key file) and
+    ``curve_clients`` (a folder of allowed client public keys), or ``insecure``."""
 
     def __init__(self, env: gym.Env, bind: str = f"tcp://127.0.0.1:{DEFAULT_PORT}", *,
                  heartbeat_timeout: float = 1.0, insecure: bool = False,
                  curve_secret: str | None = None, curve_clients: str | None = None,
                  ctx: zmq.Context | None = None):
-        if not is_loopback(bind) and not curve_secret and not insecure:
-            raise ValueError(f"refusing to bind {bind} without CURVE keys; pass curve_secret "
-                             "(and curve_clients) or insecure=True")
         self.env = env
         self.bind = bind
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.driver_id = f"driver-{uuid.uuid4().hex[:8]}"
-        self.spec = spec_from_env(env)
+        self.spec = spec_message(env)
         self._spec_json = json.dumps(self.spec)
         self._ctx = ctx or zmq.Context.instance()
-        self._auth = None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_DRIVER_MESSAGE_BYTES)
-        if curve_secret:
-            from zmq import auth as zauth
-            from zmq.auth.thread import ThreadAuthenticator
-
-            pub, sec = zauth.load_certificate(curve_secret)
-            if sec is None:
-                raise ValueError(f"{curve_secret} holds no secret key")
-            self._auth = ThreadAuthenticator(self._ctx)
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=curve_clients or zauth.CURVE_ALLOW_ANY)
-            self._sock.curve_secretkey, self._sock.curve_publickey = sec, pub
-            self._sock.curve_server = True
+        try:
+            configure_server_socket(self._sock, endpoint_host(bind), {
+                "server_secret_key": curve_secret, "authorized_keys_dir": curve_clients,
+                "allow_insecure": insecure})
+        except ValueError as exc:
+            self._sock.close(0)
+            raise ValueError(f"robot driver at {bind}: {exc} (here: curve_secret / curve_clients / "
+                             "insecure, or --curve-secret / --curve-clients / --insecure)") from exc
         if bind.endswith(":0"):
             port = self._sock.bind_to_random_port(bind[: bind.rindex(":")])
             self.bind = f"{bind[: bind.rindex(':')]}:{port}"
@@ -145,7 +140,7 @@ class RobotDriverServer:
             return
         req = msg.get("req", 0) if isinstance(msg.get("req"), int) else 0
         client = msg.get("client_id")
-        if msg.type in ("spec", "obs", "heartbeat_ack", "stopped", "error"):
+        if msg.type in DRIVER_TO_CLIENT:
             self._error(ident, req, "bad_message", f"{msg.type!r} is a driver-to-client message")
             return
         now = time.monotonic()
@@ -177,54 +172,9 @@ class RobotDriverServer:
         if msg.type == "heartbeat":
             self._reply(ident, "heartbeat_ack", {"req": req, "t": msg["t"], "stopped": self.stopped})
         elif msg.type == "reset":
-            seed = None if msg["seed"] < 0 else msg["seed"]
-            try:
-                options = json.loads(msg["options"] or "{}")
-                obs, info = self.env.reset(seed=seed, options=options or None)
-            except Exception as exc:
-                log.exception("reset failed")
-                self.stop_robot(f"reset failed: {exc}")
-                self._error(ident, req, "reset_failed", f"{type(exc).__name__}: {exc}")
-                return
-            self.stats["resets"] += 1
-            self.stopped, self.stop_reason, self.episode_over = False, "", False
-            self._last_seq, self._last_reply = 0, None
-            self._last_obs = obs
-            self._obs_reply(ident, req, obs, info=info)
+            self._on_reset(ident, req, msg)
         elif msg.type == "act":
-            seq = msg["seq"]
-            if seq == self._last_seq and self._last_reply is not None:
-                # a retry of the action we already executed: same answer, no motion
-                self._resend_with_req(ident, self._last_reply, req)
-                return
-            if self.stopped:
-                self._error(ident, req, "stopped", f"robot is stopped ({self.stop_reason}); reset first")
-                return
-            if self.episode_over:
-                self._error(ident, req, "episode_over", "the episode ended; reset first")
-                return
-            if seq != self._last_seq + 1:
-                self._error(ident, req, "bad_seq", f"expected act seq {self._last_seq + 1}, got {seq}")
-                return
-            action = np.asarray(msg.arrays["action"], dtype=np.float32)
-            space = self.env.action_space
-            if action.shape != space.shape or not np.all(np.isfinite(action)):
-                self._error(ident, req, "bad_action", f"action must be finite {space.shape}, got {action.shape}")
-                return
-            action = np.clip(action, space.low, space.high)
-            try:
-                obs, reward, terminated, truncated, info = self.env.step(action)
-            except Exception as exc:
-                log.exception("step failed")
-                self.stop_robot(f"step failed: {exc}")
-                self._error(ident, req, "step_failed", f"{type(exc).__name__}: {exc}")
-                return
-            self.stats["acts"] += 1
-            self._last_seq = seq
-            self._last_obs = obs
-            self.episode_over = bool(terminated or truncated)
-            frames = self._obs_reply(ident, req, obs, reward, terminated, truncated, info)
-            self._last_reply = [bytes(memoryview(getattr(f, "buffer", f))) for f in frames]
+            self._on_act(ident, req, msg)
         elif msg.type == "observe":
             if self._last_obs is None:
                 self._error(ident, req, "no_obs", "reset first")
@@ -245,19 +195,63 @@ class RobotDriverServer:
             self.controller = None
             self._reply(ident, "stopped", {"req": req, "reason": self.stop_reason})
 
+    def _on_reset(self, ident, req: int, msg) -> None:
+        seed = None if msg["seed"] < 0 else msg["seed"]
+        try:
+            options = json.loads(msg["options"] or "{}")
+            obs, info = self.env.reset(seed=seed, options=options or None)
+        except Exception as exc:
+            log.exception("reset failed")
+            self.stop_robot(f"reset failed: {exc}")
+            self._error(ident, req, "reset_failed", f"{type(exc).__name__}: {exc}")
+            return
+        self.stats["resets"] += 1
+        self.stopped, self.stop_reason, self.episode_over = False, "", False
+        self._last_seq, self._last_reply = 0, None
+        self._last_obs = obs
+        self._obs_reply(ident, req, obs, info=info)
+
+    def _on_act(self, ident, req: int, msg) -> None:
+        seq = msg["seq"]
+        if seq == self._last_seq and self._last_reply is not None:
+            # a retry of the action we already executed: same answer, no motion
+            self._sock.send_multipart([ident, *with_req(self._last_reply, req)], copy=False)
+            return
+        if self.stopped:
+            self._error(ident, req, "stopped", f"robot is stopped ({self.stop_reason}); reset first")
+            return
+        if self.episode_over:
+            self._error(ident, req, "episode_over", "the episode ended; reset first")
+            return
+        if seq != self._last_seq + 1:
+            self._error(ident, req, "bad_seq", f"expected act seq {self._last_seq + 1}, got {seq}")
+            return
+        action = np.asarray(msg.arrays["action"], dtype=np.float32)
+        space = self.env.action_space
+        if action.shape != space.shape or not np.all(np.isfinite(action)):
+            self._error(ident, req, "bad_action", f"action must be finite {space.shape}, got {action.shape}")
+            return
+        action = np.clip(action, space.low, space.high)
+        try:
+            obs, reward, terminated, truncated, info = self.env.step(action)
+        except Exception as exc:
+            log.exception("step failed")
+            self.stop_robot(f"step failed: {exc}")
+            self._error(ident, req, "step_failed", f"{type(exc).__name__}: {exc}")
+            return
+        self.stats["acts"] += 1
+        self._last_seq = seq
+        self._last_obs = obs
+        self.episode_over = bool(terminated or truncated)
+        frames = self._obs_reply(ident, req, obs, reward, terminated, truncated, info)
+        self._last_reply = [bytes(memoryview(getattr(f, "buffer", f))) for f in frames]
+
     def _send_spec(self, ident, req: int) -> None:
         low = np.asarray(self.env.action_space.low, np.float32)
         high = np.asarray(self.env.action_space.high, np.float32)
         self._reply(ident, "spec", {"req": req, "driver_id": self.driver_id, "spec": self._spec_json,
                                     "driver_protocol": DRIVER_PROTOCOL_VERSION},
                     {"action_low": low, "action_high": high})
-
-    def _resend_with_req(self, ident, frames: list[Any], req: int) -> None:
-        import msgpack
-
-        header = msgpack.unpackb(bytes(memoryview(frames[0])), raw=False)
-        header["req"] = req
-        self._sock.send_multipart([ident, msgpack.packb(header, use_bin_type=True), *frames[1:]], copy=False)
 
     # -- loop
 
@@ -282,12 +276,11 @@ class RobotDriverServer:
     def close(self) -> None:
         self.stop_robot("driver shutting down")
         self._sock.close(0)
-        if self._auth is not None:
-            self._auth.stop()
         self.env.close()
 
 
-def serve_in_thread(env: gym.Env, bind: str = "tcp://127.0.0.1:0", **kw) -> tuple[RobotDriverServer, threading.Thread]:
+def serve_in_thread(env: gym.Env, bind: str = "tcp://127.0.0.1:0",
+                    **kw) -> tuple[RobotDriverServer, threading.Thread]:
     """Start a driver on a background thread (tests, demos). Returns (server, thread);
     ``server.endpoint`` is the bound address; call ``server.shutdown()`` then join."""
     server = RobotDriverServer(env, bind, **kw)
@@ -304,7 +297,7 @@ def _parse_value(v: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m envs.robot_driver", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m envs.robot.driver", description=__doc__.split("\n\n")[0])
     ap.add_argument("--env", help="a registered env name (e.g. gym_hil, libero_spatial)")
     ap.add_argument("--env-config", help="an env config YAML (config/env/*.yaml)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="env config overrides")
@@ -313,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heartbeat-timeout", type=float, default=1.0)
     ap.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE")
     ap.add_argument("--curve-secret", help="this driver's zmq.auth secret key file")
-    ap.add_argument("--curve-clients", help="folder of allowed client public key files")
+    ap.add_argument("--curve-clients", help="folder of allowed client public key files (with --curve-secret)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -1,0 +1,262 @@
+"""Tandem's replay buffer and episode store side by side with lerobot's RL ReplayBuffer.
+
+    python tools/bench_buffer.py                  # figures and ratios
+    python tools/bench_buffer.py --json           # one JSON object (memory_ratio, sample_ratio, ...)
+
+Both are fed the same transitions: 2 cameras 128x128 + state (8) + action (4), episodes of
+``--episode-len`` steps ending in truncation, camera-like images (smooth scene, moving
+objects, a little sensor noise). Measured, for each:
+
+- memory per transition (bytes): the storage each buffer holds for its transitions, divided
+  by the number of sampleable transitions (Tandem: uint8 images, each observation stored
+  once, plus one final observation per episode; lerobot: float32 images, state and next
+  state stored apart);
+- add rate (transitions/s): Tandem adds wire batches of ``--add-batch`` records; lerobot
+  adds one transition per call (its API), with inputs prepared beforehand for both;
+- sample(256) rate (batches/s): lerobot without its DrQ augmentation (``--drq`` adds it),
+  so both measure sampling itself; Tandem returns uint8 images, lerobot float32;
+- episode write rate to disk (episodes/s): Tandem commits each episode durably (its own
+  commit, fsynced) into a LeRobot dataset through lerobot's writer; lerobot's buffer writes
+  the same episodes with ``to_lerobot_dataset`` (one pass, no fsync). Both encode video.
+
+Ratios are Tandem / lerobot: ``memory_ratio`` (lower is better), ``sample_ratio``,
+``add_ratio`` and ``write_ratio`` (higher is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.replay import ReplayBuffer
+from data.transitions import TransitionBatch
+from tools.bench.common import bench_spec, emit_json, episode_flags, quiet_logging, rate
+
+CAMS = ("front", "wrist")
+H = W = 128
+S, A = 8, 4
+
+
+def camera_like(rng: np.random.Generator, episodes: int, length: int, noise: float) -> np.ndarray:
+    """[episodes, length + 1, cams, H, W, 3] uint8: smooth background, two moving objects."""
+    y, x = np.mgrid[0:H, 0:W].astype(np.float32)
+    out = np.empty((episodes, length + 1, len(CAMS), H, W, 3), np.uint8)
+    for e in range(episodes):
+        phase = rng.uniform(0, 6.28, 4)
+        for c in range(len(CAMS)):
+            base = np.stack([90 + 40 * np.sin(x / 23 + phase[c]), 80 + 30 * np.cos(y / 19),
+                             np.full_like(x, 110 + 20 * c)], -1)
+            for t in range(length + 1):
+                img = base.copy()
+                cx, cy = 64 + 35 * np.sin(t / 9 + phase[2]), 64 + 35 * np.cos(t / 11 + phase[3])
+                img[(x - cx) ** 2 + (y - cy) ** 2 < 14 ** 2] = (200, 60, 40)
+                img[90:104, (t * 2) % 100:(t * 2) % 100 + 20] = (40, 180, 60)
+                img += rng.normal(0, noise, img.shape).astype(np.float32)
+                out[e, t, c] = np.clip(img, 0, 255).astype(np.uint8)
+    return out
+
+
+def make_episodes(n_episodes: int, length: int, seed: int, noise: float):
+    rng = np.random.default_rng(seed)
+    images = camera_like(rng, n_episodes, length, noise)
+    eps = []
+    for e in range(n_episodes):
+        m = length + 1
+        arrays = {
+            "observation.state": rng.standard_normal((m, S)).astype(np.float32),
+            "action": rng.uniform(-1, 1, (m, A)).astype(np.float32),
+            "reward": rng.standard_normal(m).astype(np.float32),
+            **episode_flags(m, e),  # the last step truncated, then the is_last record
+        }
+        arrays["action"][length] = 0
+        for c, cam in enumerate(CAMS):
+            arrays[f"observation.images.{cam}"] = images[e, :, c]
+        eps.append(arrays)
+    return eps
+
+
+# ---- Tandem -------------------------------------------------------------------------------------
+
+
+def bench_tandem(eps, spec, args) -> dict:
+    n_trans = sum(len(e["reward"]) - 1 for e in eps)
+    n_rec = sum(len(e["reward"]) for e in eps)
+    batches, seq = [], 0
+    for e in eps:
+        m = len(e["reward"])
+        for i in range(0, m, args.add_batch):
+            j = min(m, i + args.add_batch)
+            batches.append(TransitionBatch("bench", seq + i, {k: v[i:j] for k, v in e.items()},
+                                           ["bench task"] * (j - i)))
+        seq += m
+    rb = ReplayBuffer(n_rec, spec, seed=0, image_codec=args.codec)
+    args.codec = rb.image_codec  # auto resolved
+    t = time.perf_counter()
+    for b in batches:
+        rb.add(b)
+    add_rate = n_trans / (time.perf_counter() - t)
+    assert len(rb) == n_trans, (len(rb), n_trans)
+    res = {"memory_per_transition": rb.nbytes / len(rb), "add_per_s": add_rate,
+           "sample256_per_s": rate(lambda: rb.sample(256), args.sample_iters)}
+    rb.close()
+    return res
+
+
+def bench_tandem_write(eps, spec, args, root: Path) -> dict:
+    from data.store import Episode, EpisodeStore
+
+    store = EpisodeStore(root / "tandem", spec, video=not args.images, fps=10)
+    todo = [Episode("bench", i, e, ["bench task"] * len(e["reward"]),
+                    np.arange(len(e["reward"]), dtype=np.int64)) for i, e in enumerate(eps)]
+    store.write(todo[:1])  # warm-up (encoder start-up), not timed
+    t = time.perf_counter()
+    for ep in todo[1:]:
+        store.write([ep])  # one durable commit per episode
+    dt = time.perf_counter() - t
+    frames = sum(len(e) for e in todo[1:])
+    return {"write_episodes_per_s": (len(todo) - 1) / dt, "write_frames_per_s": frames / dt}
+
+
+# ---- lerobot -------------------------------------------------------------------------------------
+
+
+def lerobot_transitions(eps):
+    """lerobot's input format: per transition, state / next_state dicts of [1, ...] tensors,
+    images float32 [1, 3, H, W] in [0, 1]."""
+    out = []
+    for e in eps:
+        m = len(e["reward"])
+        obs = [{"observation.state": torch.from_numpy(e["observation.state"][t][None]),
+                **{f"observation.images.{c}": torch.from_numpy(
+                    e[f"observation.images.{c}"][t].transpose(2, 0, 1)[None].astype(np.float32) / 255.0)
+                   for c in CAMS}} for t in range(m)]
+        for t in range(m - 1):
+            out.append(dict(state=obs[t], action=torch.from_numpy(e["action"][t][None]),
+                            reward=float(e["reward"][t]), next_state=obs[t + 1],
+                            done=bool(e["terminated"][t]), truncated=bool(e["truncated"][t])))
+    return out
+
+
+def lerobot_buffer(n: int, drq: bool):
+    from lerobot.rl.buffer import ReplayBuffer as LeRobotReplayBuffer
+
+    keys = ["observation.state"] + [f"observation.images.{c}" for c in CAMS]
+    return LeRobotReplayBuffer(n, device="cpu", storage_device="cpu", state_keys=keys, use_drq=drq,
+                               image_augmentation_function=None if drq else (lambda x: x))
+
+
+def lerobot_nbytes(rb) -> int:
+    tensors = [*rb.states.values(), rb.actions, rb.rewards, rb.dones, rb.truncateds, rb.episode_ends,
+               *rb.complementary_info.values()]
+    if rb.next_states is not rb.states:
+        tensors += list(rb.next_states.values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bench_lerobot(eps, args) -> dict:
+    trans = lerobot_transitions(eps)
+    rb = lerobot_buffer(len(trans), args.drq)
+    t = time.perf_counter()
+    for tr in trans:
+        rb.add(**tr)
+    add_rate = len(trans) / (time.perf_counter() - t)
+    res = {"memory_per_transition": lerobot_nbytes(rb) / len(rb), "add_per_s": add_rate,
+           "sample256_per_s": rate(lambda: rb.sample(256), args.sample_iters)}
+    return res, rb
+
+
+def bench_lerobot_write(rb, root: Path) -> dict:
+    n_eps = int(rb.truncateds[: rb.size].sum() + rb.dones[: rb.size].sum())
+    frames = rb.size
+    t = time.perf_counter()
+    rb.to_lerobot_dataset("bench/lerobot", fps=10, root=root / "lerobot")
+    dt = time.perf_counter() - t
+    return {"write_episodes_per_s": n_eps / dt, "write_frames_per_s": frames / dt}
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--episodes", type=int, default=20, help="episodes in the buffers")
+    p.add_argument("--episode-len", type=int, default=50)
+    p.add_argument("--write-episodes", type=int, default=4, help="episodes written to disk")
+    p.add_argument("--sample-iters", type=int, default=20)
+    p.add_argument("--add-batch", type=int, default=32, help="records per Tandem add (wire batch)")
+    p.add_argument("--codec", default="auto", choices=["auto", "raw", "lz4", "zlib"],
+                   help="Tandem image storage (auto, the learner's default: lz4 if installed)")
+    p.add_argument("--noise", type=float, default=2.0, help="camera noise (std, grey levels)")
+    p.add_argument("--images", action="store_true", help="write PNG images instead of video")
+    p.add_argument("--drq", action="store_true", help="lerobot samples with its DrQ augmentation")
+    p.add_argument("--no-write", action="store_true", help="skip the disk write benchmark")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    quiet_logging()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = bench_spec(S, A, CAMS, (H, W))
+    eps = make_episodes(args.episodes, args.episode_len, 0, args.noise)
+    tandem = bench_tandem(eps, spec, args)
+    lerobot, lrb = bench_lerobot(eps, args)
+    if not args.no_write:
+        root = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
+        try:
+            w_eps = eps[: max(2, args.write_episodes + 1)]
+            tandem.update(bench_tandem_write(w_eps, spec, args, root))
+            small = lerobot_buffer(sum(len(e["reward"]) - 1 for e in w_eps[1:]), False)
+            for tr in lerobot_transitions(w_eps[1:]):
+                small.add(**tr)
+            try:
+                lerobot.update(bench_lerobot_write(small, root))
+            except Exception as exc:  # report, do not hide
+                lerobot["write_error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    del lrb
+    ratios = {
+        "memory_ratio": tandem["memory_per_transition"] / lerobot["memory_per_transition"],
+        "sample_ratio": tandem["sample256_per_s"] / lerobot["sample256_per_s"],
+        "add_ratio": tandem["add_per_s"] / lerobot["add_per_s"],
+    }
+    if "write_episodes_per_s" in tandem and "write_episodes_per_s" in lerobot:
+        ratios["write_ratio"] = tandem["write_episodes_per_s"] / lerobot["write_episodes_per_s"]
+    result = {**ratios, "tandem": tandem, "lerobot": lerobot,
+              "setup": {"episodes": args.episodes, "episode_len": args.episode_len,
+                        "transitions": args.episodes * args.episode_len, "cameras": f"2x{H}x{W}",
+                        "state": S, "action": A, "codec": args.codec, "drq": args.drq,
+                        "video": not args.images, "torch_threads": torch.get_num_threads(),
+                        "cpus": os.cpu_count()}}
+    if args.json:
+        emit_json(result)
+        return result
+    print(f"same {args.episodes * args.episode_len} transitions: 2 cameras {H}x{W} + state {S}, "
+          f"episodes of {args.episode_len} (Tandem images: {args.codec})")
+    rows = [("memory per transition (bytes)", "memory_per_transition", "{:,.0f}"),
+            ("add (transitions/s)", "add_per_s", "{:,.0f}"),
+            ("sample(256) (batches/s)", "sample256_per_s", "{:,.2f}"),
+            ("episode write (episodes/s)", "write_episodes_per_s", "{:,.2f}"),
+            ("episode write (frames/s)", "write_frames_per_s", "{:,.1f}")]
+    print(f"{'':32s} {'Tandem':>14s} {'lerobot':>14s} {'Tandem/lerobot':>15s}")
+    for name, key, fmt in rows:
+        a, b = tandem.get(key), lerobot.get(key)
+        if a is None or b is None:
+            print(f"{name:32s} {fmt.format(a) if a is not None else 'n/a':>14s} "
+                  f"{fmt.format(b) if b is not None else lerobot.get('write_error', 'n/a'):>14s}")
+            continue
+        print(f"{name:32s} {fmt.format(a):>14s} {fmt.format(b):>14s} {a / b:>15.3f}")
+    print(f"memory_ratio {ratios['memory_ratio']:.4f} (target <= 0.125), "
+          f"sample_ratio {ratios['sample_ratio']:.2f} (target >= 1)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

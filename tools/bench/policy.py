@@ -1,0 +1,251 @@
+"""VLA serving benchmark: PI0 and OpenVLA-OFT behind Tandem's learner socket.
+
+Self-contained: it builds the full-size models with random weights (bf16 on a GPU) from
+configs, plus small local tokenizers; nothing is downloaded. Per policy, in one run:
+
+- ``bare_forward_ms``: the model call alone on prepared tensors (PI0: lerobot's
+  ``PI0Pytorch.sample_actions``, 10 flow steps; OFT: the VLA + action head), batch 1;
+- ``act_ms``: ``policy.act(obs)`` for one observation (observation mapping included), and
+  ``overhead_ratio = act_p50 / bare_p50`` (target: act <= 1.1 x bare + 0.5 ms);
+- ``socket_ms``: one actor's act round trip through a real ``LearnerService`` +
+  ``InferenceServer`` (loopback), from the actor's ``LearnerClient``;
+- ``actors``: actions/s (chunks/s x chunk size) with 1, 4, 8, 16 concurrent actors, each a
+  separate process running the real ``actor.client.LearnerClient`` in a closed loop, with the
+  mean served batch size (target: 8 actors >= 4 x the actions/s of 1);
+- ``train_step_ms``: one LoRA training step (bc_loss, backward, AdamW) at ``--train-batch``;
+- ``peak_gpu_gb``: ``torch.cuda.max_memory_allocated`` while serving, training and running
+  the baseline (``build_peak_gpu_gb``: while building);
+- ``snapshot_mb`` vs ``model_mb``: the trainable (LoRA + heads) weight snapshot vs the model,
+  and ``load_weights_ms``: loading a snapshot into the serving copy (adapters re-folded);
+- PI0 only, ``lerobot_select_action_ms``: lerobot's own ``PI0Policy.select_action`` (queue
+  reset every call, so each call computes a chunk) on the same inputs, built without LoRA.
+
+    python -m tools.bench_policy                    # GPU, full size, human-readable
+    python -m tools.bench_policy --json out.json    # also write every figure as JSON
+    python -m tools.bench_policy --tiny --device cpu --actors 1,2 --seconds 2   # CPU smoke
+
+Imports only torch, transformers, safetensors, tokenizers, timm, peft, lerobot (PI0 modules
+alone when lerobot's data stack is absent), pyzmq, msgpack, gymnasium.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tools.bench.common import LoopbackLearner, bench_spec, emit_json, p50_p99, random_obs, timed_ms
+from tools.bench.policy_actors import HASH, TASK, client_main, run_actors
+
+
+def build(name: str, tiny: bool, device: str, tmp: Path, spec):
+    """(policy, config) for ``name`` at full size (random weights) or tiny (test checkpoint)."""
+    from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from tools.make_tiny_checkpoints import build_tokenizer, make_openvla_oft, make_pi0
+
+    if name == "pi0":
+        if tiny:
+            cfg = Pi0PolicyConfig(checkpoint=str(make_pi0(tmp / "pi0", spec)), chunk_size=8, device=device, lora_rank=4)
+        else:
+            cfg = Pi0PolicyConfig(tokenizer=str(build_tokenizer(tmp / "pi0_tok", kind="gemma")), device=device)
+        return Pi0Policy(cfg, spec), cfg
+    if tiny:
+        cfg = OpenVLAOFTPolicyConfig(checkpoint=str(make_openvla_oft(tmp / "oft", spec)), device=device, lora_rank=4)
+    else:
+        cfg = OpenVLAOFTPolicyConfig(tokenizer=str(build_tokenizer(tmp / "oft_tok", kind="llama", vocab_size=2000)),
+                                     device=device)
+    return OpenVLAOFTPolicy(cfg, spec), cfg
+
+
+def bench_policy(name: str, args, spec, tmp: Path) -> dict:
+    import torch
+
+    from agents.policies import vla_common as vc
+    from learner.weights import WeightPublisher
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    policy, cfg = build(name, args.tiny, args.device, tmp, spec)
+    policy.eval()
+    res: dict = {"build_s": time.perf_counter() - t0, "chunk": policy.chunk_size}
+    if cuda:
+        res["build_peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    snap = policy.trainable_state_dict()
+    res["params_m"] = vc.n_params(policy) / 1e6
+    res["model_mb"] = sum(p.numel() * p.element_size() for p in policy.parameters()) / 1e6
+    res["snapshot_mb"] = vc.state_nbytes(snap) / 1e6
+    res["snapshot_tensors"] = len(snap)
+    obs_np = random_obs(spec.state_dim, spec.cameras)
+    obs = {k: torch.from_numpy(v) for k, v in obs_np.items()}
+    obs["task"] = [TASK]
+    it, wu = args.iters, args.warmup
+    with torch.inference_mode():
+        inputs = policy.model_inputs(obs)
+        res["bare_forward_ms"] = p50_p99(timed_ms(lambda: policy.forward_model(inputs), it, wu, sync))
+        res["act_ms"] = p50_p99(timed_ms(lambda: policy.act(obs), it, wu, sync))
+    with torch.no_grad():  # a new weights version on the serving copy: unfold, load, fold
+        res["load_weights_ms"] = p50_p99(timed_ms(lambda: policy.load_trainable_state_dict(snap), 3, 1, sync))
+    res["overhead_ratio"] = res["act_ms"]["p50"] / res["bare_forward_ms"]["p50"]
+    res["act_target_ms"] = 1.1 * res["bare_forward_ms"]["p50"] + 0.5
+    res["act_within_target"] = res["act_ms"]["p50"] <= res["act_target_ms"]
+
+    # through the real learner socket
+    learner = LoopbackLearner(policy, spec, HASH, buffer_capacity=8, device=dev,
+                              get_version=lambda: pub.version, get_weights=lambda: pub.latest(),
+                              service_kw={"peer_timeout_s": 600.0},
+                              inference_kw={"max_batch": 64, "batch_window_ms": args.batch_window_ms})
+    svc, inf = learner.service, learner.inference
+    pub = WeightPublisher(inf.set_weights, svc.publish)
+    pub.publish(snap, version=1)
+    learner.start()
+    try:
+        cams = {c: list(s) for c, s in spec.cameras.items()}
+        counters = lambda: (inf.batches, inf.served)  # noqa: E731
+        one = run_actors(1, svc.port, args.seconds, spec.state_dim, cams, counters)
+        res["socket_ms"] = {"p50": one["lat_p50_ms"], "p99": one["lat_p99_ms"]}
+        res["actors"] = []
+        for n in args.actors:
+            r = one if n == 1 else run_actors(n, svc.port, args.seconds, spec.state_dim, cams, counters)
+            r["actions_per_s"] = r["chunks_per_s"] * policy.chunk_size
+            res["actors"].append(r)
+    finally:
+        learner.close()
+    by_n = {r["actors"]: r["actions_per_s"] for r in res["actors"]}
+    if 1 in by_n and 8 in by_n:
+        res["scaling_8_vs_1"] = by_n[8] / by_n[1]
+
+    # one LoRA training step
+    policy.train()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    bt = args.train_batch
+    tb = {k: torch.from_numpy(np.repeat(v, bt, axis=0)) for k, v in obs_np.items()}
+    tb["task"] = [TASK] * bt
+    tb["action"] = torch.rand(bt, policy.chunk_size, spec.action_dim) * 2 - 1
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        policy.bc_loss(tb).backward()
+        opt.step()
+    res["train_step_ms"] = p50_p99(timed_ms(step, max(2, it // 5), 1, sync))
+    res["train_batch"] = bt
+    del opt
+    policy.eval()
+
+    if name == "pi0" and not args.no_baseline:
+        res["lerobot_select_action_ms"] = lerobot_baseline(policy, obs, args, sync)
+    if cuda:
+        res["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    del policy
+    return res
+
+
+def lerobot_baseline(policy, obs, args, sync) -> dict:
+    """lerobot's own PI0Policy.select_action (a copy without LoRA, same weights) on the same batch."""
+    import torch
+
+    from agents.policies.pi0 import build_lerobot_pi
+
+    plain = build_lerobot_pi("pi0", policy.lr_cfg, policy.arch, seed=policy.cfg.seed)
+    base = {k: v for k, v in policy.inner.state_dict().items() if ".lora_" not in k}
+    plain.load_state_dict({k.replace(".base_layer", ""): v for k, v in base.items()}, strict=True)
+    plain.eval()
+    with torch.inference_mode():
+        lb = policy.lerobot_batch(obs)
+
+        def call():
+            plain.reset()
+            plain.select_action(lb)
+        out = p50_p99(timed_ms(call, args.iters, args.warmup, sync))
+    del plain
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default="pi0,openvla_oft")
+    ap.add_argument("--tiny", action="store_true", help="tiny test-size models (CPU smoke test)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--actors", default="1,4,8,16")
+    ap.add_argument("--seconds", type=float, default=10.0, help="per concurrency level")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--train-batch", type=int, default=4)
+    ap.add_argument("--batch-window-ms", type=float, default=2.0)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--json", default=None, help="write the results here ('-': stdout only JSON)")
+    # actor process mode
+    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--actor-id", help=argparse.SUPPRESS)
+    ap.add_argument("--state-dim", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--cams", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.client:
+        client_main(args)
+        return {}
+
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny and args.device == "cpu":
+        torch.set_num_threads(1)  # tiny models: threads only fight the actor processes for cores
+    args.actors = [int(x) for x in args.actors.split(",")]
+    s = args.image_size
+    spec = bench_spec(8, 7, ["image", "wrist_image"], s, has_task=True)
+    out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+           "torch": torch.__version__, "tiny": args.tiny, "image_size": s, "policies": {}}
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json == "-" else print
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.policies.split(","):
+            say(f"== {name} ({'tiny' if args.tiny else 'full size'}, {out['device']})", flush=True)
+            r = bench_policy(name, args, spec, Path(tmp))
+            out["policies"][name] = r
+            say(report(name, r), flush=True)
+    if args.json:
+        emit_json(out, args.json)
+    return out
+
+
+def report(name: str, r: dict) -> str:
+    lines = [f"  params {r['params_m']:.1f} M, model {r['model_mb']:.1f} MB, trainable snapshot "
+             f"{r['snapshot_mb']:.2f} MB ({r['snapshot_tensors']} tensors, {r['snapshot_mb'] / r['model_mb']:.2%}), "
+             f"build {r['build_s']:.1f} s",
+             f"  bare forward p50 {r['bare_forward_ms']['p50']:.2f} ms p99 {r['bare_forward_ms']['p99']:.2f} ms",
+             f"  act          p50 {r['act_ms']['p50']:.2f} ms p99 {r['act_ms']['p99']:.2f} ms  overhead x"
+             f"{r['overhead_ratio']:.3f} (target <= {r['act_target_ms']:.2f} ms: "
+             f"{'ok' if r['act_within_target'] else 'MISSED'})",
+             f"  socket, 1 actor p50 {r['socket_ms']['p50']:.2f} ms p99 {r['socket_ms']['p99']:.2f} ms",
+             f"  new weights version on the serving copy p50 {r['load_weights_ms']['p50']:.1f} ms"]
+    for a in r["actors"]:
+        lines.append(f"  {a['actors']:>2} actors: {a['actions_per_s']:9.1f} actions/s ({a['chunks_per_s']:.1f} chunks/s, "
+                     f"mean batch {a['mean_batch']:.1f}, p50 {a['lat_p50_ms']:.1f} ms)")
+    if "scaling_8_vs_1" in r:
+        lines.append(f"  8 vs 1 actors: x{r['scaling_8_vs_1']:.2f} (target >= 4: "
+                     f"{'ok' if r['scaling_8_vs_1'] >= 4 else 'MISSED'})")
+    lines.append(f"  LoRA train step (batch {r['train_batch']}) p50 {r['train_step_ms']['p50']:.1f} ms")
+    if "lerobot_select_action_ms" in r:
+        b = r["lerobot_select_action_ms"]
+        lines.append(f"  lerobot PI0 select_action p50 {b['p50']:.2f} ms p99 {b['p99']:.2f} ms (no LoRA)")
+    if "peak_gpu_gb" in r:
+        lines.append(f"  peak GPU memory {r['peak_gpu_gb']:.1f} GB serving + training (building: "
+                     f"{r['build_peak_gpu_gb']:.1f} GB)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Actor processes of the VLA serving bench: each runs the real ``actor.client.LearnerClient``
+in a closed act loop (``python -m tools.bench_policy --client ...``), started together."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tools.bench.common import HOST, ROOT, percentile, random_obs
+
+TASK = "pick up the black bowl between the plate and the ramekin and place it on the plate"
+HASH = "bench"
+
+
+def client_main(a) -> None:
+    """One actor (light: numpy, zmq, the actor client); ``a`` holds the --client arguments."""
+    import zmq
+
+    from actor.client import LearnerClient
+    from actor.spool import Spool
+
+    cams = json.loads(a.cams)
+    obs = random_obs(a.state_dim, cams, seed=a.seed)
+    ctx = zmq.Context()
+    with tempfile.TemporaryDirectory() as tmp:
+        cl = LearnerClient(ctx=ctx, host=HOST, port=a.port, actor_id=a.actor_id, config_hash=HASH,
+                           spool=Spool(Path(tmp) / "spool", fsync=False), timeout_s=120.0, heartbeat_s=60.0)
+        cl.connect(give_up_after_s=60)
+        actions, *_ = cl.act(obs, [TASK])  # warm-up, also registers this actor as active
+        print("ready", flush=True)
+        sys.stdin.readline()  # all actors start together
+        lat, versions, t_end = [], set(), time.perf_counter() + a.seconds
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            actions, v, *_ = cl.act(obs, [TASK])  # (actions, version[, extras])
+            lat.append((time.perf_counter() - t0) * 1000.0)
+            versions.add(int(v))
+        print(json.dumps({"n": len(lat), "lat_ms": lat, "shape": list(actions.shape), "versions": sorted(versions)}))
+        cl.close()
+    ctx.destroy(0)
+
+
+def run_actors(n: int, port: int, seconds: float, state_dim: int, cams: dict, counters=None) -> dict:
+    """``n`` actor processes in a closed act loop for ``seconds``, started together once all
+    have connected and been served one warm-up request. ``counters()`` -> (forwards, requests)
+    of the inference server gives the mean batch size over the timed window."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tools.bench_policy", "--client", "--port", str(port), "--actor-id", f"bench{i}",
+         "--seconds", str(seconds), "--state-dim", str(state_dim), "--cams", json.dumps(cams), "--seed", str(i)],
+        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(n)]
+    for p in procs:
+        if p.stdout.readline().strip() != "ready":
+            p.wait(60)
+            raise RuntimeError(f"actor process failed to connect (rc {p.returncode})")
+    c0 = counters() if counters else (0, 0)
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=seconds + 240)
+        if p.returncode != 0:
+            raise RuntimeError(f"actor process failed (rc {p.returncode}): {out[-2000:]}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    c1 = counters() if counters else (1, 1)
+    lat = np.concatenate([o["lat_ms"] for o in outs])
+    chunks = sum(o["n"] for o in outs)
+    return {"actors": n, "chunks": chunks, "chunks_per_s": chunks / seconds, "lat_p50_ms": percentile(lat, 50),
+            "lat_p99_ms": percentile(lat, 99), "reply_shape": outs[0]["shape"],
+            "mean_batch": (c1[1] - c0[1]) / max(1, c1[0] - c0[0])}
