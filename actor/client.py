@@ -311,7 +311,8 @@ class LearnerClient:
                     actions = np.array(msg.arrays["actions"])
                     return actions, msg["policy_version"], self._reply_extras(msg, len(actions))
                 if msg.type == "error" and msg["code"] in ("bad_observation", "inference_failed"):
-                    raise ValueError(f"learner rejected the observation: {msg['message']}")
+                    raise ValueError(f"learner could not serve the act request: {msg['code']}: "
+                                     f"{msg['message']}")
                 self._dispatch(msg)
                 if not self.connected:
                     break

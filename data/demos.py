@@ -27,7 +27,7 @@ the task is done; a terminated transition never bootstraps, so its next observat
 never used), or truncated with ``episode_end="truncated"``. Episodes are successful unless
 the dataset says otherwise.
 
-Camera frames are decoded once, here (:func:`data.episode_store.read_episodes`).
+Camera frames are decoded once, here (:func:`data.store.read_episodes`).
 ``keys`` renames dataset columns to Tandem's, e.g. ``{"observation.images.top":
 "observation.images.front"}``.
 """

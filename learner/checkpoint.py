@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from data.fsutil import fsync_path
+from data.fsutil import atomic_write, fsync_path
 
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
@@ -89,9 +89,7 @@ def save_checkpoint(root: str | Path, step: int, state: dict, *, keep: int = 2) 
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    latest_tmp = root / f".{LATEST}.tmp"
-    latest_tmp.write_text(name)
-    os.replace(latest_tmp, root / LATEST)
+    atomic_write(root / LATEST, name.encode())
     fsync_path(root)
     ckpts = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in ckpts[:-keep]:

@@ -10,7 +10,7 @@ Durable, and what is acknowledged
 A record is *settled* when it can never be needed again from the actor:
 
 - it belongs to an episode that is **durable**: the whole episode (through its ``is_last``
-  record) is in the LeRobot dataset, in a commit of :class:`data.episode_store.EpisodeStore`
+  record) is in the LeRobot dataset, in a commit of :class:`data.store.EpisodeStore`
   (files closed and fsynced, commit record atomically replaced);
 - or it was **rejected** (bad input, counted and logged) or belongs to an episode that was
   **dropped** (counted and logged), so it will never be stored.

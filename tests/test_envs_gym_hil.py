@@ -9,7 +9,6 @@ import pytest
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs.gym_hil import canonical_task
 from envs.registry import make_env
-from data.core.spec import EnvSpec
 from envs.spec import spec_from_env
 
 

@@ -19,7 +19,6 @@ from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs import libero as L
 from envs.libero import assets as A
 from envs.registry import make_env
-from data.core.spec import EnvSpec
 from envs.spec import spec_from_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -232,3 +232,82 @@ def test_extras_from_policy_to_replay_and_dataset(mode, tmp_path):
         t = int(item["frame_index"])
         assert float(item["extra.log_prob"]) == float(c["extra.log_prob"][t])
         np.testing.assert_array_equal(item["extra.noise"].numpy(), c["extra.noise"][t])
+
+
+def test_intervened_steps_carry_the_interrupted_chunk(tmp_path):
+    """A scripted human takes over mid-chunk (steps 4 and 5 of chunks starting at 0, 3, ...):
+    the human's steps are not chunk starts, keep the interrupted chunk's position and extras,
+    and the policy starts a new chunk once the human lets go (documented in actor/loop.py)."""
+    import zmq
+
+    from actor.client import LearnerClient
+    from actor.loop import ActorLoop
+    from actor.spool import Spool
+    from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
+    from data.core.spec import config_hash
+    from data.replay import ReplayBuffer
+    from envs.intervention import ScriptedIntervention
+    from envs.registry import make_env
+    from envs.spec import spec_from_env
+    from learner.inference import InferenceServer
+    from learner.ingest import Ingest
+    from learner.service import LearnerService
+
+    human = np.array([0.5, -0.25], np.float32)
+    env = make_env({"name": "reacher", "max_episode_steps": 12},
+                   intervention=ScriptedIntervention(takeover=[4, 5], action=human))
+    policy = MLPPolicy(MLPPolicyConfig(hidden_dims=(16,), chunk_size=H), spec_from_env(env))
+    spec = spec_from_env(env).with_extras(policy.extras_spec())
+    chash = config_hash(spec, env_name="reacher", policy_name="mlp", chunk=H)
+    ctx = zmq.Context()
+    buffer = ReplayBuffer(100, spec)
+    port, pub = free_port(), free_port()
+    svc = LearnerService(ctx=ctx, spec=spec, config_hash=chash, ingest=Ingest(buffer),
+                         submit_act=lambda r: inf.submit(r), get_version=lambda: 0,
+                         get_weights=lambda: None, port=port, pub_port=pub)
+    inf = InferenceServer(policy, reply=svc.reply, active_actors=svc.active_actors,
+                          device=torch.device("cpu"))
+    svc.start()
+    inf.start()
+    client = LearnerClient(ctx=ctx, host="127.0.0.1", port=port, actor_id="arm", config_hash=chash,
+                           spool=Spool(tmp_path / "spool", fsync=False), timeout_s=2.0)
+    replies = []
+
+    def act(arrays, tasks, deterministic):
+        out = client.act(arrays, tasks, deterministic=deterministic)
+        replies.append(out[2])
+        return out
+
+    try:
+        client.connect(give_up_after_s=20)
+        ActorLoop(env, client, act, actor_id="arm", batch_size=4).run(max_episodes=1)
+        for _ in range(100):
+            if len(client.spool) == 0:
+                break
+            client.poll(0.05)
+        assert len(client.spool) == 0
+    finally:
+        client.close()
+        inf.stop()
+        svc.stop()
+        inf.join(2)
+        svc.join(2)
+        env.close()
+        ctx.destroy(0)
+    b = buffer.sample(2000)  # with replacement: covers all 12 transitions
+    by_step = {}
+    for i in range(len(b["step"])):
+        by_step[int(b["step"][i])] = i
+    assert sorted(by_step) == list(range(12))
+    col = {k: np.array([b[k][by_step[t]].numpy() for t in range(12)])
+           for k in ("chunk_start", "chunk_index", "intervened", "extra.log_prob", "extra.noise")}
+    # policy queries at 0, 3 (interrupted by the human at 4), 5 (overridden: still the
+    # human's step), 6 (the human let go: a new chunk), 9
+    assert col["intervened"].tolist() == [t in (4, 5) for t in range(12)]
+    assert col["chunk_start"].tolist() == [t in (0, 3, 6, 9) for t in range(12)]
+    assert col["chunk_index"].tolist() == [0, 1, 2, 0, 1, 0, 0, 1, 2, 0, 1, 2]
+    assert len(replies) == 5
+    which = [0, 0, 0, 1, 1, 2, 3, 3, 3, 4, 4, 4]  # the reply each step's extras come from
+    for t, r in enumerate(which):
+        assert col["extra.log_prob"][t] == replies[r]["extra.log_prob"][0]
+        np.testing.assert_array_equal(col["extra.noise"][t], replies[r]["extra.noise"][0])

@@ -1,4 +1,4 @@
-"""The cheap MuJoCo tasks (envs/reacher.py) and an end-to-end learning check for SAC.
+"""The cheap MuJoCo tasks (envs/pendulum.py, envs/reacher.py) and an end-to-end learning check for SAC.
 
 The learning test runs the same in-process loop as a one-laptop demo would: env ->
 ``MLPPolicy.act`` -> ``TransitionBatch.from_records`` -> ``ReplayBuffer`` ->

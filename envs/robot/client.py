@@ -105,7 +105,8 @@ class RobotEnv(gym.Env):
             obs_spaces[TASK] = TEXT_SPACE
         self.observation_space = spaces.Dict(obs_spaces)
         self.action_space = spaces.Box(self._act_low, self._act_high, dtype=np.float32)
-        self.default_max_episode_steps = int(s.get("default_max_episode_steps") or 0) or None
+        limit = s.get("default_max_episode_steps") or s.get("max_episode_steps")  # either name
+        self.default_max_episode_steps = int(limit or 0) or None
         if s.get("ee_pos_index"):
             self.ee_pos_index = tuple(s["ee_pos_index"])
         if s.get("action_pos_index"):
