@@ -19,7 +19,7 @@ from actor.client import LearnerClient
 from actor.loop import ActorLoop
 from actor.spool import Spool
 from envs.registry import make_env
-from data.core.spec import EnvSpec, config_hash
+from data.core.spec import config_hash
 from envs.spec import spec_from_env
 
 log = logging.getLogger("tandem.actor")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,7 @@ class Learner:
             batch_window_ms=cfg.inference.batch_window_ms,
         )
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
+        self._stop = threading.Event()
         self._restore()
         self.metrics = MetricsLogger(
             run_dir=self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
@@ -152,6 +154,10 @@ class Learner:
                                keep=self.cfg.trainer.keep_checkpoints)
 
     # ---- running -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask :meth:`run` (on another thread) to finish as after Ctrl-C: checkpoint, close."""
+        self._stop.set()
 
     @property
     def port(self) -> int:
@@ -227,7 +233,7 @@ class Learner:
         cfg = self.cfg.trainer
         last_log, last_updates, last_ckpt = time.monotonic(), self.algo.updates, self.algo.updates
         metrics: dict[str, float] = {}
-        while True:
+        while not self._stop.is_set():
             m = self.algo.step()
             if m:
                 metrics = m
@@ -260,7 +266,7 @@ class Learner:
     def _eval_loop(self) -> dict:
         target = int(self.cfg.eval.episodes)
         last_log = time.monotonic()
-        while self.ingest.stats.episodes < target:
+        while self.ingest.stats.episodes < target and not self._stop.is_set():
             time.sleep(0.05)
             if time.monotonic() - last_log >= self.cfg.logging.every_s:
                 self.metrics.log(self._status(), step=self.ingest.stats.episodes,

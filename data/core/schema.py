@@ -17,8 +17,10 @@ A transition batch (message ``transitions``) carries N steps of one actor, stack
             "extra.<name>" [N, ...] (one per policy extra the learner declared)
     fields  "actor_id" str, "first_seq" int, "last_seq" int, "tasks" [str]*N
 
-``chunk_start`` marks the step whose observation the policy was asked about, and
-``chunk_index`` is the step's position in the executed action chunk (0 at a chunk start).
+``chunk_start`` marks the step whose observation the policy was asked about and whose
+executed action is the policy's, and ``chunk_index`` is the step's position in the executed
+action chunk (0 at a chunk start). A human-driven step has ``chunk_start`` False and carries
+the interrupted chunk's extras; an ``is_last`` record has zero extras.
 ``group_id`` is the group of the learner job the episode ran (-1: no job).
 Policy extras (``log_prob``, ``value``, PI0's noise, OFT's action tokens, ...) come with the
 act reply as ``extra.<name>`` arrays [B, ...]; every step of a chunk carries its chunk's
