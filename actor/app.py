@@ -51,6 +51,8 @@ def make_intervention(icfg):
                                    action=np.asarray(list(icfg.action), np.float32), env_space=True)
         src.start()
         return src
+    if device == "expert":  # a scripted person: bound to the env by the Actor
+        return make_source("expert", **OmegaConf.to_container(icfg.expert, resolve=True))
     return make_source(device)
 
 
@@ -70,6 +72,9 @@ class Actor:
         self.env = make_env(cfg.env, intervention=self.intervention,
                             intervention_kwargs={"action_map": None if cfg.intervention.action_map is None
                                                 else list(cfg.intervention.action_map)})
+        bind = getattr(self.intervention, "bind", None)
+        if bind is not None:  # a source that needs the env (the scripted expert)
+            self.env = bind(self.env)
         self.spec = spec_from_env(self.env)
         chunk = int(cfg.policy.get("chunk_size", 1))
         if cfg.chunk.execute > chunk:

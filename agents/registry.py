@@ -26,6 +26,10 @@ POLICIES: dict[str, tuple[str, str, str]] = {
 # name -> (builder module, builder class, config module, config dataclass)
 ALGOS: dict[str, tuple[str, str, str, str]] = {
     "sac": ("agents.sac_builder", "SACBuilder", "agents.sac", "SACConfig"),
+    "rejection_sampling": ("agents.rs_builder", "RejectionSamplingBuilder",
+                           "agents.rejection_sampling", "RejectionSamplingConfig"),
+    "ppo": ("agents.ppo_builder", "PPOBuilder", "agents.ppo_builder", "PPOBuilderConfig"),
+    "grpo": ("agents.grpo_builder", "GRPOBuilder", "agents.grpo_builder", "GRPOBuilderConfig"),
 }
 
 
@@ -81,9 +85,12 @@ def build_builder(algo_cfg: Mapping[str, Any]):
     return getattr(importlib.import_module(bmod), bcls)(cfg)
 
 
-def check_algo_policy(algo_cfg: Mapping[str, Any], policy_name: str) -> None:
+def check_algo_policy(algo_cfg: Mapping[str, Any] | str, policy_name: str) -> None:
     """Fail at start-up, before any model is built, when the policy class lacks a
-    capability the configured algorithm needs."""
+    capability the configured algorithm needs (``algo_cfg``: its config section, or just
+    its name for the defaults)."""
+    if isinstance(algo_cfg, str):
+        algo_cfg = {"name": algo_cfg}
     builder = build_builder(algo_cfg)
     check_pair(algo_cfg["name"], builder.requires, policy_name, policy_class(policy_name))
 

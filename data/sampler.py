@@ -8,12 +8,14 @@ Everything here has the buffer's sampling interface: ``sample(n) -> dict of tens
   While one side is empty the other fills the batch. ``batch["is_demo"]`` marks the rows.
 - :class:`SuccessView`: only transitions of successful episodes (an episode's outcome is its
   final record's ``success``) plus intervention segments (records a human drove), for
-  rejection sampling / filtered behaviour cloning.
+  rejection sampling / filtered behaviour cloning; ``exclude`` holds some out
+  (:func:`groups_from`: evaluation jobs).
 - :class:`PolicyVersionView`: only transitions whose action came from a policy at most
   ``max_lag`` versions behind the current one, for on-policy algorithms (PPO).
 
 :func:`build_replay` makes the learner's buffer, episode store (refilled from disk) and
-sampler from the ``buffer:`` config section.
+sampler from the ``buffer:`` config section; :func:`build_store` makes the store alone (the
+on-policy algorithms' :mod:`data.rollouts` uses it too).
 """
 
 from __future__ import annotations
@@ -81,21 +83,35 @@ class MixedSampler:
 
 
 class SuccessView:
-    """Transitions of successful episodes plus intervention segments."""
+    """Transitions of successful episodes plus intervention segments. ``exclude`` (a
+    :data:`data.replay.SlotFilter`) removes slots from the view, e.g.
+    :func:`groups_from` for held-out evaluation episodes."""
 
-    def __init__(self, buffer: ReplayBuffer, *, include_interventions: bool = True):
+    def __init__(self, buffer: ReplayBuffer, *, include_interventions: bool = True,
+                 exclude: Callable[[ReplayBuffer], np.ndarray] | None = None):
         self.buffer = buffer
         self.include_interventions = include_interventions
+        self.exclude = exclude
 
     def _where(self, b: ReplayBuffer) -> np.ndarray:
         m = b.episode_success
-        return (m | b.intervened) if self.include_interventions else m
+        m = (m | b.intervened) if self.include_interventions else m
+        return m if self.exclude is None else m & ~self.exclude(b)
+
+    def count_intervened(self) -> int:
+        """Transitions of the view that a person drove."""
+        return self.buffer.count(lambda b: self._where(b) & b.intervened)
 
     def __len__(self) -> int:
         return self.buffer.count(self._where)
 
     def sample(self, n: int, **kw) -> dict[str, Any]:
         return self.buffer.sample(n, where=self._where, **kw)
+
+
+def groups_from(first_group: int) -> Callable[[ReplayBuffer], np.ndarray]:
+    """A slot filter: the records of episodes whose job ``group_id`` >= ``first_group``."""
+    return lambda b: b._cols["group_id"] >= first_group  # under the buffer's lock
 
 
 class PolicyVersionView:
@@ -152,29 +168,45 @@ class Replay:
             self.demo.close()
 
 
+def _getter(cfg) -> Callable:
+    return cfg.get if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
+
+
+def build_store(cfg, spec: EnvSpec, *, run_dir: str | Path, train: bool = True,
+                refill_into: ReplayBuffer | None = None):
+    """The LeRobot episode store of the ``buffer:`` config section, opened (recovering from a
+    crash) and its writer thread started; None when not training or ``persist`` is off.
+    ``refill_into``: a buffer to reload the newest committed episodes into first."""
+    get = _getter(cfg)
+    if not train or not get("persist", True):
+        return None
+    from data.store import EpisodeStore
+
+    root = get("dataset_dir", None) or Path(run_dir) / "dataset"
+    store = EpisodeStore(root, spec, fps=int(get("fps", 10)), video=bool(get("video", True)),
+                         vcodec=get("vcodec", None),
+                         commit_interval_s=float(get("commit_interval_s", 0.0)),
+                         max_episodes_per_commit=int(get("max_episodes_per_commit", 32)))
+    if refill_into is not None:
+        store.load_into(refill_into)
+    store.start()
+    return store
+
+
 def build_replay(cfg, spec: EnvSpec, *, run_dir: str | Path, seed: int = 0, device: str = "cpu",
                  train: bool = True) -> Replay:
     """Buffer, episode store and sampler from the ``buffer:`` config section. In training the
     store is opened (recovering from a crash), the buffer refilled from it, and its writer
     thread started; demos, if configured, are loaded and mixed in."""
-    get = cfg.get if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
+    get = _getter(cfg)
     buffer = ReplayBuffer(int(get("capacity")), spec, seed=seed, device=device,
                           image_codec=str(get("image_codec", "raw")),
                           decode_threads=int(get("decode_threads", 2)))
     rep = Replay(buffer, sampler=buffer)
     if not train:
         return rep
-    if get("persist", True):
-        from data.store import EpisodeStore
-
-        root = get("dataset_dir", None) or Path(run_dir) / "dataset"
-        rep.store = EpisodeStore(root, spec, fps=int(get("fps", 10)), video=bool(get("video", True)),
-                                 vcodec=get("vcodec", None),
-                                 commit_interval_s=float(get("commit_interval_s", 0.0)),
-                                 max_episodes_per_commit=int(get("max_episodes_per_commit", 32)))
-        if get("refill", True):
-            rep.store.load_into(buffer)
-        rep.store.start()
+    rep.store = build_store(cfg, spec, run_dir=run_dir, train=train,
+                            refill_into=buffer if get("refill", True) else None)
     demos = get("demos", None)
     if demos:
         from data.demos import load_demos

@@ -28,8 +28,9 @@ the block.
 
 Built-in names: ``libero`` (needs ``suite``), ``libero_spatial``, ``libero_object``,
 ``libero_goal``, ``libero_10``, ``libero_90``, ``gym_hil``, ``robot``, ``reacher``,
-``inverted_pendulum``. Register your own with :func:`register`; an unknown ``name`` first
-imports ``envs.<name>`` (if that module exists), so a module can register itself at import.
+``inverted_pendulum``, ``point_reach``. Register your own with :func:`register`; an unknown
+``name`` first imports ``envs.<name>`` (if that module exists), so a module can register
+itself at import.
 
 Importing this module picks the headless GL backend (:mod:`envs.rendering`) before any
 simulator is imported; it imports neither a simulator nor gymnasium itself.
@@ -262,3 +263,5 @@ register("reacher", _lazy("envs.reacher", "reacher_from_config"),
          spec=_lazy("envs.reacher", "reacher_spec"))
 register("inverted_pendulum", _lazy("envs.pendulum", "pendulum_from_config"),
          spec=_lazy("envs.pendulum", "pendulum_spec"))
+register("point_reach", _lazy("envs.point_reach", "point_reach_from_config"),
+         spec=_lazy("envs.point_reach", "point_reach_spec"))

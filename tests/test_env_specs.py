@@ -37,6 +37,8 @@ def _simulator(cfg: dict) -> str | None:
         return "gym_hil"
     if name in ("reacher", "inverted_pendulum"):
         return "mujoco"
+    if name == "point_reach":
+        return "numpy"  # pure numpy, no simulator
     return None
 
 
@@ -146,7 +148,8 @@ sys.meta_path.insert(0, Block())
 import yaml
 from envs.registry import env_spec
 specs = {{n: env_spec(yaml.safe_load(open(f"config/env/{{n}}.yaml"))).to_dict()
-         for n in ("libero_spatial", "gym_hil_pick_cube", "inverted_pendulum", "reacher")}}
+         for n in ("libero_spatial", "gym_hil_pick_cube", "inverted_pendulum", "reacher",
+                   "point_reach")}}
 loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
 print(json.dumps({{"specs": specs, "tried": tried, "loaded": loaded}}))
 """
@@ -168,3 +171,5 @@ def test_env_spec_imports_no_simulator():
         cameras={"front": (128, 128, 3), "wrist": (128, 128, 3)})
     assert specs["inverted_pendulum"] == EnvSpec(state_dim=4, action_dim=1, max_episode_steps=100)
     assert specs["reacher"] == EnvSpec(state_dim=10, action_dim=2, max_episode_steps=50)
+    assert specs["point_reach"] == EnvSpec(state_dim=2, action_dim=2, has_task=True,
+                                           max_episode_steps=30, cameras={"image": (32, 32, 3)})

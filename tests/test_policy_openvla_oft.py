@@ -98,9 +98,11 @@ def test_discrete_head_sampling_and_log_probs(ckpts):
     vals = p.class_values[cls]
     assert torch.equal(torch.bucketize(vals, p.bins, right=True), 256 - cls)
     d = p.act(obs(), deterministic=True)
-    assert d.log_prob is None
     logits = p.action_logits(p.action_hidden(obs()))
     assert torch.equal(d.extras["action_tokens"], logits.argmax(-1))
+    # the greedy chunk's log-prob is reported too (every act carries its declared extras)
+    assert torch.allclose(p.log_prob(obs(), d.actions, tokens=d.extras["action_tokens"]), d.log_prob,
+                          atol=1e-4)
     # lower temperature: the argmax chunk gets more likely
     cold = policy(ckpts["pt"], discrete=True, temperature=0.1)
     best = d.extras["action_tokens"]
@@ -168,7 +170,7 @@ def test_clear_errors(ckpts, tmp_path):
     (bad / "config.json").write_text(json.dumps(dict(cfg, text_config=dict(cfg["text_config"], hidden_size=96))))
     with pytest.raises(CheckpointMismatch, match=r"does not match the OpenVLA architecture.*shape mismatch"):
         policy(bad, discrete=True)
-    with pytest.raises(ValueError, match="cannot train policy 'openvla_oft': the policy does not provide reparam_sample"):
+    with pytest.raises(ValueError, match="cannot train policy 'openvla_oft': the policy does not provide ReparamSampler"):
         registry.check_algo_policy("sac", "openvla_oft")
     with pytest.raises(ValueError, match=r"use policy=openvla_oft_discrete"):
         OpenVLAOFTPolicy(OpenVLAOFTPolicyConfig(checkpoint=str(ckpts["pt"]), action_head="discrete"), SPEC)

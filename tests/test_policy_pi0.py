@@ -184,7 +184,7 @@ def test_clear_errors_for_checkpoints(ckpts, tmp_path):
 
 
 def test_registry_pairs_and_builds(ckpts):
-    with pytest.raises(ValueError, match="'sac' cannot train policy 'pi0': the policy does not provide reparam_sample"):
+    with pytest.raises(ValueError, match="'sac' cannot train policy 'pi0': the policy does not provide ReparamSampler"):
         registry.check_algo_policy("sac", "pi0")
     with pytest.raises(ValueError, match="'sac' cannot train policy 'pi05'"):
         registry.check_algo_policy("sac", "pi05")

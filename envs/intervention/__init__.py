@@ -25,6 +25,8 @@ Sources:
   right button labels success.
 * :class:`ScriptedIntervention`: a schedule or a function of (step, obs): tests, simulated
   demos.
+* :class:`ExpertIntervention`: a scripted person driving with the env's own demonstrator
+  (``env.unwrapped.expert_action()``) when the policy drifts (:mod:`envs.intervention.expert`).
 
 Missing optional packages or devices raise :class:`DeviceUnavailable` with a message
 saying what to install or plug in.
@@ -39,6 +41,7 @@ it as truncated (``info["human_reset"]``); ``quit`` sets ``info["quit"]``.
 from envs.intervention.base import (
     EVENTS, GENERIC_DIM, DeviceUnavailable, InterventionSource, InterventionState,
 )
+from envs.intervention.expert import ExpertIntervention
 from envs.intervention.factory import make_source
 from envs.intervention.gamepad import GamepadIntervention
 from envs.intervention.keyboard import KeyboardIntervention
@@ -48,6 +51,6 @@ from envs.intervention.wrapper import InterventionWrapper, default_action_map
 
 __all__ = [
     "EVENTS", "GENERIC_DIM", "DeviceUnavailable", "InterventionSource", "InterventionState",
-    "ScriptedIntervention", "KeyboardIntervention", "GamepadIntervention", "SpaceMouseIntervention",
+    "ScriptedIntervention", "ExpertIntervention", "KeyboardIntervention", "GamepadIntervention", "SpaceMouseIntervention",
     "SPACEMOUSE_VENDORS", "make_source", "InterventionWrapper", "default_action_map",
 ]

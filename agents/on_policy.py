@@ -1,0 +1,317 @@
+"""The update cadence of on-policy algorithms (PPO, GRPO): rounds of whole episodes.
+
+:class:`OnPolicyLearner` (the :class:`agents.base.AlgoLearner` of PPO and GRPO) asks its
+*collector* for a round each :meth:`~OnPolicyLearner.step`. A collector waits until the
+rollout queue (:class:`data.rollouts.RolloutQueue`) holds a round's worth of episodes,
+takes them, cuts them into action chunks (:func:`chunk_batch`), computes advantages and
+hands back the flat per-chunk batch of :mod:`agents.ppo`. The learner runs the agent's
+``update(batch)`` on it and, every ``publish_every`` rounds, asks for a new weights version
+(so the round's rollouts were all made by at most ``max_staleness`` versions ago).
+
+- :class:`EpisodeRounds` (PPO): ``batch_episodes`` fresh episodes from actors running as they
+  like; advantages by GAE over chunks with a value function (``estimator="gae"``) or by
+  REINFORCE++ (``"reinforce_pp"``, no critic).
+- GRPO's group rounds and its job source are in :mod:`agents.grpo_builder`.
+
+Staleness: the queue drops episodes more than ``max_staleness`` versions old; the records'
+behaviour log-probs go into the batch as ``old_log_prob`` and the agent reweights stale
+chunks by the truncated ratio pi_current / pi_behaviour (:func:`agents.ppo.truncated_is_weights`).
+
+Discounting over chunks: ``gamma`` is per chunk (:class:`agents.ppo.PPOConfig`); a chunk's
+reward is the plain sum of its steps' rewards, and a chunk of n != H steps (a human's
+stretch) is discounted by ``gamma ** (n / H)``. GAE (:func:`agents.advantages.gae`) takes one
+scalar gamma, so that per-chunk discount is folded into the bootstrap value:
+``next_value * discount / gamma`` makes every TD error exact; only the lambda-trace of an
+irregular chunk uses ``gamma`` instead of its own discount.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from agents.advantages import gae, reinforce_pp
+from data.core.schema import TASK
+from data.rollouts import RolloutEpisode, RolloutQueue, episode_chunks
+
+OBS_PREFIX = "observation."
+
+
+@dataclass
+class ChunkBatch:
+    """The chunks of B episodes, flat (N chunks) with their place in a padded [B, T] layout.
+
+    ``obs``: observation keys [N, ...] and ``task`` (list of N); ``final_obs``: each episode's
+    final observation (its ``is_last`` record), [B, ...]. Everything else is [N] unless said.
+    """
+
+    obs: dict[str, Any]
+    final_obs: dict[str, Any]
+    action: torch.Tensor            # float32 [N, H, A]
+    reward: torch.Tensor            # float32
+    discount: torch.Tensor          # float32: gamma ** (steps / H)
+    terminated: torch.Tensor        # bool
+    truncated: torch.Tensor         # bool
+    behaviour_log_prob: torch.Tensor  # float32: the chunk-start record's extra.log_prob
+    policy_version: torch.Tensor    # int64
+    policy_mask: torch.Tensor       # bool: may enter the policy loss (data.rollouts)
+    row: torch.Tensor               # int64: the chunk's episode b
+    col: torch.Tensor               # int64: its position t in the episode
+    lengths: list[int] = field(default_factory=list)  # chunks per episode [B]
+
+    def __len__(self) -> int:
+        return int(self.row.shape[0])
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self.lengths)
+
+    def padded(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Flat [N] -> padded [B, T]."""
+        out = x.new_full((self.num_episodes, max(self.lengths, default=0)), fill)
+        out[self.row, self.col] = x
+        return out
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """Padded [B, T] -> flat [N]."""
+        return x[self.row, self.col]
+
+    def mask(self) -> torch.Tensor:
+        """[B, T] True at real chunks."""
+        return self.padded(torch.ones(len(self), dtype=torch.bool), False)
+
+    def next_values(self, values: torch.Tensor, final_values: torch.Tensor) -> torch.Tensor:
+        """V of each chunk's next observation [N]: the next chunk's start, or the episode's
+        final observation for its last chunk."""
+        nxt = torch.empty_like(values)
+        last = self.col == torch.as_tensor(self.lengths, dtype=torch.long)[self.row] - 1
+        inner = torch.nonzero(~last).squeeze(-1)
+        nxt[inner] = values[inner + 1]  # chunks are stored episode by episode, in order
+        nxt[last] = final_values[self.row[last]].to(values.dtype)
+        return nxt
+
+    def select(self, keep_rows: torch.Tensor) -> "ChunkBatch":
+        """The chunks of the episodes whose ``keep_rows`` [B] is True (renumbered)."""
+        keep = keep_rows[self.row]
+        idx = torch.nonzero(keep).squeeze(-1)
+        new_row = torch.cumsum(keep_rows.long(), 0) - 1
+        rows = [b for b in range(self.num_episodes) if bool(keep_rows[b])]
+
+        def pick(d: dict, index: torch.Tensor) -> dict:
+            return {k: (v[index] if isinstance(v, torch.Tensor) else [v[i] for i in index.tolist()])
+                    for k, v in d.items()}
+
+        return ChunkBatch(
+            pick(self.obs, idx), pick(self.final_obs, torch.as_tensor(rows, dtype=torch.long)),
+            self.action[idx], self.reward[idx], self.discount[idx], self.terminated[idx],
+            self.truncated[idx], self.behaviour_log_prob[idx], self.policy_version[idx],
+            self.policy_mask[idx], new_row[self.row[idx]], self.col[idx],
+            [self.lengths[b] for b in rows])
+
+
+def chunk_batch(episodes: list[RolloutEpisode], *, horizon: int, gamma: float) -> ChunkBatch:
+    """Episodes -> their chunks (:func:`data.rollouts.episode_chunks`), as torch tensors on
+    the CPU. Observations are those of each chunk's first step (the one the policy saw)."""
+    if not episodes:
+        raise ValueError("chunk_batch needs at least one episode")
+    obs_keys = sorted(k for k in episodes[0].arrays if k.startswith(OBS_PREFIX))
+    parts = [episode_chunks(ep, horizon, gamma) for ep in episodes]
+    obs: dict[str, Any] = {k: [] for k in obs_keys}
+    final: dict[str, Any] = {k: [] for k in obs_keys}
+    tasks, final_tasks = [], []
+    for ep, ch in zip(episodes, parts):
+        last = int(np.flatnonzero(ep.arrays["is_last"])[-1])
+        for k in obs_keys:
+            obs[k].append(ep.arrays[k][ch.obs_index])
+            final[k].append(ep.arrays[k][last:last + 1])
+        tasks += [ep.tasks[i] for i in ch.obs_index.tolist()]
+        final_tasks.append(ep.tasks[last])
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([getattr(p, name) for p in parts]))
+
+    obs_t = {k: torch.from_numpy(np.concatenate(v)) for k, v in obs.items()}
+    final_t = {k: torch.from_numpy(np.concatenate(v)) for k, v in final.items()}
+    if any(tasks) or any(final_tasks):
+        obs_t[TASK], final_t[TASK] = tasks, final_tasks
+    lengths = [len(p) for p in parts]
+    row = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)])
+    col = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+    return ChunkBatch(obs_t, final_t, cat("action"), cat("reward"), cat("discount"),
+                      cat("terminated"), cat("truncated"), cat("behaviour_log_prob"),
+                      cat("policy_version"), cat("policy_mask"), row, col, lengths)
+
+
+def _take(obs: dict, s: int, e: int, device) -> dict:
+    return {k: (v[s:e].to(device) if isinstance(v, torch.Tensor) else v[s:e]) for k, v in obs.items()}
+
+
+@torch.no_grad()
+def batched_values(value_fn: Callable, obs: dict, n: int, device, size: int = 256) -> torch.Tensor:
+    """``value_fn(obs) -> [B]`` over ``n`` rows in pieces of ``size``, no gradient -> [n] (CPU)."""
+    out = [value_fn(_take(obs, s, min(s + size, n), device)).float().reshape(-1).cpu()
+           for s in range(0, n, size)]
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def gae_advantages(cb: ChunkBatch, values: torch.Tensor, final_values: torch.Tensor,
+                   gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over each episode's chunks -> (advantages [N], returns [N]); see the module
+    docstring for the per-chunk discount."""
+    nv = cb.next_values(values, final_values) * cb.discount / gamma
+    adv, ret = gae(cb.padded(cb.reward), cb.padded(values), cb.padded(nv),
+                   cb.padded(cb.terminated, False), cb.padded(cb.truncated, False), cb.mask(),
+                   gamma, lam)
+    return cb.flat(adv), cb.flat(ret)
+
+
+def ppo_batch(cb: ChunkBatch, advantages: torch.Tensor, *, returns: torch.Tensor | None = None,
+              old_values: torch.Tensor | None = None) -> dict[str, Any]:
+    """The flat per-chunk batch of :meth:`agents.ppo.PPOAgent.update`."""
+    batch: dict[str, Any] = dict(cb.obs)
+    batch.update(action=cb.action, old_log_prob=cb.behaviour_log_prob,
+                 advantages=advantages.float(), mask=cb.policy_mask)
+    if returns is not None:
+        batch["returns"] = returns.float()
+    if old_values is not None:
+        batch["old_values"] = old_values.float()
+    return batch
+
+
+def episode_metrics(episodes: list[RolloutEpisode], cb: ChunkBatch | None = None) -> dict[str, float]:
+    out = {"round_episodes": float(len(episodes)),
+           "round_success": float(np.mean([e.success for e in episodes])) if episodes else 0.0,
+           "round_return": float(np.mean([e.ret for e in episodes])) if episodes else 0.0,
+           "round_length": float(np.mean([e.length for e in episodes])) if episodes else 0.0}
+    if cb is not None:
+        out["round_chunks"] = float(len(cb))
+        out["round_policy_chunks"] = float(cb.policy_mask.sum())
+    return out
+
+
+@dataclass
+class Round:
+    """What a collector hands the learner: the agent's batch (None: nothing to learn from,
+    e.g. every group dropped by dynamic sampling) and metrics."""
+
+    batch: dict[str, Any] | None
+    metrics: dict[str, float]
+
+
+class EpisodeRounds:
+    """PPO's collector: ``batch_episodes`` fresh episodes per round, from free-running actors."""
+
+    def __init__(self, queue: RolloutQueue, *, batch_episodes: int, horizon: int, gamma: float,
+                 lam: float, estimator: str = "gae", value_fn: Callable | None = None,
+                 device: torch.device | str = "cpu", min_chunks: int = 0):
+        if estimator not in ("gae", "reinforce_pp"):
+            raise ValueError(f"PPO without job groups supports estimator gae or reinforce_pp, "
+                             f"got {estimator!r} (group estimators need algo=grpo)")
+        if estimator == "gae" and value_fn is None:
+            raise ValueError("estimator 'gae' needs a value function")
+        self.queue = queue
+        self.batch_episodes = int(batch_episodes)
+        self.min_chunks = int(min_chunks)
+        self.horizon, self.gamma, self.lam = int(horizon), float(gamma), float(lam)
+        self.estimator = estimator
+        self.value_fn = value_fn
+        self.device = torch.device(device)
+        self._carry: list[RolloutEpisode] = []
+
+    def _ready(self, current_version: int) -> bool:
+        self._carry = [e for e in self._carry if not self.queue.is_stale(e, current_version)]
+        need = self.batch_episodes - len(self._carry)
+        if need > 0:
+            if len(self.queue) < need:
+                return False
+            self._carry += self.queue.take(need, current_version=current_version)
+            if len(self._carry) < self.batch_episodes:
+                return False
+        if self.min_chunks and sum(e.length for e in self._carry) < self.min_chunks * self.horizon:
+            if len(self.queue) == 0:
+                return False
+            self._carry += self.queue.take(len(self.queue), current_version=current_version)
+            return sum(e.length for e in self._carry) >= self.min_chunks * self.horizon
+        return True
+
+    def collect(self, current_version: int) -> Round | None:
+        if not self._ready(current_version):
+            return None
+        episodes, self._carry = self._carry, []
+        cb = chunk_batch(episodes, horizon=self.horizon, gamma=self.gamma)
+        m = episode_metrics(episodes, cb)
+        if self.estimator == "gae":
+            values = batched_values(self.value_fn, cb.obs, len(cb), self.device)
+            finals = batched_values(self.value_fn, cb.final_obs, cb.num_episodes, self.device)
+            adv, ret = gae_advantages(cb, values, finals, self.gamma, self.lam)
+            m["value_rollout_mean"] = float(values.mean())
+            return Round(ppo_batch(cb, adv, returns=ret, old_values=values), m)
+        adv, ret = reinforce_pp(cb.padded(cb.reward), cb.mask(), self.gamma)
+        return Round(ppo_batch(cb, cb.flat(adv)), m)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class OnPolicyLearner:
+    """Rounds of collect -> ``agent.update(batch)`` -> publish (see the module docstring).
+
+    ``version`` is the weights version this learner's policy has been published as (0 at the
+    start; the learner app publishes a new one whenever :meth:`should_publish` says so).
+    """
+
+    def __init__(self, agent: Any, collector: Any, *, publish_every: int = 1):
+        self.agent = agent
+        self.policy = agent.policy
+        self.collector = collector
+        self.publish_every = int(publish_every)
+        self.updates = 0
+        self.rounds = 0
+        self.version = 0
+        self._publish = False
+        self._last: dict[str, float] = {}
+
+    def step(self) -> dict[str, float] | None:
+        self._publish = False
+        t0 = time.monotonic()
+        got = self.collector.collect(self.version)
+        if got is None:
+            return None
+        self.rounds += 1
+        metrics = dict(got.metrics)
+        if got.batch is not None and bool(torch.as_tensor(got.batch.get("mask", True)).any()):
+            metrics.update(self.agent.update(got.batch))
+            self.updates += 1
+            if self.updates % self.publish_every == 0:
+                self._publish = True
+                self.version += 1
+        metrics.update(self._queue_metrics(), rounds=float(self.rounds),
+                       policy_version=float(self.version), round_s=time.monotonic() - t0)
+        self._last = metrics
+        return metrics
+
+    def _queue_metrics(self) -> dict[str, float]:
+        st = self.collector.queue.status()
+        return {f"rollouts_{k}": float(v) for k, v in st.items() if isinstance(v, (int, float))}
+
+    def should_publish(self) -> bool:
+        return self._publish
+
+    def state_dict(self) -> dict:
+        return {"agent": self.agent.state_dict(), "updates": self.updates, "rounds": self.rounds,
+                "version": self.version, "collector": self.collector.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.agent.load_state_dict(state["agent"])
+        self.updates = int(state["updates"])
+        self.rounds = int(state.get("rounds", self.updates))
+        self.version = int(state.get("version", self.updates // self.publish_every))
+        self.collector.load_state_dict(state.get("collector", {}))
+

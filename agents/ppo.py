@@ -1,0 +1,418 @@
+"""Proximal policy optimisation over whole action chunks, with an optional learned value.
+
+``PPOAgent.update(batch)`` is a pure step over one round of rollouts: ``cfg.epochs`` passes
+of shuffled minibatches of the clipped surrogate (asymmetric clip 1 - clip_low .. 1 +
+clip_high, DAPO's clip-higher), optional clipped value loss, entropy bonus and KL penalty
+to a reference, then returns float metrics. No files, sockets or logging inside.
+
+The batch is flat per chunk (N chunks; observation keys as in :mod:`agents.base`):
+
+    "action"          [N, H, A]  the executed chunk
+    "old_log_prob"    [N]        behaviour log-prob (the records' ``extra.log_prob``)
+    "advantages"      [N]        from :mod:`agents.advantages` (the builder computes them)
+    "returns"         [N]        value targets (needed with a value function)
+    optional: "old_values" [N], "ref_log_prob" [N], "is_weight" [N], "mask" [N] bool
+
+Staleness (decoupled PPO, Hilton et al. 2021): rollouts may come from a policy version a few
+updates old. With ``is_truncation`` set, the agent recomputes the log-probs of the current
+weights once per batch ("proximal" policy), clips the ratio against those, and reweights each
+sample by min(pi_prox / pi_behaviour, is_truncation). Without it, the ratio is taken against
+the behaviour log-prob directly (classic PPO).
+
+Loss pieces are plain functions (:func:`policy_loss`, :func:`value_loss`,
+:func:`entropy_bonus`, :func:`truncated_is_weights`) checked on known inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from agents.advantages import ESTIMATORS, masked_mean, masked_whiten
+from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, ValuePolicy,
+                         check_pair, has_capability)
+from agents.kl import KL_KINDS, kl_penalty
+from data.core.schema import TASK
+
+
+@dataclass
+class PPOConfig:
+    """Hyperparameters of :class:`PPOAgent` and its cadence (the PPO builder)."""
+
+    #: discount factor (per policy step: per chunk for chunked policies)
+    gamma: float = 0.99
+    #: GAE lambda
+    lam: float = 0.95
+    #: the ratio is clipped below at 1 - clip_low
+    clip_low: float = 0.2
+    #: the ratio is clipped above at 1 + clip_high (DAPO / SimpleVLA-RL "clip higher": 0.28)
+    clip_high: float = 0.2
+    #: value updates are clipped to +-value_clip around the rollout's values (None: no clipping)
+    value_clip: float | None = 0.2
+    #: weight of the value loss in the total loss
+    value_coef: float = 0.5
+    #: weight of the entropy bonus (subtracted from the loss)
+    entropy_coef: float = 0.0
+    #: KL estimator of the penalty to the reference policy: "k1", "k2", "k3" or "none"
+    kl_kind: str = "none"
+    #: weight of the KL penalty (0: off); > 0 needs a ReferencePolicy or "ref_log_prob" in batches
+    kl_coef: float = 0.0
+    #: passes over each batch
+    epochs: int = 4
+    #: chunks per minibatch (one optimizer step each)
+    minibatch_size: int = 64
+    #: finished episodes per update round (the builder waits for this many)
+    batch_episodes: int = 8
+    #: Adam learning rate of the policy
+    lr: float = 3e-4
+    #: Adam learning rate of the value function
+    value_lr: float = 1e-3
+    #: clip the global gradient norm of each network to this value (None: no clipping)
+    max_grad_norm: float | None = 0.5
+    #: rollouts more than this many policy versions old are dropped (0: strictly on-policy)
+    max_staleness: int = 1
+    #: cap on the importance weights pi_prox / pi_behaviour of stale rollouts (None: take the
+    #: ratio against the behaviour log-prob, no reweighting)
+    is_truncation: float | None = 2.0
+    #: advantage estimator, a key of :data:`agents.advantages.ESTIMATORS`
+    estimator: str = "gae"
+    #: whiten the advantages of each batch (mean 0, std 1 over the real chunks)
+    normalize_advantages: bool = True
+    #: update rounds between published weight versions
+    publish_every: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, "
+                             f"{self.clip_high}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.value_coef < 0:
+            raise ValueError("kl_coef, entropy_coef and value_coef must be >= 0")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {self.estimator!r}")
+        if min(self.epochs, self.minibatch_size, self.batch_episodes, self.publish_every) < 1:
+            raise ValueError("epochs, minibatch_size, batch_episodes and publish_every must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.is_truncation is not None and self.is_truncation <= 0:
+            raise ValueError(f"is_truncation must be > 0 or None, got {self.is_truncation}")
+
+    @property
+    def kl_active(self) -> bool:
+        return self.kl_kind != "none" and self.kl_coef > 0
+
+    @property
+    def requires(self) -> tuple[type, ...]:
+        """The policy capabilities this configuration needs (a value net is made by the
+        builder when the policy has none, so ValuePolicy is not required)."""
+        return (LogProbPolicy, ReferencePolicy) if self.kl_active else (LogProbPolicy,)
+
+
+# -- losses on known inputs -------------------------------------------------------------------
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                clip_low: float, clip_high: float, mask: torch.Tensor | None = None,
+                is_weight: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate, all [N]: mean of w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+    with r = exp(logp - old_logp) and w the importance weight (1 when None).
+
+    A ratio above 1 + clip_high with A > 0 (or below 1 - clip_low with A < 0) gets no gradient;
+    on the other side the unclipped term is kept. Metrics (detached): ``clip_frac`` (share of
+    samples where the clipped term is active), ``approx_kl`` (k3 estimate of KL(old || new)),
+    ``ratio_mean``.
+    """
+    log_ratio = logp - old_logp
+    ratio = log_ratio.exp()
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per = torch.maximum(pg1, pg2)
+    if is_weight is not None:
+        per = per * is_weight
+    loss = masked_mean(per, mask)
+    with torch.no_grad():
+        metrics = {"clip_frac": masked_mean((pg2 > pg1).float(), mask),
+                   "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask),
+                   "ratio_mean": masked_mean(ratio, mask)}
+    return loss, metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               value_clip: float | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """0.5 * mean of max((v - R)^2, (v_old + clip(v - v_old, -c, c) - R)^2), all [N]; plain
+    0.5 * mean (v - R)^2 when ``value_clip`` is None."""
+    err = (values - returns).pow(2)
+    if value_clip is not None:
+        clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        err = torch.maximum(err, (clipped - returns).pow(2))
+    return 0.5 * masked_mean(err, mask)
+
+
+def entropy_bonus(log_prob: torch.Tensor, mask: torch.Tensor | None = None, *,
+                  score_function: bool = False) -> torch.Tensor:
+    """Monte-Carlo entropy estimate -mean(log pi(a)) over actions a drawn from the policy [N].
+
+    With reparameterised samples (``log_prob`` differentiable through the action) its gradient
+    is the entropy's. For fixed actions (rollout data) pass ``score_function=True``: same
+    value, gradient -mean((log pi - mean log pi) * grad log pi), the score-function estimate.
+    """
+    est = -masked_mean(log_prob, mask)
+    if not score_function:
+        return est
+    lp = log_prob.detach()
+    surrogate = masked_mean((lp + est.detach()) * (log_prob - lp), mask)
+    return est.detach() - surrogate
+
+
+def truncated_is_weights(behaviour_logp: torch.Tensor, old_logp: torch.Tensor,
+                         cap: float | None) -> torch.Tensor:
+    """Staleness correction [N]: min(exp(old_logp - behaviour_logp), cap), detached."""
+    w = (old_logp - behaviour_logp).detach().exp()
+    return w if cap is None else w.clamp(max=cap)
+
+
+# -- the agent ----------------------------------------------------------------------------------
+class PolicyCalls(nn.Module):
+    """The policy's training-time calls behind one ``forward``, so that they run through the
+    module ``accelerator.prepare`` returns (DDP hooks, DeepSpeed engine):
+    ``(obs, actions)`` -> log_prob [B]; ``(obs, what="sample")`` -> (actions, log_prob);
+    ``(obs, what="value")`` -> value [B]."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, obs: Batch, actions: torch.Tensor | None = None, what: str = "log_prob"):
+        if what == "log_prob":
+            return self.policy.log_prob(obs, actions)
+        if what == "sample":
+            return self.policy.sample(obs)
+        if what == "value":
+            return self.policy.value(obs)
+        raise ValueError(f"unknown call {what!r}")
+
+
+def observation_keys(batch: Batch) -> list[str]:
+    """The keys of ``batch`` a policy reads: ``observation.*`` and ``task``."""
+    return [k for k in batch if k.startswith("observation.") or k == TASK]
+
+
+def take(batch: Batch, idx: torch.Tensor) -> Batch:
+    """Rows ``idx`` of every tensor and list in ``batch``."""
+    rows: list[int] | None = None
+    out: Batch = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.index_select(0, idx.to(v.device))
+        else:
+            rows = idx.tolist() if rows is None else rows
+            out[k] = [v[i] for i in rows]
+    return out
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
+
+
+def _adam(module: nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in module.parameters() if p.requires_grad]
+    return torch.optim.Adam(params, lr=lr, fused=device.type in ("cpu", "cuda"))
+
+
+class PPOAgent:
+    """PPO over a :class:`agents.base.LogProbPolicy` (``log_prob(obs, actions [B, H, A]) -> [B]``).
+
+    ``value_fn`` is a module ``value_fn(obs) -> [B]`` trained with its own optimizer
+    (``value_lr``), or the policy itself to train a :class:`agents.base.ValuePolicy`'s own value
+    head with the policy's optimizer, or None for critic-free training (advantages from an
+    outcome estimator; no value loss). Modules and optimizers go through
+    ``accelerator.prepare``; ``self.policy`` stays the unwrapped policy (what broadcasts read).
+    """
+
+    name = "ppo"
+
+    def __init__(self, cfg: PPOConfig, policy, value_fn: nn.Module | None, accelerator: Any):
+        check_pair(self.name, cfg.requires, type(policy).__name__, policy)
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self.policy = policy
+        self._value_in_policy = value_fn is policy
+        if self._value_in_policy:
+            check_pair(self.name, (ValuePolicy,), type(policy).__name__, policy)
+        self.has_critic = value_fn is not None
+        self._sampler = has_capability(policy, ReparamSampler)
+        self._reference = has_capability(policy, ReferencePolicy)
+        calls = PolicyCalls(policy).to(self.device)
+        opt = _adam(policy, cfg.lr, self.device)
+        self.value_fn = self.value_opt = self._value_raw = None
+        if self.has_critic and not self._value_in_policy:
+            value_fn.to(self.device)
+            vopt = _adam(value_fn, cfg.value_lr, self.device)
+            self._calls, self.value_fn, self.opt, self.value_opt = accelerator.prepare(
+                calls, value_fn, opt, vopt)
+            self._value_raw = accelerator.unwrap_model(self.value_fn)
+        else:
+            self._calls, self.opt = accelerator.prepare(calls, opt)
+        self.num_updates = 0
+
+    # -- forwards ---------------------------------------------------------------------------
+    def _log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
+        return self._calls(obs, actions).float().reshape(-1)
+
+    def _value(self, obs: Batch) -> torch.Tensor:
+        v = self._calls(obs, what="value") if self._value_in_policy else self.value_fn(obs)
+        return v.float().reshape(-1)
+
+    @torch.no_grad()
+    def _in_chunks(self, fn, obs: Batch, actions: torch.Tensor | None, n: int) -> torch.Tensor:
+        """``fn`` over the whole batch in minibatch-sized pieces, no gradient -> [N]."""
+        out = []
+        for s in range(0, n, self.cfg.minibatch_size):
+            idx = torch.arange(s, min(s + self.cfg.minibatch_size, n), device=self.device)
+            args = (take(obs, idx),) if actions is None else (take(obs, idx), actions[idx])
+            out.append(fn(*args))
+        return torch.cat(out)
+
+    def _reference_log_prob(self, batch: Batch, obs: Batch, actions: torch.Tensor, n: int):
+        if not self.cfg.kl_active:
+            return None
+        if "ref_log_prob" in batch:
+            return batch["ref_log_prob"].float()
+        if not self._reference:
+            raise ValueError(f"kl_coef > 0 needs a ReferencePolicy or 'ref_log_prob' in the "
+                             f"batch; {type(self.policy).__name__} has neither")
+        with self.policy.reference():
+            return self._in_chunks(self._log_prob, obs, actions, n)
+
+    def _entropy(self, obs: Batch, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self._sampler:
+            _, lp = self._calls(obs, what="sample")
+            return entropy_bonus(lp.float().reshape(-1), mask)
+        return entropy_bonus(logp, mask, score_function=True)
+
+    def _clip(self, module) -> torch.Tensor | None:
+        if self.cfg.max_grad_norm is None:
+            return None
+        norm = self.accelerator.clip_grad_norm_(module.parameters(), self.cfg.max_grad_norm)
+        return None if norm is None else torch.as_tensor(norm).detach().float()
+
+    # -- the update -------------------------------------------------------------------------
+    def update(self, batch: Batch) -> dict[str, float]:
+        """``cfg.epochs`` epochs of shuffled minibatches over ``batch`` (layout in the module
+        docstring). Returns float metrics averaged over the minibatch steps."""
+        cfg = self.cfg
+        batch = _to_device(batch, self.device)
+        actions = batch["action"]
+        n = int(actions.shape[0])
+        obs = {k: batch[k] for k in observation_keys(batch)}
+        mask = (batch["mask"].float() if "mask" in batch
+                else torch.ones(n, device=self.device))
+        with torch.no_grad():
+            behaviour = batch["old_log_prob"].float().reshape(-1)
+            if cfg.is_truncation is not None:
+                old = self._in_chunks(self._log_prob, obs, actions, n)
+                is_w = truncated_is_weights(behaviour, old, cfg.is_truncation)
+            else:
+                old, is_w = behaviour, None
+            if "is_weight" in batch:
+                given = batch["is_weight"].float()
+                is_w = given if is_w is None else is_w * given
+            ref = self._reference_log_prob(batch, obs, actions, n)
+            adv = batch["advantages"].float()
+            if cfg.normalize_advantages:
+                adv = masked_whiten(adv, mask)
+            returns = old_values = None
+            if self.has_critic:
+                returns = batch["returns"].float()
+                old_values = (batch["old_values"].float() if "old_values" in batch
+                              else self._in_chunks(self._value, obs, None, n))
+        sums: dict[str, torch.Tensor] = {}
+        steps = 0
+        for _ in range(cfg.epochs):
+            perm = torch.randperm(n, device=self.device)
+            for s in range(0, n, cfg.minibatch_size):
+                idx = perm[s:s + cfg.minibatch_size]
+                pick = (lambda x: None if x is None else x[idx])
+                m = self._minibatch_step(take(obs, idx), actions[idx], old[idx], adv[idx],
+                                         mask[idx], pick(is_w), pick(ref), pick(returns),
+                                         pick(old_values))
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                steps += 1
+        out = {k: float(v) / steps for k, v in sums.items()}
+        if is_w is not None:
+            out["is_weight_mean"] = float(masked_mean(is_w, mask))
+        if self.has_critic:
+            var_r = masked_mean((returns - masked_mean(returns, mask)).pow(2), mask)
+            resid = returns - old_values
+            var_e = masked_mean((resid - masked_mean(resid, mask)).pow(2), mask)
+            out["explained_variance"] = float(1.0 - var_e / var_r.clamp_min(1e-8))
+        self.num_updates += 1
+        out["num_updates"] = float(self.num_updates)
+        return out
+
+    def _minibatch_step(self, obs: Batch, actions, old, adv, mask, is_w, ref, returns,
+                        old_values) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        logp = self._log_prob(obs, actions)
+        loss, metrics = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, mask, is_w)
+        metrics["policy_loss"] = loss.detach()
+        if ref is not None:
+            kl = masked_mean(kl_penalty(cfg.kl_kind, logp, ref), mask)
+            loss = loss + cfg.kl_coef * kl
+            metrics["kl"] = kl.detach()
+        if cfg.entropy_coef > 0:
+            ent = self._entropy(obs, logp, mask)
+            loss = loss - cfg.entropy_coef * ent
+            metrics["entropy"] = ent.detach()
+        if self.has_critic:
+            v = self._value(obs)
+            vl = value_loss(v, old_values, returns, cfg.value_clip, mask)
+            loss = loss + cfg.value_coef * vl
+            metrics["value_loss"] = vl.detach()
+            metrics["value_mean"] = masked_mean(v.detach(), mask)
+        self.opt.zero_grad(set_to_none=True)
+        if self.value_opt is not None:
+            self.value_opt.zero_grad(set_to_none=True)
+        self.accelerator.backward(loss)
+        norm = self._clip(self._calls)
+        if norm is not None:
+            metrics["grad_norm"] = norm
+        self.opt.step()
+        if self.value_opt is not None:
+            self._clip(self.value_fn)
+            self.value_opt.step()
+        metrics["loss"] = loss.detach()
+        return metrics
+
+    # -- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Policy, value function (when separate), optimizers and the update counter."""
+        state = {
+            "policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
+            "opt": copy.deepcopy(self.opt.state_dict()),
+            "num_updates": int(self.num_updates),
+        }
+        if self._value_raw is not None:
+            state["value_fn"] = {k: v.detach().clone()
+                                 for k, v in self._value_raw.state_dict().items()}
+            state["value_opt"] = copy.deepcopy(self.value_opt.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        # torch optimizers adopt the given tensors: copy so training never mutates ``state``
+        self.opt.load_state_dict(copy.deepcopy(state["opt"]))
+        if self._value_raw is not None:
+            self._value_raw.load_state_dict(state["value_fn"])
+            self.value_opt.load_state_dict(copy.deepcopy(state["value_opt"]))
+        self.num_updates = int(state["num_updates"])
+

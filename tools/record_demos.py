@@ -1,0 +1,154 @@
+"""Record scripted expert episodes of an env as a LeRobot dataset, usable as ``buffer.demos``.
+
+The env must offer a scripted demonstrator, ``env.unwrapped.expert_action()`` (e.g.
+``env=point_reach``). The env is built exactly as the actor builds it (``config/actor.yaml``
+with the same Hydra overrides, so the demos fit the learner's spec), episodes are recorded
+as the actor records them (one record per step plus the final ``is_last`` observation,
+``policy_version`` -1) and written through :class:`data.store.EpisodeStore`, one durable
+commit for all of them::
+
+    python -m tools.record_demos --out demos/point_reach --episodes 5 env=point_reach \\
+        env.num_tasks=1 env.randomize_targets=true
+    python -m learner algo=rejection_sampling env=point_reach ... buffer.demos=demos/point_reach
+
+Episode ``i`` is ``env.reset(seed=seed + i)`` (set ``--seed`` apart from the learner's
+evaluation init states to keep the demos off them). ``--noise`` adds N(0, noise^2) to the
+expert's actions (a less precise demonstrator); ``--only-success`` keeps only the episodes
+the expert solved (and records more until there are ``--episodes`` of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+log = logging.getLogger("tandem.tools.record_demos")
+
+
+def env_config(overrides: Sequence[str]):
+    """The actor's env config section with Hydra ``overrides`` (``env=point_reach``, ...)."""
+    from hydra import compose, initialize_config_dir
+
+    root = Path(__file__).resolve().parents[1] / "config"
+    with initialize_config_dir(config_dir=str(root), version_base=None):
+        return compose(config_name="actor", overrides=list(overrides)).env
+
+
+def expert_of(env):
+    fn = getattr(env.unwrapped, "expert_action", None)
+    if fn is None:
+        raise ValueError(f"env {type(env.unwrapped).__name__} has no scripted demonstrator "
+                         "(env.unwrapped.expert_action())")
+    return fn
+
+
+def run_episode(env, episode: int, seed: int, *, noise: float = 0.0,
+                rng: np.random.Generator | None = None) -> tuple[list[dict], bool]:
+    """One expert episode as actor-style records (the last one ``is_last``) and its outcome."""
+    from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+
+    expert = expert_of(env)
+    rng = rng or np.random.default_rng(seed)
+    records: list[dict] = []
+
+    def record(obs, **step):
+        rec = {k: np.asarray(v, np.uint8) for k, v in obs.items() if k.startswith(OBS_IMAGE_PREFIX)}
+        rec[OBS_STATE] = np.asarray(obs[OBS_STATE], np.float32)
+        rec[TASK] = str(obs.get(TASK, ""))
+        rec.update(step)
+        records.append(rec)
+
+    obs, _ = env.reset(seed=seed)
+    t, success = 0, False
+    while True:
+        a = np.asarray(expert(), np.float32)
+        if noise:
+            a = np.clip(a + rng.normal(0.0, noise, a.shape), -1.0, 1.0).astype(np.float32)
+        nxt, reward, terminated, truncated, info = env.step(a)
+        success = bool(info.get("is_success", False))
+        record(obs, action=a, reward=np.float32(reward), terminated=bool(terminated),
+               truncated=bool(truncated), intervened=False, is_last=False, success=success,
+               policy_version=-1, episode=episode, step=t, chunk_start=True, chunk_index=0,
+               group_id=-1)
+        obs, t = nxt, t + 1
+        if terminated or truncated:
+            break
+    record(obs, action=np.zeros_like(a), reward=np.float32(0.0), terminated=False,
+           truncated=False, intervened=False, is_last=True, success=success, policy_version=-1,
+           episode=episode, step=t, chunk_start=False, chunk_index=0, group_id=-1)
+    return records, success
+
+
+def record_demos(env_cfg, out: str | Path, episodes: int, *, seed: int = 1000, noise: float = 0.0,
+                 only_success: bool = False, video: bool = False, fps: int = 10,
+                 actor_id: str = "expert") -> dict:
+    """Write ``episodes`` expert episodes of ``env_cfg`` to a new LeRobot dataset at ``out``;
+    returns a summary (episodes, frames, successes, tried)."""
+    from data.store import Episode, EpisodeStore
+    from data.transitions import TransitionBatch
+    from envs.registry import make_env
+    from envs.spec import spec_from_env
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    env = make_env(env_cfg)
+    spec = spec_from_env(env)
+    rng = np.random.default_rng(seed)
+    eps: list[Episode] = []
+    seq, tried, wins = 0, 0, 0
+    try:
+        while len(eps) < episodes:
+            if tried >= 10 * episodes + 10:
+                raise RuntimeError(f"the expert solved only {wins} of {tried} episodes")
+            records, ok = run_episode(env, len(eps), seed + tried, noise=noise, rng=rng)
+            tried += 1
+            wins += ok
+            if only_success and not ok:
+                continue
+            batch = TransitionBatch.from_records(actor_id, seq, records)
+            seq += len(batch)
+            eps.append(Episode.from_batch(batch))
+    finally:
+        env.close()
+    store = EpisodeStore(out, spec, fps=fps, video=video)
+    try:
+        done, dropped = store.write(eps)
+    finally:
+        store.close()
+    if dropped:
+        raise RuntimeError(f"{len(dropped)} episode(s) could not be written")
+    summary = {"dataset": str(out), "episodes": len(done), "frames": sum(len(e) for e in done),
+               "successes": sum(bool(e.arrays["success"][-1]) for e in done), "tried": tried,
+               "expert_success_rate": wins / max(tried, 1)}
+    log.info("recorded %s", summary)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the new dataset's directory")
+    p.add_argument("--episodes", type=int, default=5)
+    p.add_argument("--seed", type=int, default=1000, help="episode i resets with seed + i")
+    p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian action noise")
+    p.add_argument("--only-success", action="store_true", help="keep only solved episodes")
+    p.add_argument("--video", action="store_true", help="cameras as AV1 video (default: PNG)")
+    p.add_argument("--fps", type=int, default=10)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the actor config, e.g. env=point_reach")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    summary = record_demos(env_config(args.overrides), args.out, args.episodes, seed=args.seed,
+                           noise=args.noise, only_success=args.only_success, video=args.video,
+                           fps=args.fps)
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
