@@ -76,7 +76,7 @@ class Actor:
         if bind is not None:  # a source that needs the env (the scripted expert)
             self.env = bind(self.env)
         self.spec = spec_from_env(self.env)
-        chunk = int(cfg.policy.get("chunk_size", 1))
+        chunk = int(cfg.policy.chunk_size)
         if cfg.chunk.execute > chunk:
             raise ValueError(f"chunk.execute={cfg.chunk.execute} exceeds policy.chunk_size={chunk}")
         self.config_hash = config_hash(self.spec, env_name=cfg.env.name, policy_name=cfg.policy.name,
