@@ -21,6 +21,18 @@ are marked ``action_is_pad`` [B, H] (PI0 and OFT ignore them; the MLP's NLL has 
 sees the padded copies of the last action). A window is admitted by its first step: a
 window starting at a person's step of a failed episode may carry policy steps after the
 person let go.
+
+Measured (real learner + actor processes, one actor, shared 2-core CPU, ``env=point_reach``
+with one task and a random target, 5 scripted demos from tools/record_demos.py; success of
+the deterministic evaluation jobs, baseline = the pretrained version):
+
+- MLP 64x64, state-only, 30 pretrain steps (tests/test_rs_learning.py): 0.00 -> 0.35-0.45
+  after 6 cycles (~80 s, ~130-160 online episodes; 3 runs: best 0.35, 0.40, 0.45);
+  demos-only control (same cadence, online data unused) 0.00 -> 0.25;
+  with the scripted expert correcting the first 25 episodes 0.00 -> 0.55 after one cycle.
+- tiny PI0 (tools/make_tiny_checkpoints.make_pi0, chunk 4, LoRA 4; camera + state), 100
+  pretrain steps, 100 BC steps per 300 env steps, 10 evaluation episodes: 0.0 -> 0.7 after
+  7 cycles (250 s, 477 online episodes); demos-only control stays at 0.0-0.1.
 """
 
 from __future__ import annotations

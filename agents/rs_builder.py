@@ -370,6 +370,7 @@ class RSLearner:
         self.history.append({"version": rnd.candidate, "success": None if not results else success,
                              "episodes": len(results), "decision": decision,
                              "online_steps": self.online_steps(), "updates": self.updates,
+                             "online_episodes": int(self.data.sink.counters["episodes"]),
                              "kept_episodes": int(self.data.sink.counters["kept_episodes"]),
                              "success_store": len(self.data.success)})
         log.info("version %d: success %.2f over %d evaluation episodes -> %s (best %.2f, v%d)",
