@@ -94,24 +94,6 @@ class ChunkBatch:
         nxt[last] = final_values[self.row[last]].to(values.dtype)
         return nxt
 
-    def select(self, keep_rows: torch.Tensor) -> "ChunkBatch":
-        """The chunks of the episodes whose ``keep_rows`` [B] is True (renumbered)."""
-        keep = keep_rows[self.row]
-        idx = torch.nonzero(keep).squeeze(-1)
-        new_row = torch.cumsum(keep_rows.long(), 0) - 1
-        rows = [b for b in range(self.num_episodes) if bool(keep_rows[b])]
-
-        def pick(d: dict, index: torch.Tensor) -> dict:
-            return {k: (v[index] if isinstance(v, torch.Tensor) else [v[i] for i in index.tolist()])
-                    for k, v in d.items()}
-
-        return ChunkBatch(
-            pick(self.obs, idx), pick(self.final_obs, torch.as_tensor(rows, dtype=torch.long)),
-            self.action[idx], self.reward[idx], self.discount[idx], self.terminated[idx],
-            self.truncated[idx], self.behaviour_log_prob[idx], self.policy_version[idx],
-            self.policy_mask[idx], new_row[self.row[idx]], self.col[idx],
-            [self.lengths[b] for b in rows])
-
 
 def chunk_batch(episodes: list[RolloutEpisode], *, horizon: int, gamma: float) -> ChunkBatch:
     """Episodes -> their chunks (:func:`data.rollouts.episode_chunks`), as torch tensors on
@@ -196,10 +178,13 @@ def episode_metrics(episodes: list[RolloutEpisode], cb: ChunkBatch | None = None
 @dataclass
 class Round:
     """What a collector hands the learner: the agent's batch (None: nothing to learn from,
-    e.g. every group dropped by dynamic sampling) and metrics."""
+    e.g. every group dropped by dynamic sampling), metrics and what to do after the update."""
 
     batch: dict[str, Any] | None
     metrics: dict[str, float]
+    #: called at the learner's next step, after the update and its publication (GRPO: close
+    #: the round, so that the next one is issued to the new weights)
+    done: Callable[[], None] | None = None
 
 
 class EpisodeRounds:
@@ -223,7 +208,6 @@ class EpisodeRounds:
         self._carry: list[RolloutEpisode] = []
 
     def _ready(self, current_version: int) -> bool:
-        self._carry = [e for e in self._carry if not self.queue.is_stale(e, current_version)]
         need = self.batch_episodes - len(self._carry)
         if need > 0:
             if len(self.queue) < need:
@@ -276,9 +260,12 @@ class OnPolicyLearner:
         self.rounds = 0
         self.version = 0
         self._publish = False
-        self._last: dict[str, float] = {}
+        self._after: Callable[[], None] | None = None
 
     def step(self) -> dict[str, float] | None:
+        if self._after is not None:  # the last round's epilogue, once its version is out
+            self._after()
+            self._after = None
         self._publish = False
         t0 = time.monotonic()
         got = self.collector.collect(self.version)
@@ -292,9 +279,9 @@ class OnPolicyLearner:
             if self.updates % self.publish_every == 0:
                 self._publish = True
                 self.version += 1
+        self._after = got.done
         metrics.update(self._queue_metrics(), rounds=float(self.rounds),
                        policy_version=float(self.version), round_s=time.monotonic() - t0)
-        self._last = metrics
         return metrics
 
     def _queue_metrics(self) -> dict[str, float]:
