@@ -295,10 +295,7 @@ class Rollouts:
     def status(self) -> dict:
         st = self.queue.status()
         if self.store is not None:
-            st.update(dataset_episodes=self.store.total_episodes,
-                      dataset_frames=self.store.total_frames, dataset_pending=self.store.pending,
-                      dataset_write_errors=self.store.counters["write_errors"],
-                      dataset_error=self.store.last_error)
+            st.update(self.store.status())
         return st
 
     def close(self, timeout: float = 30.0) -> None:

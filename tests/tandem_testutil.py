@@ -11,3 +11,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def import_blocker(blocked) -> str:
+    """Python source to run first in a subprocess: importing any module in ``blocked`` (or a
+    submodule) raises ImportError and is noted in ``tried``; ``blocked_loaded()`` lists the
+    blocked modules that got into ``sys.modules`` anyway."""
+    return f"""
+import importlib.abc, sys
+BLOCKED = {tuple(blocked)!r}
+tried = []
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            tried.append(name)
+            raise ImportError(f"{{name}} is not installed here (test)")
+        return None
+
+sys.meta_path.insert(0, Block())
+
+def blocked_loaded():
+    return sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
+"""

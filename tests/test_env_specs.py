@@ -18,6 +18,7 @@ from data.core.spec import EnvSpec
 from envs import registry
 from envs.registry import env_spec, make_env
 from envs.spec import spec_from_env
+from tandem_testutil import import_blocker
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "config" / "env").glob("*.yaml"))
@@ -133,30 +134,18 @@ def test_unknown_envs_and_envs_without_a_static_spec_are_clear_errors():
 
 # Installed before envs.registry is imported: any import of a blocked module fails, and is noted.
 RUNNER = """
-import importlib.abc, json, sys
-BLOCKED = {blocked!r}
-tried = []
-
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-            tried.append(name)
-            raise ImportError(f"{{name}} is not installed here (test)")
-        return None
-
-sys.meta_path.insert(0, Block())
+import json
 import yaml
 from envs.registry import env_spec
-specs = {{n: env_spec(yaml.safe_load(open(f"config/env/{{n}}.yaml"))).to_dict()
+specs = {n: env_spec(yaml.safe_load(open(f"config/env/{n}.yaml"))).to_dict()
          for n in ("libero_spatial", "gym_hil_pick_cube", "inverted_pendulum", "reacher",
-                   "point_reach")}}
-loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
-print(json.dumps({{"specs": specs, "tried": tried, "loaded": loaded}}))
+                   "point_reach")}
+print(json.dumps({"specs": specs, "tried": tried, "loaded": blocked_loaded()}))
 """
 
 
 def test_env_spec_imports_no_simulator():
-    code = RUNNER.format(blocked=BLOCKED)
+    code = import_blocker(BLOCKED) + RUNNER
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -12,29 +12,17 @@ import time
 
 import pytest
 
-from tandem_testutil import ROOT, free_port
+from tandem_testutil import ROOT, free_port, import_blocker
 
 pytestmark = pytest.mark.slow
 
 BLOCKED = ("mujoco", "robosuite", "libero", "gym_hil", "bddl", "gymnasium.envs.mujoco")
 
-# Installed before anything else runs: any import of a blocked module fails, and is noted.
+# Runs after tandem_testutil.import_blocker's prelude: imports of blocked modules fail, and are noted.
 RUNNER = """
-import atexit, importlib.abc, json, runpy, sys
-BLOCKED = {blocked!r}
-tried = []
-
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-            tried.append(name)
-            raise ImportError(f"{{name}} is not installed on this box (test)")
-        return None
-
-sys.meta_path.insert(0, Block())
+import atexit, json, runpy
 atexit.register(lambda: open({out!r}, "w").write(json.dumps(
-    {{"tried": tried, "loaded": sorted(m for m in sys.modules
-                                      if any(m == b or m.startswith(b + ".") for b in BLOCKED))}})))
+    {{"tried": tried, "loaded": blocked_loaded()}})))
 sys.argv = ["learner", *{args!r}]
 runpy.run_module("learner", run_name="__main__")
 """
@@ -46,7 +34,7 @@ def test_learner_starts_env_libero_spatial_without_simulators(tmp_path):
     args = ["env=libero_spatial", "policy=mlp", f"run_dir={run}", f"transport.port={free_port()}",
             f"transport.pub_port={free_port()}", "logging.wandb=disabled", "logging.every_s=0.5",
             "buffer.persist=false", "buffer.capacity=1000", "trainer.num_threads=1"]
-    code = RUNNER.format(blocked=BLOCKED, out=str(out), args=args)
+    code = import_blocker(BLOCKED) + RUNNER.format(out=str(out), args=args)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     log = tmp_path / "learner.log"
     with open(log, "wb") as f:

@@ -72,6 +72,12 @@ class CommitWorker:
             self._queue.append(episode)
             self._cv.notify_all()
 
+    def status(self) -> dict:
+        """Counters for status.json: committed episodes and frames, queue, write errors."""
+        return {"dataset_episodes": self.total_episodes, "dataset_frames": self.total_frames,
+                "dataset_pending": self.pending, "dataset_write_errors": self.counters["write_errors"],
+                "dataset_error": self.last_error}
+
     @property
     def pending(self) -> int:
         """Episodes queued or being written (not yet durable)."""
