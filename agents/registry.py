@@ -20,12 +20,12 @@ POLICIES: dict[str, tuple[str, str, str]] = {
     "pi0": ("agents.policies.pi0", "Pi0Policy", "Pi0PolicyConfig"),
     "pi05": ("agents.policies.pi0", "Pi05Policy", "Pi05PolicyConfig"),
     "openvla_oft": ("agents.policies.openvla_oft", "OpenVLAOFTPolicy", "OpenVLAOFTPolicyConfig"),
-    "openvla_oft_discrete": ("agents.policies.openvla_oft", "OpenVLAOFTDiscretePolicy",
+    "openvla_oft_discrete": ("agents.policies.openvla_oft_discrete", "OpenVLAOFTDiscretePolicy",
                              "OpenVLAOFTDiscretePolicyConfig"),
 }
-# name -> (builder module, builder class, config module, config dataclass)
+# name -> (builder module, builder class (or factory of the config), config module, config dataclass)
 ALGOS: dict[str, tuple[str, str, str, str]] = {
-    "sac": ("agents.sac_builder", "SACBuilder", "agents.sac", "SACConfig"),
+    "sac": ("agents.sac_builder", "make_sac_builder", "agents.sac", "SACConfig"),
     "rejection_sampling": ("agents.rs_builder", "RejectionSamplingBuilder",
                            "agents.rejection_sampling", "RejectionSamplingConfig"),
     "ppo": ("agents.ppo_builder", "PPOBuilder", "agents.ppo_builder", "PPOBuilderConfig"),
@@ -71,8 +71,12 @@ def make_config(cfg_cls, values: Mapping[str, Any], where: str):
     return obj
 
 
-def policy_class(name: str):
-    return _load(POLICIES, "policy", name)[0]
+def policy_class(name: str, values: Mapping[str, Any] | None = None):
+    """The class ``policy=name`` builds; a class with a ``class_for_config(values)`` classmethod
+    picks a variant from its config section (PI0's ``flow_rl``)."""
+    cls = _load(POLICIES, "policy", name)[0]
+    pick = getattr(cls, "class_for_config", None)
+    return pick(values or {}) if callable(pick) else cls
 
 
 def build_builder(algo_cfg: Mapping[str, Any]):
@@ -85,17 +89,38 @@ def build_builder(algo_cfg: Mapping[str, Any]):
     return getattr(importlib.import_module(bmod), bcls)(cfg)
 
 
-def check_algo_policy(algo_cfg: Mapping[str, Any] | str, policy_name: str) -> None:
+def check_algo_policy(algo_cfg: Mapping[str, Any] | str, policy: Mapping[str, Any] | str) -> None:
     """Fail at start-up, before any model is built, when the policy class lacks a
     capability the configured algorithm needs (``algo_cfg``: its config section, or just
-    its name for the defaults)."""
+    its name for the defaults; ``policy``: its config section or just its name)."""
     if isinstance(algo_cfg, str):
         algo_cfg = {"name": algo_cfg}
+    values = _plain({"name": policy} if isinstance(policy, str) else policy)
     builder = build_builder(algo_cfg)
-    check_pair(algo_cfg["name"], builder.requires, policy_name, policy_class(policy_name))
+    check_pair(algo_cfg["name"], builder.requires, values["name"], policy_class(values["name"], values))
+
+
+def _plain(values: Mapping[str, Any]) -> dict:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(values, DictConfig):
+            return OmegaConf.to_container(values, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(values)
 
 
 def build_policy(policy_cfg: Mapping[str, Any], spec):
     name = policy_cfg["name"]
-    cls, cfg_cls = _load(POLICIES, "policy", name)
+    cfg_cls = _load(POLICIES, "policy", name)[1]
+    cls = policy_class(name, _plain(policy_cfg))
     return cls(make_config(cfg_cls, policy_cfg, f"policy={name}"), spec)
+
+
+def build_trained_policy(builder, policy_cfg: Mapping[str, Any], spec):
+    """The policy an algorithm trains and serves: the configured policy, wrapped by the
+    builder when it defines ``wrap_policy`` (noise-space SAC: PI0 + a noise actor)."""
+    policy = build_policy(policy_cfg, spec)
+    wrap = getattr(builder, "wrap_policy", None)
+    return wrap(policy) if callable(wrap) else policy

@@ -5,7 +5,7 @@ Two action heads over the same parallel-decoding VLA:
 - ``action_head="l1"`` (OFT's published recipe): the L1-regression MLP-ResNet head turns the
   K = chunk x A action-position hidden states into a continuous chunk [B, chunk, A];
   ``bc_loss`` is OFT's L1 loss. Capabilities ``{"bc_loss"}``.
-- ``action_head="discrete"`` (:class:`OpenVLAOFTDiscretePolicy`, what RL needs): the language
+- ``action_head="discrete"`` (:class:`agents.policies.openvla_oft_discrete.OpenVLAOFTDiscretePolicy`, what RL needs): the language
   model head's logits over the 256 action tokens (the last 256 of the base vocabulary, as in
   OpenVLA) at each of the K positions, tempered by ``temperature``; ``act`` samples (or takes
   the argmax when deterministic) and returns the chunk's log-probability, ``log_prob(obs,
@@ -107,11 +107,6 @@ class OpenVLAOFTPolicyConfig:
             raise ValueError(f"normalization must be bounds_q99, bounds or none, got {self.normalization!r}")
         if self.temperature <= 0 or self.chunk_size < 1 or self.lora_rank < 0:
             raise ValueError("temperature must be > 0, chunk_size >= 1, lora_rank >= 0")
-
-
-@dataclass
-class OpenVLAOFTDiscretePolicyConfig(OpenVLAOFTPolicyConfig):
-    action_head: str = "discrete"
 
 
 def _torch_load_local(path: Path) -> dict:
@@ -431,40 +426,3 @@ class OpenVLAOFTPolicy(nn.Module):
         if mode:
             self.lora.unfold()
         return self
-
-
-class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
-    """OpenVLA-OFT with the 256-bin action-token head: sampling, log-probabilities."""
-
-    head_kind = "discrete"
-
-    @torch.no_grad()
-    def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
-        """Actions [B, chunk, A]; log_prob [B] of the returned chunk's tokens (the greedy ones
-        when deterministic); ``extras["action_tokens"]`` [B, chunk*A] the classes (0..255)."""
-        logits = self.action_logits(self.action_hidden(obs))
-        if deterministic:
-            cls = logits.argmax(-1)
-        else:
-            cls = torch.distributions.Categorical(logits=logits).sample()
-        logp = logits.float().log_softmax(-1).gather(-1, cls[..., None]).squeeze(-1).sum(-1)
-        a = self.class_values[cls].view(cls.shape[0], self.chunk_size, self.action_dim)
-        return ActionChunk(self._finish(a), logp, {"action_tokens": cls})
-
-    def extras_spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return {"log_prob": ("float32", ()),
-                "action_tokens": ("int64", (self.chunk_size * self.action_dim,))}
-
-    def log_prob(self, obs: Batch, actions: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """log pi(chunk | obs) [B] of env actions [B, chunk, A] (or of their ``tokens``)."""
-        cls = tokens.to(self.device) if tokens is not None else self.action_classes(actions)
-        logits = self.action_logits(self.action_hidden(obs))
-        return logits.log_softmax(-1).gather(-1, cls[..., None].long()).squeeze(-1).sum(-1)
-
-    def bc_loss(self, batch: Batch) -> torch.Tensor:
-        """Cross-entropy of the demonstrated actions' tokens (padded steps ignored)."""
-        target, valid = self._targets(batch)
-        cls = self.action_classes(target)
-        logits = self.action_logits(self.action_hidden(batch))
-        ce = F.cross_entropy(logits.transpose(1, 2), cls, reduction="none").view(cls.shape[0], self.chunk_size, -1)
-        return (ce.mean(-1) * valid).sum() / valid.sum().clamp_min(1)

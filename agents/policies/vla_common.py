@@ -166,9 +166,11 @@ class LoRAServing:
                     self.sites.append((parent, attr, child))
         self.w0: list[torch.Tensor] | None = None
         self.folded = False
+        #: while True, :meth:`fold` does nothing (the adapters are switched off: a reference pass)
+        self.pinned = False
 
     def fold(self) -> None:
-        if self.folded or not self.sites:
+        if self.folded or self.pinned or not self.sites:
             return
         with torch.inference_mode(False), torch.no_grad():  # W0 must stay a normal tensor
             self._fold()
@@ -254,3 +256,24 @@ def check_state_layout(expected: Mapping[str, torch.Tensor], got: Mapping[str, A
         if shapes:
             parts.append(f"{len(shapes)} shape mismatch(es) (e.g. {shapes[:3]})")
         raise CheckpointMismatch(f"checkpoint {where} does not match {what}: " + "; ".join(parts))
+
+
+@contextlib.contextmanager
+def adapters_disabled(lora: LoRAServing):
+    """The model computes as its base (every LoRA adapter off), for a KL reference without a
+    second copy of the weights. Unfolds first (a folded adapter is inside the base weights);
+    the parameters' ``requires_grad`` flags are restored on exit (peft's toggle resets them)."""
+    lora.unfold()
+    layers = [m for _, _, m in lora.sites]
+    flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
+    for m in layers:
+        m.enable_adapters(False)
+    lora.pinned = True
+    try:
+        yield
+    finally:
+        lora.pinned = False
+        for m in layers:
+            m.enable_adapters(True)
+        for p, rg in flags:
+            p.requires_grad_(rg)

@@ -1,0 +1,142 @@
+"""OpenVLA-OFT discrete for on-policy RL, on the tiny checkpoint: the act-time and update-time
+log-probs agree (records carry the tokens), the LoRA-off reference, the value head, and one
+PPO update with GAE on the policy's own value head."""
+
+import pytest
+import torch
+
+from agents.base import ReferencePolicy, ValuePolicy, capabilities_of
+from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
+from data.core.spec import EnvSpec
+from tools.make_tiny_checkpoints import make_openvla_oft
+
+SPEC = EnvSpec(state_dim=4, action_dim=2, cameras={"image": (32, 32, 3)}, has_task=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_openvla_oft(tmp_path_factory.mktemp("oftrl") / "oft", SPEC)
+
+
+def make(ckpt, **kw):
+    kw.setdefault("lora_rank", 4)
+    kw.setdefault("chunk_size", 4)
+    return OpenVLAOFTDiscretePolicy(OpenVLAOFTDiscretePolicyConfig(checkpoint=str(ckpt), **kw), SPEC)
+
+
+def obs(b=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"observation.state": torch.rand(b, 4, generator=g),
+            "observation.images.image": torch.randint(0, 256, (b, 32, 32, 3), dtype=torch.uint8, generator=g),
+            "task": ["reach the red target", "reach the blue target"] * (b // 2)}
+
+
+def perturb_adapters(p, scale=0.5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, q in p.named_parameters():
+            if ".lora_B" in n:
+                q.add_(scale * torch.randn(q.shape, generator=g).to(q.dtype))
+
+
+def test_act_and_update_log_probs_agree_through_the_records(ckpt):
+    p = make(ckpt, temperature=1.3)
+    perturb_adapters(p)
+    p.eval()
+    torch.manual_seed(0)
+    c = p.act(obs())  # eval mode, no grad: adapters folded into the weights for serving
+    assert p.lora.folded
+    batch = dict(obs(), **{"extra.action_tokens": c.extras["action_tokens"]})
+    p.train()  # the update: adapters live, gradients on
+    lp = p.log_prob(batch, c.actions)
+    assert lp.requires_grad
+    assert torch.allclose(lp.detach(), c.log_prob, atol=1e-4), (lp, c.log_prob)
+    # the executed actions alone re-discretise to the same tokens (bin centres)
+    assert torch.allclose(p.log_prob(obs(), c.actions).detach(), c.log_prob, atol=1e-4)
+    # bad tokens are named
+    with pytest.raises(ValueError, match="action_tokens"):
+        p.log_prob({**batch, "extra.action_tokens": c.extras["action_tokens"][:, :3]}, c.actions)
+    with pytest.raises(ValueError, match="outside"):
+        p.log_prob({**batch, "extra.action_tokens": c.extras["action_tokens"] + 256}, c.actions)
+
+
+def test_reference_is_the_model_without_adapters(ckpt):
+    p = make(ckpt)
+    base = make(ckpt)  # same checkpoint and seed: LoRA B starts at zero, so it is the base model
+    perturb_adapters(p)
+    assert ReferencePolicy in capabilities_of(p)
+    o = obs()
+    tok = base.act(o, deterministic=True).extras["action_tokens"]
+    with torch.no_grad():
+        want = base.log_prob(o, tokens=tok)
+        adapted = p.log_prob(o, tokens=tok)
+        assert not torch.allclose(adapted, want, atol=1e-3)  # the adapters change the policy
+        flags = {n: q.requires_grad for n, q in p.named_parameters()}
+        for mode in (True, False):  # training mode, and eval mode where serving would fold
+            p.train(mode)
+            with p.reference():
+                assert torch.allclose(p.log_prob(o, tokens=tok), want, atol=1e-5)
+                assert not p.lora.folded
+            assert {n: q.requires_grad for n, q in p.named_parameters()} == flags
+            assert torch.allclose(p.log_prob(o, tokens=tok), adapted, atol=1e-4)
+
+
+def test_value_head_trains_alone_and_travels_in_the_snapshot(ckpt):
+    p = make(ckpt)
+    assert ValuePolicy in capabilities_of(p)
+    p.train()
+    o = obs()
+    v = p.value(o)
+    assert v.shape == (4,) and torch.allclose(v, torch.zeros(4))  # zero-initialised output layer
+    state = p.trainable_state_dict()
+    assert any(k.startswith("value_head.") for k in state)
+    target = torch.tensor([1.0, -1.0, 0.5, 0.0])
+    opt = torch.optim.Adam([q for q in p.parameters() if q.requires_grad], lr=1e-2)
+    before = {n: q.detach().clone() for n, q in p.named_parameters() if ".lora_" in n}
+    h = p.action_hidden(o)  # the hidden states are fixed when only the head trains
+    losses = []
+    for _ in range(40):
+        loss = (p.value_head(h.detach()) - target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0], losses
+    # through value() the adapters get no gradient (value_detach)
+    opt.zero_grad()
+    (p.value(o) - target).pow(2).mean().backward()
+    assert all(q.grad is None or not q.grad.any() for n, q in p.named_parameters() if ".lora_" in n)
+    opt.step()
+    # value_detach: the adapters got no gradient from the value loss
+    assert all(torch.equal(q, before[n]) for n, q in p.named_parameters() if ".lora_" in n)
+    # a policy without the head says so
+    q = make(ckpt, value_head_dim=0)
+    with pytest.raises(ValueError, match="no value head"):
+        q.value(o)
+
+
+def test_ppo_update_with_gae_on_the_policy_value_head(ckpt):
+    from accelerate import Accelerator
+
+    from agents.ppo import PPOAgent, PPOConfig
+
+    p = make(ckpt)
+    p.train()
+    torch.manual_seed(0)
+    o = obs(8, seed=3)
+    with torch.no_grad():
+        c = p.act(o)
+    cfg = PPOConfig(lr=1e-3, value_lr=1e-3, epochs=2, minibatch_size=4, kl_coef=0.05, kl_kind="k3")
+    agent = PPOAgent(cfg, p, p, Accelerator(cpu=True))
+    adv = torch.tensor([1.0, -1.0] * 4)
+    batch = dict(o, action=c.actions, old_log_prob=c.log_prob, advantages=adv,
+                 returns=torch.ones(8), **{"extra.action_tokens": c.extras["action_tokens"]})
+    m = agent.update(batch)
+    assert all(torch.isfinite(torch.tensor(float(x))) for x in m.values()), m
+    assert m.get("kl", 0.0) >= 0.0
+    with torch.no_grad():
+        after = p.log_prob(o, tokens=c.extras["action_tokens"])
+    # the positive-advantage chunks got likelier relative to the negative ones
+    d = after - c.log_prob
+    assert d[adv > 0].mean() > d[adv < 0].mean(), d
+    assert p.value(o).abs().sum() > 0  # the value head moved towards the returns
