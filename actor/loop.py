@@ -51,6 +51,9 @@ ActFn = Callable[[dict[str, np.ndarray], list[str], bool],
                  tuple[np.ndarray, int, dict[str, np.ndarray]]]
 #: episode id -> the learner's job for it, or None
 JobFn = Callable[[int], "Job | None"]
+#: after each env step: (obs the action was chosen on, executed action, reward, intervened,
+#: policy version, episode id, step index)
+StepFn = Callable[[dict, np.ndarray, float, bool, int, int, int], None]
 
 
 def obs_arrays(obs: dict) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -77,6 +80,7 @@ class ActorLoop:
         log_every_s: float = 5.0,
         on_poll: Callable[[], None] | None = None,
         get_job: JobFn | None = None,
+        on_step: StepFn | None = None,
     ):
         self.env = env
         self.client = client
@@ -96,6 +100,14 @@ class ActorLoop:
         self.episodes = 0
         self.returns: deque = deque(maxlen=20)
         self.successes: deque = deque(maxlen=20)
+        self.on_step = on_step
+        # the episode in progress, for the operator's view (actor/console.py)
+        self.episode = -1
+        self.episode_step = 0
+        self.episode_return = 0.0
+        self.in_control = "policy"   # policy | human: who drove the last step
+        self.version = 0             # policy version of the action last executed
+        self.interventions = 0       # steps driven by the human, all episodes
 
     def _record(self, obs: dict, **step) -> None:
         rec = {k: np.asarray(v, np.uint8) for k, v in obs.items() if k.startswith(OBS_IMAGE_PREFIX)}
@@ -159,6 +171,7 @@ class ActorLoop:
             obs, _ = self.env.reset(seed=job.seed, options=job.reset_options())
             self.jobs_run += 1
             log.debug("episode %d runs job %s", episode, job)
+        self.episode, self.episode_step, self.episode_return = episode, 0, 0.0
         return episode, job, obs
 
     def run(self, *, max_episodes: int = 0, stop: Callable[[], bool] = lambda: False) -> None:
@@ -192,9 +205,14 @@ class ActorLoop:
                 episode=episode, step=step, chunk_start=index == 0 and not intervened,
                 chunk_index=index, group_id=group, **extras,
             )
+            if self.on_step is not None:
+                self.on_step(obs, executed, float(reward), intervened, version, episode, step)
             self.steps += 1
             ret += float(reward)
             step += 1
+            self.episode, self.episode_step, self.episode_return = episode, step, ret
+            self.in_control, self.version = ("human" if intervened else "policy"), version
+            self.interventions += int(intervened)
             obs = next_obs
             if intervened:
                 chunk = None  # ask the policy again once the human lets go

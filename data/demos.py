@@ -143,7 +143,7 @@ def load_demos(path: str | Path, spec: EnvSpec, *, capacity: int | None = None, 
     buf = ReplayBuffer(cap, spec, seed=seed, device=device, image_codec=image_codec)
     t0 = time.monotonic()
     n_ep = 0
-    for ep in read_episodes(path, max_frames=cap - len(table["length"])):
+    for ep in read_episodes(path, max_frames=cap - len(table["length"]), progress="loading demos"):
         buf.add(demo_batch(ep, spec, actor_id=f"demo:{path.name}", episode_end=episode_end,
                            keys=keys), restored=True)
         n_ep += 1

@@ -165,10 +165,18 @@ def main(argv=None) -> None:
     spec = EnvSpec(state_dim=args.state_dim, action_dim=args.action_dim,
                    cameras={"image": (s, s, 3), "wrist_image": (s, s, 3)}, has_task=True)
     out = Path(args.out)
-    for variant in ("pi0", "pi05"):
-        print("wrote", make_pi0(out / variant, spec, variant=variant))
-    for fmt in ("pt", "safetensors"):
-        print("wrote", make_openvla_oft(out / f"openvla_oft_{fmt}", spec, head_format=fmt))
+    jobs = [(v, lambda v=v: make_pi0(out / v, spec, variant=v)) for v in ("pi0", "pi05")]
+    jobs += [(f"openvla_oft_{fmt}", lambda fmt=fmt: make_openvla_oft(out / f"openvla_oft_{fmt}", spec,
+                                                                       head_format=fmt))
+             for fmt in ("pt", "safetensors")]
+    from tqdm import tqdm
+
+    with tqdm(total=len(jobs), desc="tiny checkpoints", unit="ckpt", disable=None) as bar:
+        for name, make in jobs:
+            bar.set_postfix_str(name)
+            path = make()
+            bar.write(f"wrote {path}")
+            bar.update(1)
 
 
 if __name__ == "__main__":

@@ -154,12 +154,13 @@ def _decode_image_column(col) -> np.ndarray:
 
 
 def read_episodes(root: str | Path, *, episodes: Sequence[int] | None = None,
-                  max_frames: int | None = None, columns: Sequence[str] | None = None
-                  ) -> Iterator[DatasetEpisode]:
+                  max_frames: int | None = None, columns: Sequence[str] | None = None,
+                  progress: str | None = None) -> Iterator[DatasetEpisode]:
     """Yield episodes of a local LeRobot v3.0 dataset in episode order, with camera frames
     decoded (each video file decoded once, sequentially). ``max_frames`` keeps the newest
     episodes whose lengths add up to at most that many frames (at least one episode);
-    ``columns`` restricts the non-camera columns read."""
+    ``columns`` restricts the non-camera columns read. ``progress``: the label of a tqdm bar
+    (episodes done / total) on stderr, shown only when stderr is a terminal."""
     import pyarrow.parquet as pq
 
     root = Path(root)
@@ -189,6 +190,11 @@ def read_episodes(root: str | Path, *, episodes: Sequence[int] | None = None,
     video_cams = [k for k in cams if feats[k]["dtype"] == "video"]
     cursors = {k: _VideoCursor(fps) for k in video_cams}
     data_cache: tuple[Path, Any] | None = None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(sel), desc=progress, unit="ep", disable=None, leave=False)
     try:
         for i in sel:
             e = int(ep_index[i])
@@ -232,8 +238,12 @@ def read_episodes(root: str | Path, *, episodes: Sequence[int] | None = None,
             task_idx = cols.get("task_index")
             ep_tasks = ([tasks.get(int(x), "") for x in task_idx] if task_idx is not None
                         else [""] * n)
+            if bar is not None:
+                bar.update(1)
             yield DatasetEpisode(e, cols, images, ep_tasks, info)
     finally:
+        if bar is not None:
+            bar.close()
         for cur in cursors.values():
             cur.close()
 

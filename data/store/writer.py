@@ -284,7 +284,7 @@ class EpisodeStore(CommitWorker):
         cap = buffer.capacity if max_records is None else int(max_records)
         added = 0
         t0 = time.monotonic()
-        for ep in read_episodes(self.root, max_frames=cap):
+        for ep in read_episodes(self.root, max_frames=cap, progress="refilling the buffer from the dataset"):
             batch = tandem_batch(ep, self.spec)
             buffer.add(batch, restored=True)
             added += len(batch)

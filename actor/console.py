@@ -1,0 +1,140 @@
+"""What the person at the robot sees: a live rich panel of the actor (when stdout is a
+terminal; plain status lines otherwise, as before).
+
+It shows who is in control (the policy or the human) with the intervention device's
+hotkeys, the episode's step and return, the learner link (connected, reconnecting, silent
+for how long, unacknowledged records), the policy version being served, and the outcome of
+the recent episodes. The numbers are the ones the plain status line prints
+(:class:`actor.loop.ActorLoop` and :class:`actor.client.LearnerClient` attributes).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+HOTKEYS = {
+    "keyboard": "[b]i[/] take over / hand back · w/s a/d r/f j/l u/o k/m move · [b]space[/] gripper · "
+                "[b]y[/] success · [b]n[/] failure · [b]x[/] reset · [b]q[/] quit",
+    "gamepad": "hold [b]RB[/] to take over · sticks move · [b]A[/]/[b]B[/] gripper · [b]Y[/] success · "
+               "[b]X[/] failure · [b]Back[/] reset",
+    "spacemouse": "move the cap to take over · left button gripper · right button success",
+    "scripted": "scripted takeover (tests): no keys",
+    "expert": "a scripted expert takes over when the policy drifts: no keys",
+}
+NO_DEVICE = "no intervention device (intervention.device=keyboard | gamepad | spacemouse)"
+
+
+def actor_status(loop, client, *, device: str | None) -> dict[str, Any]:
+    """The numbers of the actor's view, from the loop and the client (any thread may read)."""
+    now = time.monotonic()
+    last_rx = getattr(client, "_last_rx", 0.0) or 0.0
+    return {
+        "actor_id": loop.actor_id,
+        "in_control": loop.in_control,
+        "device": device or "none",
+        "episode": loop.episode,
+        "episode_step": loop.episode_step,
+        "episode_return": loop.episode_return,
+        "steps": loop.steps,
+        "episodes": loop.episodes,
+        "success": float(np.mean(loop.successes)) if loop.successes else None,
+        "return": float(np.mean(loop.returns)) if loop.returns else None,
+        "interventions": loop.interventions,
+        "connected": bool(client.connected),
+        "reconnects": int(getattr(client, "reconnects", 0)),
+        "silent_s": (now - last_rx) if last_rx else None,
+        "learner_id": getattr(client, "learner_id", None),
+        "learner_mode": getattr(client, "mode", "?"),
+        "served_version": int(client.policy_version),
+        "acting_version": int(loop.version),
+        "unacked": len(client.spool),
+        "act_ms": float(getattr(client, "last_act_ms", 0.0)),
+    }
+
+
+def render(st: dict[str, Any]):
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    human = st["in_control"] == "human"
+    who = Text.from_markup("[bold white on red] HUMAN in control [/]" if human
+                           else "[bold black on green] POLICY in control [/]")
+    keys = Text.from_markup("hotkeys: " + HOTKEYS.get(st["device"], NO_DEVICE))
+    if st["connected"]:
+        link = f"[green]connected[/] to learner {st['learner_id'] or '?'} ({st['learner_mode']})"
+    else:
+        link = "[bold red]not connected[/]: retrying" if st["reconnects"] or st["learner_id"] else \
+            "[yellow]connecting[/]"
+    if st["silent_s"] is not None:
+        link += f" · last heard {st['silent_s']:.1f} s ago"
+    link += f" · reconnects {st['reconnects']} · unacked {st['unacked']}"
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="dim")
+    t.add_column()
+    t.add_row("episode", f"{st['episode']} · step {st['episode_step']} · return {st['episode_return']:.2f}")
+    t.add_row("learner link", Text.from_markup(link))
+    t.add_row("policy version", f"served {st['served_version']} · acting with {st['acting_version']}"
+              + (f" · act {st['act_ms']:.1f} ms" if st["act_ms"] else ""))
+    succ = "-" if st["success"] is None else f"{st['success']:.2f}"
+    ret = "-" if st["return"] is None else f"{st['return']:.2f}"
+    t.add_row("recent episodes", f"{st['episodes']} done · success {succ} · return {ret} · "
+              f"{st['interventions']} human steps · {st['steps']} steps")
+    return Panel(Group(who, keys, t), title=f"Tandem actor {st['actor_id']}", title_align="left",
+                 border_style="red" if human else "green")
+
+
+class LiveView:
+    """A rich ``Live`` that redraws ``get_renderable()`` while log lines print above it.
+    Inactive unless ``enabled`` and stdout is a terminal. (The learner has its own copy:
+    actor/ and learner/ share only the core.)"""
+
+    def __init__(self, get_renderable: Callable[[], Any], *, enabled: bool = True,
+                 refresh_per_second: float = 4.0):
+        self.get_renderable = get_renderable
+        self.enabled = enabled
+        self.refresh_per_second = refresh_per_second
+        self.live = None
+        self._streams: list = []
+
+    def _safe(self):
+        try:
+            return self.get_renderable()
+        except Exception as exc:  # a view bug must never stop the robot
+            from rich.text import Text
+
+            return Text(f"(status view failed: {type(exc).__name__}: {exc})")
+
+    def start(self) -> "LiveView":
+        if not self.enabled or not sys.stdout.isatty():
+            return self
+        from rich.console import Console
+        from rich.live import Live
+
+        out = sys.stdout
+        self.live = Live(console=Console(), get_renderable=self._safe, redirect_stdout=True,
+                         redirect_stderr=True, refresh_per_second=self.refresh_per_second)
+        self.live.start()
+        for name in [None, *logging.root.manager.loggerDict]:
+            for h in getattr(logging.getLogger(name), "handlers", []):
+                if isinstance(h, logging.StreamHandler) and h.stream in (out, sys.__stdout__, sys.__stderr__):
+                    self._streams.append((h, h.stream))
+                    h.setStream(sys.stdout)
+        return self
+
+    def stop(self) -> None:
+        if self.live is None:
+            return
+        for h, stream in self._streams:
+            h.setStream(stream)
+        self._streams.clear()
+        try:
+            self.live.stop()
+        finally:
+            self.live = None

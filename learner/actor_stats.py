@@ -1,0 +1,141 @@
+"""Per-actor statistics for the operator's view and ``status.json``.
+
+Fed from three threads, read from a fourth:
+
+- the socket thread: :meth:`ActorStats.on_act` (an act request arrived) and, through
+  ingest, :meth:`ActorStats.on_records` (new records of an actor, under ingest's lock);
+- the inference thread: :meth:`ActorStats.on_reply` (the reply to an act request left);
+- the main or console thread: :meth:`ActorStats.rows`.
+
+Per actor it keeps: env steps and their rate, the server-side act latency (request received
+-> reply handed to the socket thread; p50 over the last 200), the newest policy version
+seen in its records, and the outcome of its last ``window`` episodes (success, whether a
+human intervened).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: an actor that sent an act request this recently counts as ``remote``
+REMOTE_WITHIN_S = 10.0
+
+
+@dataclass
+class _PerActor:
+    steps: int = 0
+    episodes: int = 0
+    version: int = -1                      # newest policy_version in its records
+    last_act: float = 0.0                  # monotonic time of its last act request
+    last_records: float = 0.0
+    latencies_ms: deque = field(default_factory=lambda: deque(maxlen=200))
+    outcomes: deque = field(default_factory=deque)   # (success, intervened) per episode
+    rate: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, steps)
+    open_intervened: dict = field(default_factory=dict)  # episode -> any step intervened
+
+
+class ActorStats:
+    def __init__(self, *, window: int = 20):
+        self.window = int(window)
+        self._lock = threading.Lock()
+        self._actors: dict[str, _PerActor] = {}
+        self._pending_acts: dict[bytes, deque] = {}   # identity -> receive times
+
+    def _actor(self, actor_id: str) -> _PerActor:
+        a = self._actors.get(actor_id)
+        if a is None:
+            a = self._actors[actor_id] = _PerActor(outcomes=deque(maxlen=self.window))
+        return a
+
+    # ---- feeds -------------------------------------------------------------------------------
+
+    def on_act(self, actor_id: str, identity: bytes, t_recv: float) -> None:
+        with self._lock:
+            self._actor(actor_id).last_act = time.monotonic()
+            self._pending_acts.setdefault(identity, deque(maxlen=64)).append((actor_id, t_recv))
+
+    def on_reply(self, identity: bytes) -> None:
+        """An act reply (or error) for ``identity`` leaves: its oldest pending request is done."""
+        now = time.perf_counter()
+        with self._lock:
+            q = self._pending_acts.get(identity)
+            if not q:
+                return
+            actor_id, t_recv = q.popleft()
+            self._actor(actor_id).latencies_ms.append((now - t_recv) * 1000.0)
+
+    def on_records(self, batch, keep: np.ndarray) -> None:
+        """New records of ``batch.actor_id`` (``keep``: those ingest stored)."""
+        a = batch.arrays
+        keep = np.asarray(keep, bool)
+        if not keep.any():
+            return
+        is_last = np.asarray(a["is_last"], bool)
+        steps = keep & ~is_last
+        ends = steps & (np.asarray(a["terminated"], bool) | np.asarray(a["truncated"], bool))
+        now = time.monotonic()
+        with self._lock:
+            s = self._actor(batch.actor_id)
+            s.steps += int(steps.sum())
+            s.last_records = now
+            s.rate.append((now, s.steps))
+            if steps.any():
+                s.version = max(s.version, int(np.asarray(a["policy_version"])[steps].max()))
+            episodes = np.asarray(a["episode"])
+            intervened = np.asarray(a["intervened"], bool)
+            success = np.asarray(a["success"], bool)
+            for i in np.flatnonzero(steps):
+                ep = int(episodes[i])
+                s.open_intervened[ep] = s.open_intervened.get(ep, False) or bool(intervened[i])
+                if ends[i]:
+                    s.outcomes.append((bool(success[i]), s.open_intervened.pop(ep)))
+                    s.episodes += 1
+            while len(s.open_intervened) > 64:  # episodes that never ended (dropped)
+                s.open_intervened.pop(next(iter(s.open_intervened)))
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def rows(self, *, peers: dict, peer_timeout_s: float, version: int,
+             received: dict[str, int], acked: dict[str, int]) -> list[dict]:
+        """One dict per actor ever seen (connected or not), sorted by actor id.
+
+        ``peers``: actor id -> seconds since the learner last heard from it (absent: the actor
+        said bye or never connected)."""
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            names = sorted(set(self._actors) | set(peers))
+            for name in names:
+                s = self._actors.get(name) or _PerActor()
+                silent = peers.get(name)
+                connected = silent is not None and silent < peer_timeout_s
+                rate = 0.0
+                if connected and len(s.rate) >= 2:
+                    recent = [(t, n) for t, n in s.rate if now - t <= 10.0] or list(s.rate)[-2:]
+                    (t0, n0), (t1, n1) = recent[0], recent[-1]
+                    span = max(now - t0, 1e-3) if now - t1 < 5.0 else max(t1 - t0, 1e-3)
+                    rate = (n1 - n0) / span if now - t1 < 5.0 else 0.0
+                lat = float(np.median(s.latencies_ms)) if s.latencies_ms else float("nan")
+                outcomes = list(s.outcomes)
+                out.append({
+                    "actor": name,
+                    "connected": connected,
+                    "silent_s": None if silent is None else round(float(silent), 1),
+                    "mode": "remote" if s.last_act and now - s.last_act < REMOTE_WITHIN_S else "local",
+                    "steps": s.steps,
+                    "steps_per_s": round(rate, 2),
+                    "act_p50_ms": None if lat != lat else round(lat, 2),
+                    "unacked": max(0, received.get(name, -1) - acked.get(name, -1)),
+                    "version": s.version,
+                    "version_lag": None if s.version < 0 else max(0, version - s.version),
+                    "episodes": s.episodes,
+                    "window": len(outcomes),
+                    "interventions": sum(1 for _, i in outcomes if i),
+                    "success": (sum(1 for ok, _ in outcomes if ok) / len(outcomes)) if outcomes else None,
+                })
+        return out
