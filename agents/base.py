@@ -116,8 +116,19 @@ class ReferencePolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class NoiseConditionedPolicy(Protocol):
+    """A flow/diffusion policy whose denoising starts from a given noise (PI0, PI0.5):
+    ``act(obs, noise=...)`` replays it, ``model_inputs(obs)`` are the tensors its backbone
+    reads and ``forward_model(inputs, noise)`` integrates the flow from ``noise`` [B, H, D]."""
+
+    def model_inputs(self, obs: Batch) -> tuple: ...
+
+    def forward_model(self, inputs: tuple, noise: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 CAPABILITIES: tuple[type, ...] = (BCPolicy, LogProbPolicy, ReparamSampler, ValuePolicy,
-                                  FeaturePolicy, ReferencePolicy)
+                                  FeaturePolicy, ReferencePolicy, NoiseConditionedPolicy)
 
 
 def _members(proto: type) -> frozenset[str]:

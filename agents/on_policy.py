@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from agents.advantages import gae, reinforce_pp
-from data.core.schema import TASK
-from data.rollouts import RolloutEpisode, RolloutQueue, episode_chunks
+from data.core.schema import EXTRA_PREFIX, TASK
+from data.rollouts import LOG_PROB, RolloutEpisode, RolloutQueue, episode_chunks
 
 OBS_PREFIX = "observation."
 
@@ -45,7 +45,8 @@ OBS_PREFIX = "observation."
 class ChunkBatch:
     """The chunks of B episodes, flat (N chunks) with their place in a padded [B, T] layout.
 
-    ``obs``: observation keys [N, ...] and ``task`` (list of N); ``final_obs``: each episode's
+    ``obs``: observation keys [N, ...], ``task`` (list of N) and the chunk-start records'
+    policy extras ``extra.<name>`` [N, ...] but ``log_prob``; ``final_obs``: each episode's
     final observation (its ``is_last`` record), [B, ...]. Everything else is [N] unless said.
     """
 
@@ -101,8 +102,11 @@ def chunk_batch(episodes: list[RolloutEpisode], *, horizon: int, gamma: float) -
     if not episodes:
         raise ValueError("chunk_batch needs at least one episode")
     obs_keys = sorted(k for k in episodes[0].arrays if k.startswith(OBS_PREFIX))
+    # the chunk-start record's policy extras ride along: a policy's log_prob may need them
+    # (PI0's denoising chain); the behaviour log-prob has its own field
+    extra_keys = sorted(k for k in episodes[0].arrays if k.startswith(EXTRA_PREFIX) and k != LOG_PROB)
     parts = [episode_chunks(ep, horizon, gamma) for ep in episodes]
-    obs: dict[str, Any] = {k: [] for k in obs_keys}
+    obs: dict[str, Any] = {k: [] for k in obs_keys + extra_keys}
     final: dict[str, Any] = {k: [] for k in obs_keys}
     tasks, final_tasks = [], []
     for ep, ch in zip(episodes, parts):
@@ -110,6 +114,8 @@ def chunk_batch(episodes: list[RolloutEpisode], *, horizon: int, gamma: float) -
         for k in obs_keys:
             obs[k].append(ep.arrays[k][ch.obs_index])
             final[k].append(ep.arrays[k][last:last + 1])
+        for k in extra_keys:
+            obs[k].append(ep.arrays[k][ch.obs_index])
         tasks += [ep.tasks[i] for i in ch.obs_index.tolist()]
         final_tasks.append(ep.tasks[last])
 

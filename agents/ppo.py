@@ -11,7 +11,8 @@ The batch is flat per chunk (N chunks; observation keys as in :mod:`agents.base`
     "old_log_prob"    [N]        behaviour log-prob (the records' ``extra.log_prob``)
     "advantages"      [N]        from :mod:`agents.advantages` (the builder computes them)
     "returns"         [N]        value targets (needed with a value function)
-    optional: "old_values" [N], "ref_log_prob" [N], "is_weight" [N], "mask" [N] bool
+    optional: "old_values" [N], "ref_log_prob" [N], "is_weight" [N], "mask" [N] bool,
+              "extra.<name>" [N, ...] (the chunk's policy extras; passed to the policy's calls)
 
 Staleness (decoupled PPO, Hilton et al. 2021): rollouts may come from a policy version a few
 updates old. With ``is_truncation`` set, the agent recomputes the log-probs of the current
@@ -36,7 +37,7 @@ from agents.advantages import ESTIMATORS, masked_mean, masked_whiten
 from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, ValuePolicy,
                          check_pair, has_capability)
 from agents.kl import KL_KINDS, kl_penalty
-from data.core.schema import TASK
+from data.core.schema import EXTRA_PREFIX, TASK
 
 
 @dataclass
@@ -199,8 +200,9 @@ class PolicyCalls(nn.Module):
 
 
 def observation_keys(batch: Batch) -> list[str]:
-    """The keys of ``batch`` a policy reads: ``observation.*`` and ``task``."""
-    return [k for k in batch if k.startswith("observation.") or k == TASK]
+    """The keys of ``batch`` a policy reads: ``observation.*``, ``task`` and the chunk's policy
+    extras ``extra.*`` (PI0's denoising chain, which its ``log_prob`` recomputes)."""
+    return [k for k in batch if k.startswith(("observation.", EXTRA_PREFIX)) or k == TASK]
 
 
 def take(batch: Batch, idx: torch.Tensor) -> Batch:

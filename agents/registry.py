@@ -111,11 +111,41 @@ def _plain(values: Mapping[str, Any]) -> dict:
     return dict(values)
 
 
+#: policy-section key of every policy: a safetensors file of its trainable state to start from
+#: (``tools/sft.py`` writes one; None: the checkpoint's weights as they are)
+INIT_TRAINABLE = "init_trainable"
+
+
 def build_policy(policy_cfg: Mapping[str, Any], spec):
     name = policy_cfg["name"]
     cfg_cls = _load(POLICIES, "policy", name)[1]
-    cls = policy_class(name, _plain(policy_cfg))
-    return cls(make_config(cfg_cls, policy_cfg, f"policy={name}"), spec)
+    values = _plain(policy_cfg)
+    init = values.pop(INIT_TRAINABLE, None)
+    cls = policy_class(name, values)
+    policy = cls(make_config(cfg_cls, values, f"policy={name}"), spec)
+    if init:
+        load_init_trainable(policy, init, f"policy={name}")
+    return policy
+
+
+def load_init_trainable(policy, path, where: str) -> None:
+    """Load ``policy.init_trainable``: a safetensors file (never a pickle) of the trainable
+    state ``policy.trainable_state_dict()`` has; a mismatch names what differs."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{where}: {INIT_TRAINABLE}={str(path)!r} is not a file")
+    try:
+        state = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - the file is the user's: say which and why
+        raise ValueError(f"{where}: {INIT_TRAINABLE}={str(path)!r} is not a safetensors file ({exc})") from exc
+    try:
+        policy.load_trainable_state_dict(state)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{where}: {INIT_TRAINABLE}={str(path)!r} does not fit this policy: {exc}") from exc
 
 
 def build_trained_policy(builder, policy_cfg: Mapping[str, Any], spec):

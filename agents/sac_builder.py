@@ -53,3 +53,13 @@ class SACBuilder:
 
     def jobs(self):
         return None
+
+
+def make_sac_builder(cfg: SACConfig):
+    """The registry's entry for ``algo=sac``: SAC over actions, or noise-space SAC
+    (:mod:`agents.noise_sac_builder`) when ``cfg.action_space == "noise"``."""
+    if cfg.action_space == "noise":
+        from agents.noise_sac_builder import NoiseSACBuilder
+
+        return NoiseSACBuilder(cfg)
+    return SACBuilder(cfg)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from agents.base import BCPolicy, capabilities_of
+from agents.base import BCPolicy, NoiseConditionedPolicy, capabilities_of
 from safetensors.torch import load_file, save_file
 
 from agents import registry
@@ -42,7 +42,7 @@ def obs(b=3, seed=0):
 
 def test_act_shapes_noise_seed_and_deterministic(ckpts):
     p = policy(ckpts["pi0"]).eval()
-    assert capabilities_of(p) == {BCPolicy} and p.chunk_size == CHUNK
+    assert capabilities_of(p) == {BCPolicy, NoiseConditionedPolicy} and p.chunk_size == CHUNK
     c = p.act(obs())
     assert c.actions.shape == (3, CHUNK, 7) and c.actions.dtype == torch.float32 and c.log_prob is None
     (dt, shape), = p.extras_spec().values()

@@ -6,6 +6,13 @@ Per case, one update of ``--batch`` action chunks through the algorithm's own up
 - ``oft_grpo``: OpenVLA-OFT with the 256-bin token head, :class:`agents.grpo.GRPOAgent`
   (clipped ratio over the 7 x 8 action tokens' log-probs, one epoch, minibatches of
   ``--minibatch``), log-probs of the behaviour policy recomputed (``is_truncation``);
+- ``pi0_ppo``: PI0 with Flow-Noise (``flow_rl=noise``, :mod:`agents.policies.flow_rl`),
+  :class:`agents.ppo.PPOAgent` with the policy's own value head (one epoch, minibatches of
+  ``--minibatch``): the behaviour log-probs of the stored denoising chains and the values
+  recomputed, then the clipped ratio over the chains' joint log-probs plus the value loss;
+- ``pi0_noise_sac``: noise-space SAC (DSRL) with PI0 frozen: one update (frozen features of
+  obs + next obs, one critic and one actor step), the feature pass and the cached-feature
+  critic step apart, updates/s (:mod:`tools.bench.noise_sac`; not in the default ``--cases``);
 - ``pi0_sft`` / ``oft_sft``: the policy's own BC loss (flow matching / L1) as the rejection
   sampling learner runs it, one step over ``--batch`` samples in minibatches;
 
@@ -29,10 +36,22 @@ from tools.bench.common import bench_spec, emit_json, p50_p99, random_obs, timed
 
 
 def _build(name: str, tiny: bool, device: str, tmp: Path, spec):
-    from agents.policies.openvla_oft import OpenVLAOFTDiscretePolicy, OpenVLAOFTPolicyConfig
+    from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicy
+    from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicyConfig as OpenVLAOFTPolicyConfig
     from tools.bench.policy import build
-    from tools.make_tiny_checkpoints import build_tokenizer, make_openvla_oft
+    from tools.make_tiny_checkpoints import build_tokenizer, make_openvla_oft, make_pi0
 
+    if name == "pi0_flow":
+        from agents.policies.flow_rl import Pi0FlowRLPolicy
+        from agents.policies.pi0 import Pi0PolicyConfig
+
+        if tiny:
+            cfg = Pi0PolicyConfig(checkpoint=str(make_pi0(tmp / "pi0_flow", spec)), chunk_size=8, device=device,
+                                  lora_rank=4, flow_rl="noise")
+        else:
+            cfg = Pi0PolicyConfig(tokenizer=str(build_tokenizer(tmp / "pi0_flow_tok", kind="gemma")), device=device,
+                                  flow_rl="noise")
+        return Pi0FlowRLPolicy(cfg, spec)
     if name != "oft_discrete":
         return build(name, tiny, device, tmp, spec)[0]
     if tiny:
@@ -63,7 +82,7 @@ def bench_case(case: str, args, spec, tmp: Path) -> dict:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    name = {"oft_grpo": "oft_discrete", "pi0_sft": "pi0", "oft_sft": "openvla_oft"}[case]
+    name = {"oft_grpo": "oft_discrete", "pi0_ppo": "pi0_flow", "pi0_sft": "pi0", "oft_sft": "openvla_oft"}[case]
     t0 = time.perf_counter()
     policy = _build(name, args.tiny, args.device, tmp, spec)
     res: dict = {"build_s": time.perf_counter() - t0, "chunk": policy.chunk_size, "batch": args.batch,
@@ -87,6 +106,25 @@ def bench_case(case: str, args, spec, tmp: Path) -> dict:
 
         def step():
             agent.update(batch)
+    elif case == "pi0_ppo":
+        from agents.ppo import PPOAgent, PPOConfig
+
+        agent = PPOAgent(PPOConfig(epochs=1, minibatch_size=args.minibatch, lr=1e-5, is_truncation=2.0),
+                         policy, policy, Accelerator(cpu=not cuda, mixed_precision="no"))
+        with torch.no_grad():
+            policy.eval()
+            chunk = policy.act({k: v[: args.minibatch] for k, v in batch.items() if k != "action"})
+            policy.train()
+        reps = -(-args.batch // args.minibatch)
+        rep = (lambda t: t.cpu().repeat(reps, *([1] * (t.ndim - 1)))[: args.batch])
+        batch["action"] = rep(chunk.actions)
+        batch["old_log_prob"] = rep(chunk.log_prob.float())
+        batch.update({f"extra.{k}": rep(v) for k, v in chunk.extras.items()})
+        batch["advantages"] = torch.randn(args.batch)
+        batch["returns"] = torch.randn(args.batch)
+
+        def step():
+            agent.update(batch)
     else:
         params = [p for p in policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-5)
@@ -107,7 +145,7 @@ def bench_case(case: str, args, spec, tmp: Path) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="oft_grpo,pi0_sft,oft_sft")
+    ap.add_argument("--cases", default="oft_grpo,pi0_ppo,pi0_sft,oft_sft")
     ap.add_argument("--tiny", action="store_true", help="tiny test-size models (CPU smoke test)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--batch", type=int, default=64, help="action chunks per update")
@@ -127,7 +165,12 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
             try:
-                r = bench_case(case, args, spec, Path(tmp))
+                if case == "pi0_noise_sac":  # noise-space SAC (DSRL): tools/bench/noise_sac.py
+                    from tools.bench.noise_sac import bench_noise_sac
+
+                    r = bench_noise_sac(args, spec, Path(tmp))
+                else:
+                    r = bench_case(case, args, spec, Path(tmp))
             except torch.OutOfMemoryError as exc:  # report it and go on with the next case
                 r = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
                 torch.cuda.empty_cache()

@@ -24,8 +24,11 @@ The model is lerobot's own ``PI0Policy`` / ``PI05Policy`` (``lerobot.policies.pi
   batches and the adapter path nearly doubles PI0's latency); training, ``bc_loss`` and
   ``trainable_state_dict`` unfold them.
 
-PI0 cannot give a log-probability or a reparameterised sample (it is a flow-matching
+Plain PI0 cannot give a log-probability or a reparameterised sample (it is a flow-matching
 model), so it is a BCPolicy only (:mod:`agents.base`); pairing it with SAC fails at start-up.
+With ``flow_rl=noise|sde`` the config builds the flow-RL variant of
+:mod:`agents.policies.flow_rl` instead (log-probs of the denoising chain, a value head and a
+reference: what PPO needs).
 Its extra is ``noise`` [B, chunk_size, max_action_dim]: the flow's starting sample, so a
 chunk can be replayed exactly (zeros when deterministic).
 
@@ -114,12 +117,33 @@ class Pi0PolicyConfig:
     gradient_checkpointing: bool = False
     #: seed of the random initial weights (both learner copies must agree)
     seed: int = 0
+    # -- flow RL (πRL; agents/policies/flow_rl.py documents the maths) --
+    #: None: plain PI0 (no log-probability); "noise": Flow-Noise (a learned noise head makes
+    #: every Euler step Gaussian); "sde": Flow-SDE (one random step per chunk stochastic)
+    flow_rl: str | None = None
+    #: Flow-Noise: bounds of the noise head's per-step std (normalised action space)
+    noise_std_min: float = 0.04
+    noise_std_max: float = 0.3
+    #: Flow-Noise: hidden width of the noise head (an MLP on the expert's action-token features)
+    noise_head_hidden: int = 128
+    #: Flow-SDE: the a of sigma_t = a * sqrt(t / (1 - t))
+    sde_noise_level: float = 0.5
+    #: value head input: "expert" (the expert's action-token features at t = 1 from zeros; they
+    #: see the prefix and, for PI0, the state) or "prefix" (the VLM's prefix features)
+    value_features: str = "expert"
+    #: hidden width of the value head
+    value_hidden: int = 128
+    #: the value loss trains the value head only (its input features detached)
+    value_detach: bool = True
 
     def validate(self) -> None:
         if self.variant not in ("pi0", "pi05"):
             raise ValueError(f"variant must be pi0 or pi05, got {self.variant!r}")
         if self.chunk_size < 1 or self.num_inference_steps < 1 or self.lora_rank < 0:
             raise ValueError("chunk_size and num_inference_steps must be >= 1, lora_rank >= 0")
+        if self.flow_rl is not None:
+            from agents.policies.flow_rl import validate_flow_config
+            validate_flow_config(self)
         known = set(_HEADS["pi0"]) | set(_HEADS["pi05"])
         if set(self.trainable_heads) - known:
             raise ValueError(f"unknown trainable_heads {sorted(set(self.trainable_heads) - known)}; valid: {sorted(known)}")
@@ -212,6 +236,16 @@ class Pi0Policy(nn.Module):
         vc.set_trainable(self.inner, heads)
         self.inner.to(dev)
         self.lora = vc.LoRAServing(self.inner)
+
+    @classmethod
+    def class_for_config(cls, values) -> type:
+        """The class a config section builds (:func:`agents.registry.policy_class`): with
+        ``flow_rl`` set, the flow-RL policy of :mod:`agents.policies.flow_rl`."""
+        mode = dict(values or {}).get("flow_rl")
+        if mode is None:
+            return cls
+        from agents.policies.flow_rl import flow_rl_class
+        return flow_rl_class(cls, mode)
 
     # -- construction helpers -------------------------------------------------------------------
     def _config(self, ckpt: Path | None, dev: torch.device, dtype: torch.dtype):

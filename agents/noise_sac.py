@@ -1,0 +1,209 @@
+"""Noise-space SAC (DSRL, Wagenmaker et al. 2025): SAC whose action is the initial noise of a
+frozen flow policy's denoising ODE (``algo=sac algo.action_space=noise policy=pi0``).
+
+The policy is a :class:`agents.noise_actor.NoiseSpacePolicy`: the frozen PI0 plus a small
+tanh-Gaussian noise actor. One transition is one executed chunk: a replay window of H steps
+that starts at a chunk start (``chunk_start``), with ``extra.noise`` [B, H, D] the noise PI0
+started from (the stored SAC action; the critic reads the actor's d dims of it), ``action``
+[B, H, A] the executed chunk, ``reward`` [B, H], ``step_mask`` / ``n_steps`` and the
+observation after the chunk (``next.``). The TD target is the chunk's discounted reward
+plus gamma^k (min Q_target(s', w') - alpha log pi(w'|s')), w' ~ pi(.|s') in noise space.
+
+Features are computed once per batch (:func:`attach_features`: obs and next obs in one
+frozen forward) and stored in the batch as ``features`` / ``next.features``; the critic
+(:class:`CachedFeatures` encoder) and the actor both read them: the VLA backbone never runs
+twice for one batch, and no gradient reaches it.
+
+``NoiseSACAgent.update(batches)`` is a pure step (no files, sockets or logging):
+``utd_ratio`` critic steps, then one actor and one temperature step on the last batch. The
+losses are :mod:`agents.sac`'s (:func:`agents.sac.td_target`, ``critic_loss``, ``actor_loss``,
+``temperature_loss``, ``soft_update``, ``chunk_return``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from agents.base import Batch
+from agents.critics import EnsembleCritic
+from agents.noise_actor import NOISE_EXTRA, NoiseSpacePolicy
+from agents.sac import (SACConfig, Temperature, _to_device, actor_loss, chunk_return, critic_loss,
+                        soft_update, td_target, temperature_loss)
+from data.core.spec import EnvSpec
+
+FEATURES = "features"
+
+
+class CachedFeatures(nn.Module):
+    """A critic encoder that reads the features :func:`attach_features` put in the batch
+    (``features`` / ``next.features`` [B, F]): no parameters, no model call."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.out_dim = int(dim)
+
+    def forward(self, obs: Batch, prefix: str = "") -> torch.Tensor:
+        key = prefix + FEATURES
+        if key not in obs:
+            raise KeyError(f"batch has no {key!r}: call attach_features(policy, batch) first")
+        return obs[key]
+
+
+@torch.no_grad()
+def attach_features(policy: NoiseSpacePolicy, batch: Batch) -> Batch:
+    """``batch`` with ``features`` and ``next.features`` [B, F] (float32, no grad), from one
+    frozen forward over the observations and the next observations together."""
+    if FEATURES in batch and "next." + FEATURES in batch:
+        return batch
+    n = batch["observation.state"].shape[0]
+    both: Batch = {}
+    for k, v in batch.items():
+        if k.startswith("observation."):
+            both[k] = torch.cat([v, batch["next." + k]])
+    if "task" in batch:
+        both["task"] = list(batch["task"]) * 2
+    f = policy.features(both).float()
+    return {**batch, FEATURES: f[:n], "next." + FEATURES: f[n:]}
+
+
+def make_noise_critic(cfg: SACConfig, policy: NoiseSpacePolicy) -> EnsembleCritic:
+    """Q(features, noise) ensemble over the actor's H * d noise values."""
+    return EnsembleCritic(CachedFeatures(policy.feature_dim), policy.noise_actor.flat_dim,
+                          num_critics=cfg.num_critics, hidden_dims=tuple(cfg.critic_hidden_dims),
+                          layer_norm=cfg.critic_layer_norm, activation_name=cfg.critic_activation)
+
+
+class NoiseSACAgent:
+    """SAC over the noise actor of a :class:`NoiseSpacePolicy` (module docstring). The noise
+    actor, critic and temperature go through ``accelerator.prepare``; the frozen base does
+    not (it has no trainable parameter and no optimizer)."""
+
+    name = "sac"
+
+    def __init__(self, cfg: SACConfig, policy: NoiseSpacePolicy, spec: EnvSpec, accelerator: Any,
+                 critic: EnsembleCritic | None = None):
+        if not isinstance(policy, NoiseSpacePolicy):
+            raise TypeError(f"noise-space SAC trains a NoiseSpacePolicy, got {type(policy).__name__}")
+        self.cfg, self.spec, self.accelerator = cfg, spec, accelerator
+        self.policy = policy
+        self.target_entropy = (float(cfg.target_entropy) if cfg.target_entropy is not None
+                               else -float(policy.noise_actor.flat_dim))
+        self.num_min_qs = cfg.num_min_qs or cfg.num_critics
+        critic = critic if critic is not None else make_noise_critic(cfg, policy)
+        temperature = Temperature(cfg.init_temperature)
+        self.device = accelerator.device
+        fused = self.device.type in ("cpu", "cuda")
+        policy.to(self.device)
+        critic.to(self.device)
+        temperature.to(self.device)
+        actor = policy.noise_actor
+        opts = (torch.optim.Adam(actor.parameters(), lr=cfg.actor_lr, fused=fused),
+                torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr, fused=fused),
+                torch.optim.Adam(temperature.parameters(), lr=cfg.temp_lr, fused=fused))
+        (self.actor, self.critic, self.temperature, self.actor_opt, self.critic_opt,
+         self.temp_opt) = accelerator.prepare(actor, critic, temperature, *opts)
+        self._actor_raw = accelerator.unwrap_model(self.actor)
+        self._critic_raw: EnsembleCritic = accelerator.unwrap_model(self.critic)
+        self._temp_raw: Temperature = accelerator.unwrap_model(self.temperature)
+        self.target_critic = copy.deepcopy(self._critic_raw).to(self.device)
+        self.target_critic.requires_grad_(False)
+        self.num_updates = 0
+
+    def _clip(self, module: nn.Module) -> None:
+        if self.cfg.max_grad_norm is not None:
+            self.accelerator.clip_grad_norm_(module.parameters(), self.cfg.max_grad_norm)
+
+    def _target_q_subset(self, next_q: torch.Tensor) -> torch.Tensor:
+        if self.num_min_qs >= next_q.shape[0]:
+            return next_q
+        idx = torch.randperm(next_q.shape[0], device=next_q.device)[: self.num_min_qs]
+        return next_q.index_select(0, idx)
+
+    def stored_noise(self, batch: Batch) -> torch.Tensor:
+        """The SAC action of each row: the actor's dims [B, H, d] of ``extra.noise``."""
+        return self.policy.actor_noise(batch["extra." + NOISE_EXTRA].float())
+
+    def critic_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """One critic update (and target soft-update) on a batch with features attached."""
+        with torch.no_grad():
+            alpha = self.temperature()
+            next_w, next_logp = self._actor_raw.sample(batch["next." + FEATURES])
+            next_q = self._target_q_subset(self.target_critic(batch, next_w, "next."))
+            reward, discount = chunk_return(batch["reward"].float(), self.cfg.gamma,
+                                            batch.get("step_mask"), batch.get("n_steps"))
+            target = td_target(reward, batch["terminated"], next_q, next_logp, alpha=alpha,
+                               gamma=discount, backup_entropy=self.cfg.backup_entropy)
+        q = self.critic(batch, self.stored_noise(batch))
+        loss = critic_loss(q, target)
+        self.critic_opt.zero_grad(set_to_none=True)
+        self.accelerator.backward(loss)
+        self._clip(self.critic)
+        self.critic_opt.step()
+        soft_update(self.target_critic, self._critic_raw, self.cfg.tau)
+        return {"critic_loss": loss.detach(), "q_mean": q.detach().mean(), "target_q_mean": target.mean()}
+
+    def actor_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """One actor step (through the frozen critic) and one temperature step."""
+        critic = self._critic_raw
+        critic.requires_grad_(False)
+        try:
+            w, logp = self._actor_raw.sample(batch[FEATURES])
+            q = self.critic(batch, w)
+            alpha = self.temperature().detach()
+            a_loss = actor_loss(q, logp, alpha, self.cfg.actor_q_reduce)
+            self.actor_opt.zero_grad(set_to_none=True)
+            self.accelerator.backward(a_loss)
+            self._clip(self.actor)
+            self.actor_opt.step()
+        finally:
+            critic.requires_grad_(True)
+        t_loss = temperature_loss(self._temp_raw.log_alpha, logp.detach(), self.target_entropy)
+        self.temp_opt.zero_grad(set_to_none=True)
+        self.accelerator.backward(t_loss)
+        self.temp_opt.step()
+        return {"actor_loss": a_loss.detach(), "temperature_loss": t_loss.detach(),
+                "entropy": -logp.detach().mean(), "alpha": alpha,
+                "noise_abs_mean": w.detach().abs().mean()}
+
+    def update(self, batches: Iterator[Batch]) -> dict[str, float]:
+        metrics: dict[str, torch.Tensor] = {}
+        batch: Batch | None = None
+        for _ in range(self.cfg.utd_ratio):
+            batch = attach_features(self.policy, _to_device(next(batches), self.device))
+            metrics = self.critic_step(batch)
+        assert batch is not None
+        metrics.update(self.actor_step(batch))
+        self.num_updates += 1
+        out = {k: float(v) for k, v in metrics.items()}
+        out["num_updates"] = float(self.num_updates)
+        return out
+
+    # -- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Noise actor, critics, target critics, log_alpha, the optimizers and the counter
+        (the frozen base is rebuilt from its checkpoint)."""
+        clone = lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()}  # noqa: E731
+        return {"policy": self.policy.trainable_state_dict(), "critic": clone(self._critic_raw),
+                "target_critic": clone(self.target_critic),
+                "log_alpha": self._temp_raw.log_alpha.detach().clone(),
+                "actor_opt": copy.deepcopy(self.actor_opt.state_dict()),
+                "critic_opt": copy.deepcopy(self.critic_opt.state_dict()),
+                "temp_opt": copy.deepcopy(self.temp_opt.state_dict()),
+                "num_updates": int(self.num_updates), "action_space": "noise"}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("action_space") != "noise":
+            raise ValueError("checkpoint is not of noise-space SAC (algo.action_space=noise)")
+        self.policy.load_trainable_state_dict(state["policy"])
+        self._critic_raw.load_state_dict(state["critic"])
+        self.target_critic.load_state_dict(state["target_critic"])
+        with torch.no_grad():
+            self._temp_raw.log_alpha.copy_(state["log_alpha"])
+        self.actor_opt.load_state_dict(copy.deepcopy(state["actor_opt"]))
+        self.critic_opt.load_state_dict(copy.deepcopy(state["critic_opt"]))
+        self.temp_opt.load_state_dict(copy.deepcopy(state["temp_opt"]))
+        self.num_updates = int(state["num_updates"])

@@ -1,0 +1,348 @@
+"""PI0 / PI0.5 with a tractable likelihood (πRL, RLinf): Flow-Noise and Flow-SDE, a value
+head and a LoRA-disabled reference, so that PPO (:mod:`agents.ppo`) can train a flow policy.
+
+``policy=pi0`` (or ``pi05``) with ``policy.flow_rl=noise|sde`` builds :class:`Pi0FlowRLPolicy`
+(:meth:`agents.policies.pi0.Pi0Policy.class_for_config`); ``flow_rl=null`` is plain PI0.
+
+The chain. lerobot's PI0 integrates x from t = 1 (noise x_0) to t = 0 in K Euler steps,
+dt = -1/K, t_k = 1 + k dt: x_{k+1} = x_k + dt v(x_k, t_k). Here every step is a Gaussian
+x_{k+1} ~ N(mu_k, std_k^2) on the *real* action dims (the first ``action_dim`` of lerobot's
+``max_action_dim``; the padding dims follow the ODE, the env never sees them):
+
+- **Flow-Noise** (``noise``): mu_k = x_k + dt v(x_k, t_k), std_k = the noise head (an MLP on
+  the expert's features of the chunk's action tokens at step k, per token and dim, bounded to
+  [noise_std_min, noise_std_max] by a sigmoid in log space). log pi(chunk) is the joint
+  log-density of the chain: sum over the K steps, H tokens and A dims (the initial noise's
+  density is left out: it does not depend on the weights, so ratios and KLs are unchanged).
+  The noise head is dropped at deployment: ``act(deterministic=True)`` is the plain ODE.
+- **Flow-SDE** (``sde``): the ODE as the marginal-preserving reverse SDE of Flow-GRPO,
+  mu_k = x_k + dt [v + sigma^2 / (2t) (x_k + (1 - t) v)], std_k = sigma sqrt(-dt), sigma_t =
+  a sqrt(t / (1 - t)) (a = ``sde_noise_level``), with t clamped to at most 1 + dt / 2 in these
+  terms (sigma is infinite at t = 1). One step k* per chunk, drawn uniformly, is sampled from
+  it; the others are ODE steps. log pi(chunk) = log N(x_{k*+1}; mu_k*, std_k*^2).
+
+Extras (``extras_spec``; they ride on the act reply into every step's record as
+``extra.<name>``): ``noise`` [H, D] (x_0, as plain PI0), ``chain`` [K+1, H, D] (x_0 .. x_K,
+D = max_action_dim), ``log_prob`` [] and, for SDE, ``sde_step`` [1] (k*). Deterministic acts
+carry the ODE chain, k* = 0 and the log-density of that chain under the stochastic policy.
+
+Update time: :meth:`log_prob` reads ``obs["extra.chain"]`` (and ``extra.sde_step``), which the
+on-policy batches carry for each chunk (:func:`agents.on_policy.chunk_batch`), and recomputes
+the same Gaussians with the current weights: one prefix pass, then K expert passes (Flow-Noise)
+or one (Flow-SDE, at each row's own t_k*). The ``actions`` argument only sets the batch size:
+the chain, not the clipped env actions, is what was sampled. With the same weights the act's
+log-prob and this one agree (tests/test_flow_rl.py): exactly in eval mode without gradients
+(both run with the LoRA folded), to float32 rounding otherwise.
+
+:meth:`value` (ValuePolicy): an MLP on mean-pooled features (``value_features``: the expert's
+action tokens at t = 1 from x = 0, or the VLM's prefix), detached by default
+(``value_detach``: the value loss trains the head only). :meth:`reference` (ReferencePolicy):
+the same model with the LoRA adapters disabled (peft's ``enable_adapters(False)``) and the
+fully trained heads (action projections, noise head) swapped for their values at construction
+(kept as buffers, a few MB at full size: no second model).
+
+The weights sync to actors (``trainable_state_dict``) adds the noise head (``flow_rl.noise.*``);
+the value head stays on the learner.
+
+Measured (``python -m tools.flow_ppo_demo --out runs/flow_ppo --minutes 14``: tiny PI0, chunk
+4, K = 4, LoRA 4, point_reach with a camera + the target in the state, 100 BC steps on 5
+scripted demos, 2 actors, PPO+GAE lr 2e-5, a 2-core CPU shared with load ~6-9): it runs end to
+end (34 updates, 1321 episodes, 846 s, no errors; approx_kl 0.004-0.02 per update) but does
+NOT learn yet: success 0.12 (77 episodes of version 0) -> 0.12 (97 episodes of versions 32-34);
+the value head's explained variance stays ~0. With lr 3e-4 the first update's approx_kl was 13
+(the joint log-prob over K*H*A terms is very sensitive). Untried: lr ~1e-4, reinforce_pp
+(critic-free), value_detach=false, a stronger BC start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from agents.base import ActionChunk, Batch
+from agents.policies.pi0 import Pi0Policy, Pi05Policy
+from agents.policies.pi0_lerobot import lerobot_pi_module
+from data.core.schema import EXTRA_PREFIX
+
+FLOW_RL_MODES = ("noise", "sde")
+VALUE_FEATURES = ("expert", "prefix")
+_LOG_2PI = math.log(2 * math.pi)
+
+
+def validate_flow_config(cfg) -> None:
+    """Check the flow-RL fields of a :class:`agents.policies.pi0.Pi0PolicyConfig`."""
+    who = f"policy={cfg.variant}"
+    if cfg.flow_rl not in FLOW_RL_MODES:
+        raise ValueError(f"{who}: flow_rl must be null (plain PI0), 'noise' (Flow-Noise) or 'sde' "
+                         f"(Flow-SDE), got {cfg.flow_rl!r}")
+    if not 0 < cfg.noise_std_min < cfg.noise_std_max:
+        raise ValueError(f"{who}: need 0 < noise_std_min < noise_std_max, got {cfg.noise_std_min}, "
+                         f"{cfg.noise_std_max}")
+    if cfg.sde_noise_level <= 0:
+        raise ValueError(f"{who}: sde_noise_level must be > 0, got {cfg.sde_noise_level}")
+    if cfg.value_features not in VALUE_FEATURES:
+        raise ValueError(f"{who}: value_features must be one of {VALUE_FEATURES}, got {cfg.value_features!r}")
+    if min(cfg.noise_head_hidden, cfg.value_hidden) < 1:
+        raise ValueError(f"{who}: noise_head_hidden and value_hidden must be >= 1")
+
+
+def flow_rl_class(base: type, mode: Any) -> type:
+    """The flow-RL class for ``base`` (Pi0Policy or Pi05Policy); a bad mode is named."""
+    if mode not in FLOW_RL_MODES:
+        raise ValueError(f"policy={'pi05' if issubclass(base, Pi05Policy) else 'pi0'}: flow_rl must be "
+                         f"null (plain PI0), 'noise' (Flow-Noise) or 'sde' (Flow-SDE), got {mode!r}")
+    return Pi05FlowRLPolicy if issubclass(base, Pi05Policy) else Pi0FlowRLPolicy
+
+
+class FlowHeads(nn.Module):
+    """The noise head (Flow-Noise only): expert features [..., E] -> log std [..., A] in
+    [log std_min, log std_max]; the value head: pooled features [B, F] -> [B]."""
+
+    def __init__(self, cfg, expert_width: int, value_width: int, action_dim: int):
+        super().__init__()
+        self.log_min, self.log_max = math.log(cfg.noise_std_min), math.log(cfg.noise_std_max)
+        self.noise = None
+        if cfg.flow_rl == "noise":
+            h = int(cfg.noise_head_hidden)
+            self.noise = nn.Sequential(nn.Linear(expert_width, h), nn.Tanh(), nn.Linear(h, action_dim))
+            nn.init.normal_(self.noise[-1].weight, std=1e-3)  # start near the geometric mid std
+            nn.init.zeros_(self.noise[-1].bias)
+        h = int(cfg.value_hidden)
+        self.value = nn.Sequential(nn.Linear(value_width, h), nn.Tanh(), nn.Linear(h, 1))
+
+    def noise_std(self, feat: torch.Tensor) -> torch.Tensor:
+        raw = self.noise(feat.float())
+        return (self.log_min + (self.log_max - self.log_min) * torch.sigmoid(raw)).exp()
+
+
+class _FlowRL:
+    """Flow-Noise / Flow-SDE on top of :class:`Pi0Policy` (see the module docstring)."""
+
+    def __init__(self, cfg, spec):
+        super().__init__(cfg, spec)
+        validate_flow_config(cfg)
+        self.mode = cfg.flow_rl
+        self.who = f"{self.who} flow_rl={self.mode}"
+        self.num_steps = int(cfg.num_inference_steps)
+        self.max_dim = int(self.lr_cfg.max_action_dim)
+        m = self.inner.model
+        expert_w = m.action_out_proj.in_features
+        value_w = expert_w if cfg.value_features == "expert" else int(self.arch.width)
+        self.heads = FlowHeads(cfg, expert_w, value_w, self.action_dim).to(self.device)
+        self._mod = lerobot_pi_module(self.variant)
+        # the reference's fully trained heads: their values now, as buffers (checkpointed)
+        self.ref_store = nn.Module()
+        for name, p in self._full_params():
+            self.ref_store.register_buffer(name.replace(".", "__"), p.detach().clone())
+
+    def _full_params(self):
+        """Trained-in-full parameters the reference swaps back (not LoRA, not the value head)."""
+        return [(n, p) for n, p in self.named_parameters()
+                if p.requires_grad and ".lora_" not in n and not n.startswith(("heads.value.", "ref_store."))]
+
+    # -- the model, step by step ------------------------------------------------------------------
+    def _wdtype(self) -> torch.dtype:
+        return self.inner.model.paligemma_with_expert.paligemma.model.language_model.layers[0].self_attn.q_proj.weight.dtype
+
+    def _context(self, inputs: tuple) -> dict:
+        """The prefix pass (images + language): its features, pad mask and KV cache."""
+        m, mod = self.inner.model, self._mod
+        embs, pad, att = m.embed_prefix(*inputs[:4])
+        if self._wdtype() == torch.bfloat16:
+            embs = embs.to(torch.bfloat16)
+        att4 = mod.prepare_attention_masks_4d(mod.make_att_2d_masks(pad, att))
+        m.paligemma_with_expert.paligemma.model.language_model.config._attn_implementation = "eager"  # noqa: SLF001
+        (out, _), kv = m.paligemma_with_expert.forward(attention_mask=att4, position_ids=torch.cumsum(pad, 1) - 1,
+                                                       past_key_values=None, inputs_embeds=[embs, None], use_cache=True)
+        return {"prefix": out, "pad": pad, "kv": kv, "state": inputs[4] if len(inputs) > 4 else None}
+
+    def _velocity(self, ctx: dict, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """lerobot's ``denoise_step`` returning also the expert's action-token features:
+        x [B, H, D], t [B] -> (v [B, H, D], features [B, H, E]) in float32."""
+        m, mod = self.inner.model, self._mod
+        suffix = m.embed_suffix(ctx["state"], x, t) if self.variant == "pi0" else m.embed_suffix(x, t)
+        embs, spad, satt, ada = suffix
+        if self._wdtype() == torch.bfloat16:
+            embs = embs.to(torch.bfloat16)
+        pad = ctx["pad"]
+        b, ls, lp = pad.shape[0], spad.shape[1], pad.shape[1]
+        full = torch.cat([pad[:, None, :].expand(b, ls, lp), mod.make_att_2d_masks(spad, satt)], dim=2)
+        pos = pad.sum(-1)[:, None] + torch.cumsum(spad, dim=1) - 1
+        m.paligemma_with_expert.gemma_expert.model.config._attn_implementation = "eager"  # noqa: SLF001
+        outs, _ = m.paligemma_with_expert.forward(
+            attention_mask=mod.prepare_attention_masks_4d(full), position_ids=pos,
+            past_key_values=mod.clone_past_key_values(ctx["kv"]), inputs_embeds=[None, embs], use_cache=False,
+            adarms_cond=[None, ada])
+        feat = outs[1][:, -self.chunk_size:].float()
+        return m.action_out_proj(feat).float(), feat
+
+    def _gaussian(self, x, v, feat, t) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std of x_{k+1} on the real action dims: ([B, H, A], [B, H, A])."""
+        a, dt = self.action_dim, -1.0 / self.num_steps
+        x, v = x[..., :a], v[..., :a]
+        if self.mode == "noise":
+            return x + dt * v, self.heads.noise_std(feat)
+        tc = t.clamp(max=1.0 + dt / 2)[:, None, None]
+        sigma = self.cfg.sde_noise_level * torch.sqrt(tc / (1 - tc))
+        mean = x + dt * (v + sigma.pow(2) / (2 * tc) * (x + (1 - tc) * v))
+        return mean, (sigma * math.sqrt(-dt)).expand_as(mean)
+
+    @staticmethod
+    def _log_normal(y, mean, std) -> torch.Tensor:
+        """Sum over tokens and dims of log N(y; mean, std^2) -> [B]."""
+        z = (y - mean) / std
+        return (-0.5 * z.pow(2) - std.log() - 0.5 * _LOG_2PI).sum((-2, -1))
+
+    def _time(self, k, b: int) -> torch.Tensor:
+        k = torch.as_tensor(k, device=self.device, dtype=torch.float32)
+        return (1.0 - k / self.num_steps).expand(b) if k.ndim == 0 else 1.0 - k / self.num_steps
+
+    # -- acting -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, obs: Batch, *, deterministic: bool = False, noise: torch.Tensor | None = None) -> ActionChunk:
+        """Actions [B, H, A]; ``log_prob`` [B] of the chain; extras in the module docstring.
+        ``noise`` [B, H, D] overrides x_0 (deterministic: zeros, then the plain ODE)."""
+        self._serving_weights()
+        inputs = self.model_inputs(obs)
+        b, a, dt = inputs[2].shape[0], self.action_dim, -1.0 / self.num_steps
+        shape = (b, self.chunk_size, self.max_dim)
+        if noise is None:
+            noise = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
+        x = noise.to(self.device, torch.float32)
+        ctx = self._context(inputs)
+        if self.mode == "sde" and not deterministic:
+            k_star = torch.randint(0, self.num_steps, (b,), device=self.device)
+        else:
+            k_star = torch.zeros(b, dtype=torch.long, device=self.device)
+        chain, logp = [x], torch.zeros(b, device=self.device)
+        for k in range(self.num_steps):
+            t = self._time(k, b)
+            v, feat = self._velocity(ctx, x, t)
+            mean, std = self._gaussian(x, v, feat, t)
+            nxt = x + dt * v
+            here = torch.ones(b, dtype=torch.bool, device=self.device) if self.mode == "noise" else k_star == k
+            if not deterministic:
+                real = mean + std * torch.randn_like(mean)
+                nxt = torch.cat([torch.where(here[:, None, None], real, nxt[..., :a]), nxt[..., a:]], -1)
+            logp = logp + torch.where(here, self._log_normal(nxt[..., :a], mean, std), 0.0)
+            x = nxt
+            chain.append(x)
+        extras = {"noise": noise.to(self.device, torch.float32), "chain": torch.stack(chain, 1)}
+        if self.mode == "sde":
+            extras["sde_step"] = k_star[:, None]
+        return ActionChunk(self._postprocess(x), logp, extras)
+
+    def extras_spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        spec = {"noise": ("float32", (self.chunk_size, self.max_dim)),
+                "chain": ("float32", (self.num_steps + 1, self.chunk_size, self.max_dim)),
+                "log_prob": ("float32", ())}
+        if self.mode == "sde":
+            spec["sde_step"] = ("int64", (1,))
+        return spec
+
+    # -- update time ----------------------------------------------------------------------------------
+    def _extra(self, obs: Batch, name: str, b: int) -> torch.Tensor:
+        key = EXTRA_PREFIX + name
+        if key not in obs:
+            raise ValueError(f"{self.who}: log_prob needs each chunk's {key!r} (the act's denoising path); "
+                             f"the batch has {sorted(k for k in obs if k.startswith(EXTRA_PREFIX))}")
+        v = torch.as_tensor(obs[key]).to(self.device)
+        if v.shape[0] != b:
+            raise ValueError(f"{self.who}: {key!r} has {v.shape[0]} rows, the batch {b}")
+        return v
+
+    def log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
+        """log pi [B] of each chunk's stored chain (``obs["extra.chain"]`` [B, K+1, H, D]) under
+        the current weights; differentiable in them. ``actions`` [B, H, A]: batch size only."""
+        b = int(actions.shape[0])
+        chain = self._extra(obs, "chain", b).float()
+        want = (b, self.num_steps + 1, self.chunk_size, self.max_dim)
+        if tuple(chain.shape) != want:
+            raise ValueError(f"{self.who}: extra.chain must be {list(want)}, got {list(chain.shape)}")
+        self._serving_weights()
+        ctx = self._context(self.model_inputs(obs))
+        a = self.action_dim
+        if self.mode == "noise":
+            logp = chain.new_zeros(b)
+            for k in range(self.num_steps):
+                t = self._time(k, b)
+                v, feat = self._velocity(ctx, chain[:, k], t)
+                mean, std = self._gaussian(chain[:, k], v, feat, t)
+                logp = logp + self._log_normal(chain[:, k + 1, ..., :a], mean, std)
+            return logp
+        k = self._extra(obs, "sde_step", b).long().reshape(b)
+        if bool(((k < 0) | (k >= self.num_steps)).any()):
+            raise ValueError(f"{self.who}: extra.sde_step outside 0..{self.num_steps - 1}")
+        rows = torch.arange(b, device=self.device)
+        x, t = chain[rows, k], self._time(k, b)
+        v, feat = self._velocity(ctx, x, t)
+        mean, std = self._gaussian(x, v, feat, t)
+        return self._log_normal(chain[rows, k + 1, ..., :a], mean, std)
+
+    def value(self, obs: Batch) -> torch.Tensor:
+        """V(obs) [B] from the value head on pooled features (``value_features``)."""
+        self._serving_weights()
+        grad = contextlib.nullcontext() if not self.cfg.value_detach else torch.no_grad()
+        with grad:
+            ctx = self._context(self.model_inputs(obs))
+            if self.cfg.value_features == "expert":
+                b = ctx["pad"].shape[0]
+                x = torch.zeros(b, self.chunk_size, self.max_dim, device=self.device)
+                f = self._velocity(ctx, x, self._time(0, b))[1].mean(1)
+            else:
+                m = ctx["pad"].float()[..., None]
+                f = (ctx["prefix"].float() * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return self.heads.value(f.float()).squeeze(-1)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference policy: adapters disabled, fully trained heads at their initial values."""
+        self.lora.unfold()
+        layers = [m for _, _, m in self.lora.sites]
+        params = self._full_params()
+        saved = [p.detach().clone() for _, p in params]
+        with torch.no_grad():
+            for n, p in params:
+                p.copy_(getattr(self.ref_store, n.replace(".", "__")))
+        for m in layers:
+            m.enable_adapters(False)
+        try:
+            yield self
+        finally:
+            for m in layers:
+                m.enable_adapters(True)
+            with torch.no_grad():
+                for (_, p), s in zip(params, saved):
+                    p.copy_(s)
+
+    # -- weights ------------------------------------------------------------------------------------
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Adapters + heads (:class:`Pi0Policy`) and the noise head as ``flow_rl.noise.*``."""
+        out = super().trainable_state_dict()
+        if self.heads.noise is not None:
+            out.update({f"flow_rl.noise.{k}": v.detach().to("cpu", copy=True)
+                        for k, v in self.heads.noise.state_dict().items()})
+        return out
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        mine = {k[len("flow_rl.noise."):]: v for k, v in state.items() if k.startswith("flow_rl.noise.")}
+        if self.heads.noise is not None:
+            try:
+                self.heads.noise.load_state_dict(mine)
+            except RuntimeError as exc:
+                raise ValueError(f"{self.who}: the noise head in the trainable state does not fit: {exc}") from exc
+        elif mine:
+            raise ValueError(f"{self.who}: the trainable state has a noise head, this policy has none")
+        super().load_trainable_state_dict({k: v for k, v in state.items() if not k.startswith("flow_rl.")})
+
+
+class Pi0FlowRLPolicy(_FlowRL, Pi0Policy):
+    """PI0 with Flow-Noise or Flow-SDE (module docstring)."""
+
+
+class Pi05FlowRLPolicy(_FlowRL, Pi05Policy):
+    """PI0.5 with Flow-Noise or Flow-SDE (module docstring)."""

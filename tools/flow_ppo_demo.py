@@ -1,0 +1,136 @@
+"""PPO with Flow-Noise on a tiny PI0 learns ``env=point_reach`` (images + state, 0/1 outcome),
+through the real learner and actor processes on loopback, from a deliberately weak BC policy.
+
+1. a tiny PI0 (:func:`tools.make_tiny_checkpoints.make_pi0`, chunk 4) with random weights;
+2. a few scripted expert episodes (:func:`tools.record_demos.run_episode`) and a short BC fit
+   of its action heads on them (``--bc-steps``; no LoRA), written back as a lerobot checkpoint:
+   the weak starting policy;
+3. ``python -m learner algo=ppo policy=pi0 policy.flow_rl=noise policy.checkpoint=<that>``
+   plus ``--actors`` actor processes, for ``--minutes`` (or until the success over the
+   learner's last ``--window`` episodes reaches ``--target``);
+4. success of the stored episodes by the policy version that acted in them (version 0 is the
+   BC policy, sampled with its initial noise head), from the run's LeRobot dataset.
+
+    python -m tools.flow_ppo_demo --out runs/flow_ppo --minutes 14
+
+Prints a JSON summary (before/after success with episode counts, updates, wall time) and
+writes it to ``<out>/summary.json``. Extra Hydra overrides for the learner go after ``--``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from tools.learning_run import run
+
+ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "env.state_has_target=true"]
+CHUNK = 4
+
+
+def demo_windows(env_cfg, episodes: int, seed: int, horizon: int) -> dict:
+    """Scripted episodes cut into every step's action window [N, H, A] (+ ``action_is_pad``)."""
+    from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+    from envs.registry import make_env
+    from tools.record_demos import run_episode
+
+    env = make_env(env_cfg)
+    rows: dict[str, list] = {}
+    wins = 0
+    try:
+        for i in range(episodes):
+            recs, ok = run_episode(env, i, seed + i)
+            wins += ok
+            steps = [r for r in recs if not r["is_last"]]
+            acts = np.stack([r["action"] for r in steps])
+            for s, r in enumerate(steps):
+                win = acts[s:s + horizon]
+                pad = np.zeros(horizon, bool)
+                pad[len(win):] = True
+                win = np.concatenate([win, np.repeat(win[-1:], horizon - len(win), 0)])
+                for k, v in r.items():
+                    if k.startswith(OBS_IMAGE_PREFIX) or k in (OBS_STATE, TASK):
+                        rows.setdefault(k, []).append(v)
+                rows.setdefault("action", []).append(win)
+                rows.setdefault("action_is_pad", []).append(pad)
+    finally:
+        env.close()
+    out = {k: (v if k == TASK else torch.from_numpy(np.stack(v))) for k, v in rows.items()}
+    out["_expert_success"] = wins / episodes
+    return out
+
+
+def bc_checkpoint(out: Path, env_cfg, *, demos: int, bc_steps: int, seed: int) -> tuple[Path, dict]:
+    """The weak starting policy: a tiny PI0 whose heads saw ``bc_steps`` BC steps on the demos."""
+    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, save_lerobot_checkpoint
+    from envs.registry import env_spec
+    from tools.make_tiny_checkpoints import make_pi0
+
+    spec = env_spec(env_cfg)
+    base = make_pi0(out / "tiny_pi0", spec, chunk_size=CHUNK, seed=seed)
+    data = demo_windows(env_cfg, demos, seed=5000, horizon=CHUNK)
+    torch.manual_seed(seed)
+    p = Pi0Policy(Pi0PolicyConfig(checkpoint=str(base), chunk_size=CHUNK, lora_rank=0, device="cpu"), spec).train()
+    opt = torch.optim.Adam([q for q in p.parameters() if q.requires_grad], lr=1e-3)
+    n, losses = len(data["action"]), []
+    for _ in range(bc_steps):
+        idx = torch.randint(0, n, (32,))
+        batch = {k: ([v[i] for i in idx.tolist()] if isinstance(v, list) else v[idx])
+                 for k, v in data.items() if not k.startswith("_")}
+        loss = p.bc_loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    path = save_lerobot_checkpoint(p.inner, out / "bc_pi0", p.arch, p.stats)
+    (path / "tokenizer").symlink_to((base / "tokenizer").resolve())
+    info = {"demo_episodes": demos, "demo_windows": n, "expert_success": data["_expert_success"],
+            "bc_steps": bc_steps, "bc_loss_first": float(np.mean(losses[:10] or [0])),
+            "bc_loss_last": float(np.mean(losses[-10:] or [0]))}
+    return path, info
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--minutes", type=float, default=14.0)
+    ap.add_argument("--demos", type=int, default=5)
+    ap.add_argument("--bc-steps", type=int, default=100)
+    ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--window", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=False)
+    torch.set_num_threads(2)
+    from tools.record_demos import env_config
+
+    env_cfg = env_config(ENV_O)
+    t0 = time.monotonic()
+    ckpt, bc = bc_checkpoint(out, env_cfg, demos=a.demos, bc_steps=a.bc_steps, seed=a.seed)
+    bc["bc_s"] = round(time.monotonic() - t0, 1)
+    print("weak BC policy:", json.dumps(bc), flush=True)
+    common = [*ENV_O, "policy=pi0", f"policy.checkpoint={ckpt}", f"policy.chunk_size={CHUNK}",
+              "policy.flow_rl=noise", "policy.lora_rank=4", "policy.num_inference_steps=4", "policy.device=cpu"]
+    algo = ["algo=ppo", "algo.batch_episodes=16", "algo.minibatch_size=64", "algo.epochs=2",
+            "algo.lr=2e-5", "algo.max_staleness=1", *a.overrides]
+    res = run(out, common, algo, minutes=a.minutes, actors=a.actors, target=a.target, window=a.window,
+              seed=a.seed)
+    summary = {"bc": bc, **res}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

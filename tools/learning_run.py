@@ -1,0 +1,113 @@
+"""Learning runs through the real system, for the tool runs that show an algorithm learning
+(tools/flow_ppo_demo.py, tools/oft_grpo_demo.py): a learner and actor processes on
+loopback, and success by policy version read back from the run's LeRobot dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def version_success(dataset: Path) -> dict[int, list[bool]]:
+    """Outcomes of the stored episodes by the newest policy version that acted in them."""
+    from data.store.reader import read_episodes
+
+    out: dict[int, list[bool]] = {}
+    for ep in read_episodes(dataset):
+        c = ep.columns
+        steps = ~np.asarray(c["is_last"]).astype(bool)
+        v = int(np.asarray(c["policy_version"])[steps].max())
+        out.setdefault(v, []).append(bool(np.asarray(c["next.success"])[-1]))
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: float, actors: int,
+        target: float, window: int, seed: int) -> dict:
+    """``python -m learner`` + ``actors`` actor processes on loopback with the shared overrides
+    ``common_o`` (env, policy) and the learner's ``algo_o``, for ``minutes`` or until the
+    learner's success over its last ``window`` episodes reaches ``target``; success by policy
+    version from the run's dataset (version 0: the starting policy)."""
+    run_dir = out / "run"
+    port, pub = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    common = [*common_o, f"run_dir={run_dir}", f"transport.port={port}", f"transport.pub_port={pub}",
+              "transport.timeout_s=2.0", "transport.heartbeat_s=0.5"]
+    learner_o = [*algo_o, "device=cpu", "logging.wandb=disabled",
+                 "logging.every_s=5", "trainer.num_threads=1", f"logging.stats_window={window}",
+                 f"trainer.stop_at_success={target}", f"trainer.stop_min_episodes={window}",
+                 "buffer.commit_interval_s=2", f"seed={seed}"]
+    procs = []
+    t0 = time.monotonic()
+
+    def start(module, name, args):
+        f = open(out / f"{name}.log", "ab")
+        p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env,
+                             stdout=f, stderr=subprocess.STDOUT,  # SIGINT stops them (checkpoint)
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        p.name = name
+        procs.append(p)
+        return p
+
+    learner = start("learner", "learner", learner_o)
+    for i in range(actors):
+        start("actor", f"actor{i}", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={1000 * (i + 1)}"])
+    status = {}
+    try:
+        while learner.poll() is None and time.monotonic() - t0 < minutes * 60:
+            time.sleep(5)
+            try:
+                status = json.loads((run_dir / "status.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+            print(f"[{time.monotonic() - t0:5.0f}s] episodes {status.get('episodes')} updates "
+                  f"{status.get('updates')} version {status.get('version')} success(last {window}) "
+                  f"{status.get('success')}", flush=True)
+            for p in procs[1:]:
+                if p.poll() not in (None, 0):
+                    raise RuntimeError(f"{p.name} exited {p.returncode}; see {out / (p.name + '.log')}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(90)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    wall = time.monotonic() - t0
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        pass
+    by_v = version_success(run_dir / "dataset")
+    versions = sorted(by_v)
+    before = by_v.get(0, [])
+    last = [o for v in versions[-3:] for o in by_v[v]] if versions else []
+    return {"wall_s": round(wall, 1), "episodes": status.get("episodes"), "updates": status.get("updates"),
+            "version": status.get("version"), "env_steps": status.get("env_steps"),
+            "success_last_window": status.get("success"), "window": window,
+            "before": {"success": float(np.mean(before)) if before else None, "episodes": len(before)},
+            "after_last_3_versions": {"versions": versions[-3:], "success": float(np.mean(last)) if last else None,
+                                      "episodes": len(last)},
+            "by_version": {v: [round(float(np.mean(by_v[v])), 3), len(by_v[v])] for v in versions}}
+
+
