@@ -16,7 +16,9 @@ import zmq
 from omegaconf import DictConfig, OmegaConf
 
 from actor.client import LearnerClient
+from actor.console import LiveView, actor_status, render
 from actor.loop import ActorLoop
+from actor.rerun_live import make_rerun
 from actor.spool import Spool
 from envs.registry import make_env
 from data.core.spec import config_hash
@@ -122,6 +124,11 @@ class Actor:
             on_poll=self._refresh_local if self.local is not None else None,
             get_job=self.client.get_job,
         )
+        self.rerun = make_rerun(cfg, str(cfg.actor_id))
+        if self.rerun is not None:
+            loop.on_step = self.rerun.log_step
+        live = LiveView(lambda: render(actor_status(loop, self.client, device=cfg.intervention.device)),
+                        enabled=str(cfg.get("live", "auto")) != "false").start()
         try:
             self.client.connect()
             if self.local is not None:
@@ -134,6 +141,9 @@ class Actor:
         except KeyboardInterrupt:
             log.info("interrupted: %d records unacknowledged stay in %s", len(self.spool), self.spool.dir)
         finally:
+            live.stop()
+            if self.rerun is not None:
+                self.rerun.close()
             self.close()
             if prev is not None:
                 signal.signal(signal.SIGTERM, prev)
@@ -151,6 +161,12 @@ class Actor:
         self.local.refresh(self.client)
 
     def _on_term(self, signum, frame):
+        """The first SIGTERM interrupts whatever runs (then the actor closes and exits); any
+        later one, arriving while it shuts down, is ignored rather than breaking the close
+        with a traceback."""
+        if getattr(self, "_term_seen", False):
+            return
+        self._term_seen = self._stopping = True
         raise KeyboardInterrupt
 
     def close(self) -> None:

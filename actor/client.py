@@ -88,6 +88,7 @@ class LearnerClient:
         self.weights_msg: Message | None = None
         self._hello_at = 0.0
         self._hello_attempts = 0
+        self._in_use_warned = False
         self.last_act_ms = 0.0
 
     # ---- connection ----------------------------------------------------------------------
@@ -127,6 +128,13 @@ class LearnerClient:
             elif msg is not None and msg.type == "error":
                 if msg["code"] == "finished":
                     raise LearnerFinished(msg["message"])
+                if msg["code"] == "actor_id_in_use":
+                    # our previous session (or an impostor) still holds the id: the learner
+                    # frees it once that session is silent; the hello is retried after timeout_s
+                    if not self._in_use_warned:
+                        log.warning("learner: %s (retrying)", msg["message"])
+                        self._in_use_warned = True
+                    return
                 raise HandshakeError(f"learner refused actor {self.actor_id!r}: {msg['code']}: "
                                      f"{msg['message']}")
         elif time.monotonic() - self._hello_at > self.timeout_s:
@@ -166,6 +174,7 @@ class LearnerClient:
         self._in_flight = []
         self.connected = True
         self._hello_attempts = 0
+        self._in_use_warned = False
         now = time.monotonic()
         self._last_rx = self._last_ping = self._last_progress = now
         log.info("connected to learner %s at %s: acked seq %d, %d records to resend, version %d, "

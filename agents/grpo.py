@@ -56,6 +56,10 @@ class GRPOConfig:
     score: str = "success"
     #: drop groups whose scores are all equal (DAPO dynamic sampling)
     dynamic_sampling: bool = True
+    #: how chunk losses are averaged: "chunk_mean" (every chunk alike, verl's token-mean) or
+    #: "episode_mean" (every episode alike, seq-mean-token-mean: long failures do not outweigh
+    #: short successes)
+    loss_agg: str = "chunk_mean"
     #: the ratio is clipped below at 1 - clip_low
     clip_low: float = 0.2
     #: the ratio is clipped above at 1 + clip_high (clip higher, DAPO / SimpleVLA-RL)
@@ -89,6 +93,8 @@ class GRPOConfig:
             raise ValueError(f"estimator must be one of {GROUP_ESTIMATORS}, got {self.estimator!r}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+        if self.loss_agg not in ("chunk_mean", "episode_mean"):
+            raise ValueError(f"loss_agg must be chunk_mean or episode_mean, got {self.loss_agg!r}")
         if self.kl_kind not in KL_KINDS:
             raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
         self.ppo_config()  # the remaining checks are PPO's

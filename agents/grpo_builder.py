@@ -333,7 +333,8 @@ class GroupRounds:
         kept = [e for e, k in zip(episodes, keep.tolist()) if k]
         cb = chunk_batch(kept, horizon=self.horizon, gamma=1.0)
         m.update(round_chunks=float(len(cb)), round_policy_chunks=float(cb.policy_mask.sum()))
-        return Round(ppo_batch(cb, adv[keep][cb.row]), self._metrics(m), done)
+        return Round(ppo_batch(cb, adv[keep][cb.row], episode_mean=self.cfg.loss_agg == "episode_mean"),
+                     self._metrics(m), done)
 
     def _split(self, groups: list[list[RolloutEpisode]]):
         """(sampled episodes, the baseline score of each or None). With remax a group's

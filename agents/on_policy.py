@@ -157,12 +157,23 @@ def gae_advantages(cb: ChunkBatch, values: torch.Tensor, final_values: torch.Ten
     return cb.flat(adv), cb.flat(ret)
 
 
+def episode_mean_weights(cb: ChunkBatch) -> torch.Tensor:
+    """[N] chunk weights that give every episode the same total weight in a chunk mean
+    (N / (B * its length)): verl's seq-mean-token-mean. Without them a failed episode that
+    ran to the time limit outweighs a quick success by its length."""
+    lengths = torch.as_tensor(cb.lengths, dtype=torch.float32)[cb.row]
+    return len(cb) / (cb.num_episodes * lengths)
+
+
 def ppo_batch(cb: ChunkBatch, advantages: torch.Tensor, *, returns: torch.Tensor | None = None,
-              old_values: torch.Tensor | None = None) -> dict[str, Any]:
-    """The flat per-chunk batch of :meth:`agents.ppo.PPOAgent.update`."""
+              old_values: torch.Tensor | None = None, episode_mean: bool = False) -> dict[str, Any]:
+    """The flat per-chunk batch of :meth:`agents.ppo.PPOAgent.update` (``episode_mean``: with
+    ``chunk_weight``, :func:`episode_mean_weights`)."""
     batch: dict[str, Any] = dict(cb.obs)
     batch.update(action=cb.action, old_log_prob=cb.behaviour_log_prob,
                  advantages=advantages.float(), mask=cb.policy_mask)
+    if episode_mean:
+        batch["chunk_weight"] = episode_mean_weights(cb).to(advantages.device)
     if returns is not None:
         batch["returns"] = returns.float()
     if old_values is not None:

@@ -324,9 +324,10 @@ class PPOAgent:
                 is_w = truncated_is_weights(behaviour, old, cfg.is_truncation)
             else:
                 old, is_w = behaviour, None
-            if "is_weight" in batch:
-                given = batch["is_weight"].float()
-                is_w = given if is_w is None else is_w * given
+            for key in ("is_weight", "chunk_weight"):  # importance / aggregation weights
+                if key in batch:
+                    given = batch[key].float()
+                    is_w = given if is_w is None else is_w * given
             ref = self._reference_log_prob(batch, obs, actions, n)
             adv = batch["advantages"].float()
             if cfg.normalize_advantages:

@@ -26,10 +26,12 @@ Measured (real learner + actor processes, one actor, shared 2-core CPU, ``env=po
 with one task and a random target, 5 scripted demos from tools/record_demos.py; success of
 the deterministic evaluation jobs, baseline = the pretrained version):
 
-- MLP 64x64, state-only, 30 pretrain steps (tests/test_rs_learning.py): 0.00 -> 0.35-0.45
-  after 6 cycles (~80 s, ~130-160 online episodes; 3 runs: best 0.35, 0.40, 0.45);
-  demos-only control (same cadence, online data unused) 0.00 -> 0.25;
-  with the scripted expert correcting the first 25 episodes 0.00 -> 0.55 after one cycle.
+- MLP 64x64, state-only, 30 pretrain steps, std bounds [e^-3, e^-1], lr 3e-3, 20% demos
+  (tests/test_rs_learning.py): 0.00 -> 0.50 after 4 cycles (173 online episodes, 117 s);
+  demos-only control (an in-process replica of the cycle, online data unused, 4 seeds): best
+  0.15-0.35 where rejection sampling reached 0.25-0.50; with the scripted expert correcting
+  the first 25 episodes 0.00 -> 0.85 after two cycles. (With std bounds [e^-5, e^-1.5], lr
+  1e-3 and 50% demos it reached only the demos-only level, 0.25, on CI.)
 - tiny PI0 (tools/make_tiny_checkpoints.make_pi0, chunk 4, LoRA 4; camera + state), 100
   pretrain steps, 100 BC steps per 300 env steps, 10 evaluation episodes: 0.0 -> 0.7 after
   7 cycles (250 s, 477 online episodes); demos-only control stays at 0.0-0.1.

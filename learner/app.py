@@ -31,7 +31,11 @@ from omegaconf import DictConfig, OmegaConf
 from agents import registry
 from data.core.spec import EnvSpec, config_hash
 from envs.registry import env_spec
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.actor_stats import ActorStats
+from learner.checkpoint import (checkpoint_age_s, format_age, latest_checkpoint, load_checkpoint,
+                                save_checkpoint)
+from learner.console import LiveView, RateMeter, Stages, render, view_status
+from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
 from learner.jobs import JobQueue
@@ -63,7 +67,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.buffer.capacity < cfg.algo.get("batch_size", 1):
         raise ValueError(f"buffer.capacity ({cfg.buffer.capacity}) < algo.batch_size "
                          f"({cfg.algo.batch_size})")
-    registry.check_algo_policy(cfg.algo, cfg.policy.name)
+    registry.check_algo_policy(cfg.algo, cfg.policy)
 
 
 class Learner:
@@ -82,10 +86,11 @@ class Learner:
         env = env_spec(cfg.env)
         self.config_hash = config_hash(env, env_name=cfg.env.name, policy_name=cfg.policy.name,
                                        chunk=int(cfg.policy.chunk_size))
-        policy = registry.build_policy(cfg.policy, env)
+        self.builder = registry.build_builder(cfg.algo)
+        # the policy the algorithm trains and serves (its builder may wrap it: noise-space SAC)
+        policy = registry.build_trained_policy(self.builder, cfg.policy, env)
         # records carry the policy's extras (log_prob, noise, tokens, ...): declared once here
         self.spec: EnvSpec = env.with_extras(policy.extras_spec())
-        self.builder = registry.build_builder(cfg.algo)
         networks = self.builder.make_networks(self.spec, policy, self.device)
         # the algorithm's data: its sink (ingest feeds it), the LeRobot episode store (recovered,
         # refilled from disk) and what it samples from
@@ -97,20 +102,26 @@ class Learner:
                              on_ack=lambda actor, seq: self._push_ack(actor, seq))
         self.algo = self.builder.make_learner(networks, self.data, self.accelerator,
                                               env_steps=lambda: self.ingest.steps)
-        serving = registry.build_policy(cfg.policy, env).to(self.device).eval()
+        # what the operator sees (learner/console.py): per-actor numbers fed by the threads
+        self.actor_stats = ActorStats(window=int(cfg.logging.stats_window))
+        self.eval_videos = EvalVideos(self.spec) if cfg.mode == "eval" else None
+        self.ingest.on_records = self._on_records
+        self._rates = {"status": RateMeter(), "view": RateMeter()}
+        serving = registry.build_trained_policy(self.builder, cfg.policy, env).to(self.device).eval()
         self.jobs = self.builder.jobs() or (JobQueue.from_config(list(cfg.jobs)) if cfg.jobs else None)
         self.ctx = zmq.Context()
         t = cfg.transport
         self.service = LearnerService(
             ctx=self.ctx, spec=self.spec, config_hash=self.config_hash, ingest=self.ingest,
-            submit_act=lambda r: self.inference.submit(r), get_version=lambda: self.weights.version,
+            submit_act=self._submit_act, get_version=lambda: self.weights.version,
             get_weights=lambda: self.weights.latest(), host=t.host, port=t.port, pub_port=t.pub_port,
             max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
             mode=cfg.mode, security=OmegaConf.to_container(t.security, resolve=True),
             next_job=None if self.jobs is None else self.jobs.next_job,
+            on_fatal=self._service_died,
         )
         self.inference = InferenceServer(
-            serving, reply=self.service.reply, active_actors=self.service.active_actors,
+            serving, reply=self._reply_act, active_actors=self.service.active_actors,
             device=self.device, max_batch=cfg.inference.max_batch,
             batch_window_ms=cfg.inference.batch_window_ms,
         )
@@ -134,16 +145,19 @@ class Learner:
                 log.warning("evaluating an untrained policy: no checkpoint in %s", ckpt_root)
             self.weights.publish(self.algo.policy.trainable_state_dict(), version=0)
             return
-        state = load_checkpoint(path)
-        if "algo" not in state:
-            raise ValueError(f"{path} is a checkpoint of an older Tandem (no 'algo' state); "
-                             "start a new run_dir or pass resume=never")
-        self.algo.load_state_dict(state["algo"])
-        if self.cfg.mode == "train":
-            self.ingest.load_state_dict(state["ingest"])
-        self.weights.publish(self.algo.policy.trainable_state_dict(), version=int(state["version"]))
-        log.info("resumed from %s: %d updates, policy version %d", path, self.algo.updates,
-                 self.weights.version)
+        with Stages(f"checkpoint {path.name}", ["reading", "restoring", "publishing"]) as stage:
+            state = load_checkpoint(path)
+            if "algo" not in state:
+                raise ValueError(f"{path} is a checkpoint of an older Tandem (no 'algo' state); "
+                                 "start a new run_dir or pass resume=never")
+            stage()
+            self.algo.load_state_dict(state["algo"])
+            if self.cfg.mode == "train":
+                self.ingest.load_state_dict(state["ingest"])
+            stage()
+            self.weights.publish(self.algo.policy.trainable_state_dict(), version=int(state["version"]))
+        log.info("resumed from %s (written %s ago): %d updates, policy version %d", path,
+                 format_age(checkpoint_age_s(path)), self.algo.updates, self.weights.version)
 
     def save(self) -> Path:
         state: dict[str, Any] = {
@@ -165,6 +179,7 @@ class Learner:
 
     def run(self) -> dict:
         cfg = self.cfg
+        self._fatal: BaseException | None = None
         self.service.start()
         self.inference.start()
         log.info("learner %s serving %s on %s:%d (pub %d), mode=%s, algo=%s, policy=%s, env=%s, "
@@ -177,24 +192,50 @@ class Learner:
         except ValueError:  # not the main thread (tests)
             prev = None
         result: dict = {}
+        live = LiveView(lambda: render(self.full_status("view")), stray_output=str(self.run_dir / "native_output.log"),
+                        enabled=str(cfg.logging.get("live", "auto")) != "false").start()
         try:
             result = self._eval_loop() if cfg.mode == "eval" else self._train_loop()
         except KeyboardInterrupt:
             log.info("interrupted: stopping")
         finally:
+            live.stop()
             if cfg.mode == "train" and self.algo.updates > 0:
                 log.info("checkpoint %s", self.save())
             self.write_status()
             self.close()
             if prev is not None:
                 signal.signal(signal.SIGTERM, prev)
+            if self._fatal is not None:  # replaces what the main thread hit on the dead sockets
+                raise RuntimeError(f"the socket thread died ({type(self._fatal).__name__}: "
+                                   f"{self._fatal}); the learner stopped") from self._fatal
         return result
+
+    def _service_died(self, exc: BaseException) -> None:  # the dying socket thread
+        """No half-alive learner: stop the main loop; :meth:`run` checkpoints and raises."""
+        self._fatal = exc
+        self._stop.set()
 
     def _push_ack(self, actor_id: str, seq: int) -> None:
         """Records became durable (episode store commit): tell the actor now."""
         for ident, peer in list(self.service.peers.items()):
             if peer.actor_id == actor_id:
                 self.service.reply(ident, self.service.ack_frames(actor_id, seq))
+
+    def _submit_act(self, req) -> None:  # socket thread
+        peer = self.service.peers.get(req.identity)
+        if peer is not None:
+            self.actor_stats.on_act(peer.actor_id, req.identity, req.t_recv)
+        self.inference.submit(req)
+
+    def _reply_act(self, identity: bytes, frames: list) -> None:  # inference thread
+        self.actor_stats.on_reply(identity)
+        self.service.reply(identity, frames)
+
+    def _on_records(self, batch, keep) -> None:  # socket thread, under ingest's lock
+        self.actor_stats.on_records(batch, keep)
+        if self.eval_videos is not None:
+            self.eval_videos.on_records(batch, keep)
 
     def close(self) -> None:
         self.data.close()  # writes queued episodes first, while the service can still ack
@@ -218,13 +259,25 @@ class Learner:
             "duplicates": self.service.counters["duplicates"],
         }
 
+    def full_status(self, meter: str = "status") -> dict:
+        """:meth:`_status` plus the operator's view: per-actor rows, rates, phase, GPU."""
+        st: dict[str, Any] = self._status()
+        st["version"] = self.weights.version
+        st.update(view_status(self, st, self._rates[meter]))
+        if self.cfg.mode == "eval":
+            st["eval_target"] = int(self.cfg.eval.episodes)
+        return st
+
     def write_status(self) -> None:
         """run_dir/status.json: counters for people and tests (atomic replace)."""
-        st = self._status()
+        st = self.full_status()
         st.update(learner_id=self.service.learner_id, port=self.service.port,
                   pub_port=self.service.pub_port, received=dict(self.ingest.received),
                   stored=self.data.sink.total_added, rejections=dict(self.ingest.rejections),
-                  dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status())
+                  dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status(),
+                  rejected_by_code=dict(self.service.rejections),
+                  internal_errors=self.service.counters["internal_errors"],
+                  rejection_logs_suppressed=self.service._warn.suppressed_total)
         tmp = self.run_dir / ".status.json.tmp"
         tmp.write_text(json.dumps(st, indent=1))
         tmp.replace(self.run_dir / "status.json")
@@ -232,6 +285,7 @@ class Learner:
     def _train_loop(self) -> dict:
         cfg = self.cfg.trainer
         last_log, last_updates, last_ckpt = time.monotonic(), self.algo.updates, self.algo.updates
+        last_ckpt_t, every_s = time.monotonic(), float(cfg.get("checkpoint_every_s", 0) or 0)
         metrics: dict[str, float] = {}
         while not self._stop.is_set():
             m = self.algo.step()
@@ -239,14 +293,15 @@ class Learner:
                 metrics = m
                 if self.algo.should_publish():
                     self.weights.publish(self.algo.policy.trainable_state_dict())
-                if cfg.checkpoint_every and self.algo.updates - last_ckpt >= cfg.checkpoint_every:
+                if ((cfg.checkpoint_every and self.algo.updates - last_ckpt >= cfg.checkpoint_every)
+                        or (every_s and time.monotonic() - last_ckpt_t >= every_s)):
                     self.save()
-                    last_ckpt = self.algo.updates
+                    last_ckpt, last_ckpt_t = self.algo.updates, time.monotonic()
             else:
                 time.sleep(0.005)
             now = time.monotonic()
             if now - last_log >= self.cfg.logging.every_s:
-                status = self._status()
+                status = {k: v for k, v in self.full_status().items() if isinstance(v, (int, float))}
                 status["updates_per_s"] = (self.algo.updates - last_updates) / (now - last_log)
                 self.metrics.log({**status, **metrics}, step=self.algo.updates, console_keys=[
                     "updates", "updates_per_s", "version", "env_steps", "episodes", "return",
@@ -275,6 +330,8 @@ class Learner:
         report = {"version": self.weights.version, "episodes": self.ingest.stats.episodes,
                   "overall": self.ingest.stats.summary(), "per_task": self.ingest.stats.per_task()}
         (self.run_dir / "eval_report.json").write_text(json.dumps(report, indent=2))
+        for path in write_eval_report(self.run_dir, report, videos=self.eval_videos):
+            log.info("evaluation report: %s", path)
         log.info("evaluation of policy version %d over %d episodes:", report["version"], report["episodes"])
         for task, r in report["per_task"].items():
             log.info("  %-40s success %.2f  return %.2f  (%d episodes)", task, r["success"],

@@ -106,6 +106,25 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path if (path / STATE).exists() and (path / TENSORS).exists() else None
 
 
+def checkpoint_age_s(path: str | Path) -> float:
+    """Seconds since the checkpoint at ``path`` was written (its state file's mtime)."""
+    import time
+
+    return max(0.0, time.time() - (Path(path) / STATE).stat().st_mtime)
+
+
+def format_age(seconds: float) -> str:
+    """``42s``, ``7m05s``, ``3h12m``, ``2d04h``: how old a checkpoint is, for the log."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> dict:
     path = Path(path)
     if not (path / STATE).exists() or not (path / TENSORS).exists():

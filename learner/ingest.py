@@ -160,6 +160,9 @@ class Ingest:
         self._running: dict[tuple[str, int], list] = {}  # (actor, episode) -> [return, success, len]
         self._actors: dict[str, _Actor] = defaultdict(_Actor)
         self._lock = threading.Lock()
+        #: optional observer of new records, ``(batch, keep mask)``: the operator's view
+        #: (learner/actor_stats.py) and evaluation videos; called under the lock
+        self.on_records: Callable[[TransitionBatch, np.ndarray], None] | None = None
         if self.store is not None:
             self.store.on_durable = self._on_durable
             self.store.ack_preview = self._ack_preview
@@ -168,6 +171,14 @@ class Ingest:
             self.max_episode = dict(self.store.max_episode)
 
     # ---- connection-time ---------------------------------------------------------------------
+
+    @property
+    def durable_acks(self) -> bool:
+        """``acked`` survives a restart (the store's commit record holds it), so a resend
+        position beyond ``acked + 1`` was never acknowledged. (One gap: an ack that advanced
+        over rejected or dropped records only reaches the record with the actor's next
+        commit; a SIGKILL in between makes that actor's reconnect a ``bad_resend``.)"""
+        return self.store is not None
 
     def actor_position(self, actor_id: str) -> tuple[int, int]:
         """(acked sequence number or -1, next free episode id) for a (re)connecting actor."""
@@ -431,6 +442,11 @@ class Ingest:
             if a["terminated"][i] or a["truncated"][i]:
                 self.stats.add(b.tasks[i] or "default", run[0], run[1], run[2])
                 self._running.pop(key, None)
+        if self.on_records is not None:
+            try:
+                self.on_records(b, keep)
+            except Exception:  # pragma: no cover - a view must never break ingest
+                log.exception("records observer failed")
 
     # ---- checkpoints ------------------------------------------------------------------------
 

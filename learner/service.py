@@ -18,28 +18,44 @@ Per message from an actor (first frame is the ROUTER identity):
   that records must carry.
 
 Anything malformed, oversized, unknown or out of order gets an ``error`` reply naming what
-is wrong, and the loop keeps serving.
+is wrong, and the loop keeps serving: any exception from one message (not only the codec's)
+becomes an ``internal_error`` reply and a count in ``counters["internal_errors"]``. Every
+rejection is counted by code (``rejections``); their WARNINGs are rate-limited. If the thread
+dies anyway, ``on_fatal(exc)`` is called (the learner app stops loudly with the cause;
+without one the main thread is interrupted), never leaving a half-alive learner.
+
+Identities: an actor id is owned by one session at a time. With CURVE keys it is bound to
+the key (``<actor_id>.key`` in the authorised-keys folder, :mod:`data.core.security`): a
+hello naming another id is refused, and the key's holder may take over its id from a stale
+session. Without keys the first live session owns the id until it is silent for
+``peer_timeout_s``; a hello claiming it meanwhile gets ``actor_id_in_use`` (the actor retries).
+A ``resend_from`` beyond what this learner acknowledged (``bad_resend``) is refused when the
+acks are durable (an episode store); without one a restarted learner cannot know what an
+earlier process acknowledged, and skips the gap as lost records (logged).
 """
 
 from __future__ import annotations
 
+import _thread
 import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import zmq
 
-from data.core.codec import CodecError, decode, encode
+from data.core.codec import CodecError, FieldRangeError, decode, encode
 from data.core.jobs import Job
 from data.core.schema import OBS_STATE, TASK
 from data.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
 from learner.ingest import Ingest
-from data.core.security import configure_server_socket
+from learner.wire_guard import RateLimitedLog, check_obs_layout, check_transitions_message
+from data.core.security import authorized_actor_ids, configure_server_socket
 
 log = logging.getLogger("tandem.learner.service")
 
@@ -86,6 +102,7 @@ class LearnerService(threading.Thread):
         mode: str = "train",
         security: dict | None = None,
         next_job: Callable[[str, int], Job | None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ):
         super().__init__(name="tandem-service", daemon=True)
         self.ctx = ctx
@@ -101,7 +118,16 @@ class LearnerService(threading.Thread):
         self.next_job = next_job
         self.learner_id = uuid.uuid4().hex[:12]
         self.peers: dict[bytes, Peer] = {}
-        self.counters = {"rejected": 0, "duplicates": 0, "acts": 0, "transitions": 0, "jobs": 0}
+        self.counters = {"rejected": 0, "duplicates": 0, "acts": 0, "transitions": 0, "jobs": 0,
+                         "internal_errors": 0}
+        self.rejections: Counter[str] = Counter()  # by error code
+        self._warn = RateLimitedLog(log)
+        self.on_fatal = on_fatal
+        self.error: BaseException | None = None  # why the thread died, if it did
+        security = security or {}
+        # z85 public key -> actor id, when actors authenticate with CURVE keys
+        self.key_ids = (authorized_actor_ids(security["authorized_keys_dir"])
+                        if security.get("server_secret_key") else None)
         self.finished = False  # eval done: tell actors to stop
         self._stop_event = threading.Event()
         self._outbox_local = threading.local()
@@ -112,7 +138,7 @@ class LearnerService(threading.Thread):
         self.pub = ctx.socket(zmq.PUB)
         for s in (self.router, self.pub):
             s.setsockopt(zmq.LINGER, 0)
-            configure_server_socket(s, host, security or {})
+            configure_server_socket(s, host, security)
         # Hard guard well above the codec limit, so that oversize gets an error reply first.
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -167,7 +193,15 @@ class LearnerService(threading.Thread):
                         out.send_multipart(frames[1:], copy=False)
                 if self.router in events:
                     for frames in _drain(self.router):
-                        self._handle(frames[0].bytes, frames[1:])
+                        self._handle_safe(frames[0].bytes, frames[1:])
+        except BaseException as exc:
+            self.error = exc
+            log.critical("the learner's socket thread died: %s: %s", type(exc).__name__, exc,
+                         exc_info=exc)
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+            else:
+                _thread.interrupt_main()
         finally:
             for s in (self.router, self.pub, self.pull):
                 s.close(0)
@@ -180,19 +214,37 @@ class LearnerService(threading.Thread):
 
     def _error(self, identity: bytes, code: str, message: str) -> None:
         self.counters["rejected"] += 1
-        log.warning("rejected message from %s: %s: %s",
-                    self.peers[identity].actor_id if identity in self.peers else identity.hex(),
-                    code, message)
+        self.rejections[code] += 1
+        self._warn.warning("rejected message from %s: %s: %s",
+                           self.peers[identity].actor_id if identity in self.peers else identity.hex(),
+                           code, message[:500])
         self._send(identity, encode("error", {"code": code, "message": message}))
+
+    def _handle_safe(self, identity: bytes, frames: list) -> None:
+        """One message: whatever it raises becomes an error reply and a count, never the end
+        of this thread."""
+        try:
+            self._handle(identity, frames)
+        except Exception as exc:
+            self.counters["internal_errors"] += 1
+            self._warn.warning("message from %s raised %s (counted, serving on)", identity.hex(),
+                               type(exc).__name__, exc_info=exc)
+            try:
+                self._error(identity, "internal_error",
+                            f"the learner could not process this message: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}")
+            except Exception:  # the reply itself failed (the peer is gone): counted above
+                pass
 
     def _handle(self, identity: bytes, frames: list) -> None:
         try:
             msg = decode(frames, max_bytes=self.max_message_bytes)
         except CodecError as exc:
-            self._error(identity, "bad_message", str(exc))
+            self._error(identity, "bad_request" if isinstance(exc, FieldRangeError) else "bad_message",
+                        str(exc))
             return
         if msg.type == "hello":
-            self._on_hello(identity, msg)
+            self._on_hello(identity, msg, _user_id(frames[0]))
             return
         peer = self.peers.get(identity)
         if peer is None:
@@ -213,11 +265,19 @@ class LearnerService(threading.Thread):
             return
         handler(identity, peer, msg)
 
-    def _on_hello(self, identity: bytes, msg) -> None:
+    def _on_hello(self, identity: bytes, msg, user_id: str | None = None) -> None:
         actor_id = msg["actor_id"]
         if not actor_id or len(actor_id) > 128:
             self._error(identity, "bad_hello", "actor_id must be 1-128 characters")
             return
+        if self.key_ids is not None:
+            owner = self.key_ids.get(user_id or "")
+            if owner != actor_id:
+                self._error(identity, "identity_mismatch",
+                            f"this CURVE key is not actor {actor_id!r}'s (it belongs to "
+                            f"{owner!r}): each actor id is bound to its key in the "
+                            "authorised-keys folder")
+                return
         if msg["config_hash"] != self.config_hash:
             self._error(
                 identity, "config_mismatch",
@@ -225,12 +285,29 @@ class LearnerService(threading.Thread):
                 f"{self.config_hash}: env, policy or chunk settings differ",
             )
             return
-        # A reconnecting actor gets a new identity: forget the old one.
-        for ident, p in list(self.peers.items()):
-            if p.actor_id == actor_id:
-                del self.peers[ident]
-        self.peers[identity] = Peer(actor_id, time.monotonic())
-        self.ingest.resync(actor_id, msg["resend_from"])
+        now = time.monotonic()
+        if len(self.peers) > 256:  # forget silent sessions: a flood of hellos stays bounded
+            self.peers = {i: p for i, p in self.peers.items() if now - p.last_seen < self.peer_timeout_s}
+        holders = [i for i, p in self.peers.items() if p.actor_id == actor_id and i != identity]
+        live = [i for i in holders if now - self.peers[i].last_seen < self.peer_timeout_s]
+        if live and self.key_ids is None:
+            self._error(identity, "actor_id_in_use",
+                        f"actor id {actor_id!r} belongs to a live session (until it is silent for "
+                        f"{self.peer_timeout_s:.0f}s); retry later, or give this actor its own id")
+            return
+        resend_from = msg["resend_from"]
+        acked, _ = self.ingest.actor_position(actor_id)
+        if resend_from > acked + 1 and self.ingest.durable_acks:
+            self._error(identity, "bad_resend",
+                        f"actor {actor_id!r} resends from seq {resend_from}, but this learner "
+                        f"acknowledged its records only up to {acked}; records in between would "
+                        "be skipped. If the learner's run_dir was replaced, clear the actor's spool")
+            return
+        # A reconnecting actor gets a new identity: forget the old (stale, or same-key) one.
+        for ident in holders:
+            del self.peers[ident]
+        self.peers[identity] = Peer(actor_id, now)
+        self.ingest.resync(actor_id, resend_from)
         acked, next_episode = self.ingest.actor_position(actor_id)
         log.info("actor %s connected (acked seq %d)", actor_id, acked)
         self._send(identity, encode("welcome", {
@@ -244,7 +321,7 @@ class LearnerService(threading.Thread):
         if self.finished:
             self._send(identity, encode("error", {"code": "finished", "message": "evaluation is done"}))
             return
-        err = check_obs(msg.arrays, msg["tasks"], self.spec)
+        err = check_obs_layout(msg.arrays) or check_obs(msg.arrays, msg["tasks"], self.spec)
         if err:
             self._error(identity, "bad_observation", err)
             return
@@ -253,15 +330,15 @@ class LearnerService(threading.Thread):
         self.submit_act(ActRequest(identity, msg["req_id"], deterministic, msg.arrays, msg["tasks"]))
 
     def _on_transitions(self, identity: bytes, peer: Peer, msg) -> None:
-        batch = TransitionBatch.from_message(msg)
-        if batch.actor_id != peer.actor_id:
-            self._error(identity, "bad_actor", f"batch claims actor {batch.actor_id!r}, "
+        if msg["actor_id"] != peer.actor_id:
+            self._error(identity, "bad_actor", f"batch claims actor {msg['actor_id']!r}, "
                         f"connection is {peer.actor_id!r}")
             return
-        if msg["last_seq"] != batch.last_seq:
-            self._error(identity, "bad_seq", f"last_seq {msg['last_seq']} does not match "
-                        f"first_seq {batch.first_seq} + {len(batch)} records")
+        err = check_transitions_message(msg)
+        if err:
+            self._error(identity, "bad_seq" if err.startswith("last_seq") else "bad_transitions", err)
             return
+        batch = TransitionBatch.from_message(msg)
         try:
             batch.validate(self.spec)
         except TransitionError as exc:
@@ -326,6 +403,14 @@ class LearnerService(threading.Thread):
             return
         self.counters["jobs"] += 1
         self._send(identity, encode("job", {**job.to_fields(), "episode": episode}))
+
+
+def _user_id(frame) -> str | None:
+    """The ZAP User-Id of the peer that sent ``frame`` (its z85 CURVE key), if any."""
+    try:
+        return frame.get("User-Id")
+    except (AttributeError, zmq.ZMQError):
+        return None
 
 
 def _drain(sock: zmq.Socket, limit: int = 256):

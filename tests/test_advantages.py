@@ -156,3 +156,20 @@ def test_k3_is_an_unbiased_kl_estimate():
     ref = -0.5 * (x - 0.5) ** 2
     assert float(kl_k3(logp, ref).mean()) == pytest.approx(0.125, abs=5e-3)
     assert float(kl_k1(logp, ref).mean()) == pytest.approx(0.125, abs=5e-3)
+
+
+def test_episode_mean_weights_give_every_episode_the_same_total():
+    import torch
+
+    from agents.on_policy import ChunkBatch, episode_mean_weights
+
+    lengths = [1, 3, 4]
+    row = torch.tensor([0, 1, 1, 1, 2, 2, 2, 2])
+    col = torch.tensor([0, 0, 1, 2, 0, 1, 2, 3])
+    cb = ChunkBatch.__new__(ChunkBatch)
+    cb.row, cb.col, cb.lengths = row, col, lengths
+    w = episode_mean_weights(cb)
+    per_episode = torch.zeros(3).index_add_(0, row, w)
+    assert torch.allclose(per_episode, torch.full((3,), 8 / 3))  # equal totals
+    assert torch.isclose(w.mean(), torch.tensor(1.0))  # a chunk mean of w is 1
+    assert w[0] == 4 * w[-1]  # the one-chunk episode's chunk counts as much as 4 of the long one's

@@ -10,10 +10,14 @@ Nothing is ever unpickled: msgpack decodes to plain Python scalars, lists, dicts
 bytes, and arrays are rebuilt with ``np.frombuffer``.
 
 ``decode`` checks, in order: total size, frame count, header size, msgpack validity,
-protocol version, message type, the type's required header fields and their Python
-types, array metadata (name, dtype allow-list, shape) and that each buffer's length
-equals ``prod(shape) * itemsize``. Any failure raises :class:`CodecError` with a message
-that names what is wrong; the caller replies with an error and keeps serving.
+protocol version (type-exact: ``1.0`` or ``true`` is not protocol 1), message type, the
+type's required header fields (type-exact; with the schema's bounds, as all of Tandem's
+messages have: ints within :data:`data.core.schema.FIELD_BOUNDS`, floats finite, lists
+bounded), array metadata (name, dtype allow-list, shape: at most ``MAX_NDIM`` dims of at
+most ``MAX_DIM`` each, a size claim within ``max_bytes``) and that each buffer's length
+equals ``prod(shape) * itemsize``, all before numpy sees a shape. Any failure raises
+:class:`CodecError` (:class:`FieldRangeError` for a number out of bounds) with a message that
+names what is wrong; the caller replies with an error and keeps serving.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import numpy as np
 
-from data.core.schema import MESSAGE_SCHEMAS, PROTOCOL_VERSION, MessageSchema
+from data.core.schema import (INT64_BOUNDS, MAX_LIST_LEN, MESSAGE_SCHEMAS, PROTOCOL_VERSION,
+                              MessageSchema)
 
 ALLOWED_DTYPES = frozenset(
     ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -40,10 +45,16 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_HEADER_BYTES = 1024 * 1024
 MAX_ARRAYS = 4096
 MAX_NDIM = 8
+#: the largest single dimension of an array on the wire (numpy refuses far larger claims)
+MAX_DIM = 2**31 - 1
 
 
 class CodecError(ValueError):
     """A message that cannot be encoded or was rejected on decode."""
+
+
+class FieldRangeError(CodecError):
+    """A well-formed message whose header number is out of its bounds (or not finite)."""
 
 
 @dataclass
@@ -137,7 +148,8 @@ def decode(
     if not isinstance(header, dict):
         raise CodecError("header is not a map")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    # type-exact: 1.0 and true compare equal to 1 in Python but are not protocol 1
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise CodecError(
             f"protocol version mismatch: message has {version!r}, this side speaks {PROTOCOL_VERSION}"
         )
@@ -148,11 +160,7 @@ def decode(
     for key, typ in schema.fields.items():
         if key not in header:
             raise CodecError(f"{msg_type}: missing field {key!r}")
-        if not isinstance(header[key], typ) or (typ is int and isinstance(header[key], bool)):
-            raise CodecError(
-                f"{msg_type}: field {key!r} must be {getattr(typ, '__name__', typ)}, "
-                f"got {type(header[key]).__name__}"
-            )
+        _check_field(msg_type, key, typ, header[key], schema.bounds)
     meta = header.pop("arrays", [])
     if not isinstance(meta, list) or len(meta) != len(views) - 1:
         raise CodecError(
@@ -164,8 +172,13 @@ def decode(
         arrays_name = _check_meta(msg_type, i, entry)
         name, dtype_name, shape = arrays_name
         dtype = _NAME_DTYPE[dtype_name]
-        expected = math.prod(shape) * dtype.itemsize
         buf = views[i + 1]
+        # the size claim is checked against the buffer before numpy sees the shape
+        nonzero = math.prod(d for d in shape if d)
+        if nonzero * dtype.itemsize > max_bytes:
+            raise CodecError(f"{msg_type}: array {name!r} claims shape {tuple(shape)}, over the "
+                             f"limit of {max_bytes} bytes")
+        expected = math.prod(shape) * dtype.itemsize
         if buf.nbytes != expected:
             raise CodecError(
                 f"{msg_type}: array {name!r} {dtype_name}{tuple(shape)} needs {expected} bytes, "
@@ -181,6 +194,25 @@ def decode(
     return Message(msg_type, fields, arrays)
 
 
+def _check_field(msg_type: str, key: str, typ: type, value: Any,
+                 bounds: Mapping[str, tuple[int, int]] | None) -> None:
+    """Type-exact check of a required header field; with ``bounds`` (the schema's), also
+    bounds for ints, finiteness for floats and a length limit for lists."""
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise CodecError(f"{msg_type}: field {key!r} must be {getattr(typ, '__name__', typ)}, "
+                         f"got {type(value).__name__}")
+    if bounds is None:
+        return
+    if typ is int:
+        lo, hi = bounds.get(key, INT64_BOUNDS)
+        if not lo <= value <= hi:
+            raise FieldRangeError(f"{msg_type}: field {key!r} = {value} is out of range [{lo}, {hi}]")
+    elif typ is float and not math.isfinite(value):
+        raise FieldRangeError(f"{msg_type}: field {key!r} must be finite, got {value!r}")
+    elif typ is list and len(value) > MAX_LIST_LEN:
+        raise CodecError(f"{msg_type}: field {key!r} has {len(value)} items, over {MAX_LIST_LEN}")
+
+
 def _check_meta(msg_type: str, i: int, entry: Any) -> tuple[str, str, list[int]]:
     if not (isinstance(entry, list) and len(entry) == 3):
         raise CodecError(f"{msg_type}: array metadata #{i} must be [name, dtype, shape]")
@@ -192,7 +224,8 @@ def _check_meta(msg_type: str, i: int, entry: Any) -> tuple[str, str, list[int]]
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_NDIM
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM
+                   for d in shape)
     ):
         raise CodecError(f"{msg_type}: array {name!r} has an invalid shape {shape!r}")
     return name, dtype_name, shape

@@ -69,10 +69,47 @@ STEP_DEFAULTS: dict[str, object] = {"chunk_start": True, "chunk_index": 0, "grou
 EXTRA_PREFIX = "extra."
 
 
+#: the largest sequence number, episode id, request id or version on the wire: exact in a
+#: float64 and far from the int64 limit, so ``seq + n`` never overflows numpy's int64
+MAX_SEQ = 2**53 - 1
+#: default bounds of a header int without its own entry in :data:`FIELD_BOUNDS` (int64)
+INT64_BOUNDS = (-(2**63), 2**63 - 1)
+#: the most items a header list (``tasks``) may hold: one per record of a batch
+MAX_LIST_LEN = 65536
+#: the most records of one ``transitions`` or ``act`` message
+MAX_BATCH = 4096
+
+#: inclusive bounds of header int fields, by name (the same name means the same quantity in
+#: every message type); the codec refuses a value outside them on decode
+FIELD_BOUNDS: dict[str, tuple[int, int]] = {
+    "resend_from": (0, MAX_SEQ), "first_seq": (0, MAX_SEQ), "last_seq": (0, MAX_SEQ),
+    "acked_seq": (-1, MAX_SEQ), "received_seq": (-1, MAX_SEQ), "req_id": (0, MAX_SEQ),
+    "have_version": (-1, MAX_SEQ), "policy_version": (0, MAX_SEQ), "episode": (0, MAX_SEQ),
+    "next_episode": (0, MAX_SEQ),
+    "job_id": (0, 2**31 - 1), "task_id": (0, 2**31 - 1), "init_state": (0, 2**31 - 1),
+    "seed": (0, 2**31 - 1), "group_id": (-1, 2**31 - 1),
+}
+
+#: inclusive bounds of the integer per-step arrays of a ``transitions`` message
+STEP_BOUNDS: dict[str, tuple[int, int]] = {
+    "policy_version": (0, MAX_SEQ), "episode": (0, MAX_SEQ), "step": (0, 2**31 - 1),
+    "chunk_index": (0, 2**31 - 1), "group_id": (-1, 2**31 - 1),
+}
+
+
 @dataclass(frozen=True)
 class MessageSchema:
+    """Required header fields (name -> Python type) and required arrays of a message type.
+
+    ``bounds`` (int field -> inclusive range) turns on the value checks: int fields within
+    their bounds (int64 when not listed), float fields finite, list fields at most
+    :data:`MAX_LIST_LEN` items. Tandem's own messages all have them (from
+    :data:`FIELD_BOUNDS`); another protocol on the codec (the robot driver) without bounds
+    gets type checks only."""
+
     fields: dict[str, type] = field(default_factory=dict)
     arrays: tuple[str, ...] = ()
+    bounds: dict[str, tuple[int, int]] | None = None
 
 
 MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
@@ -105,6 +142,13 @@ MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
     "pong": MessageSchema({"t": float, "policy_version": int}),
     "weights": MessageSchema({"policy_version": int}),
     "error": MessageSchema({"code": str, "message": str}),
+}
+
+
+# every int field of Tandem's messages is bounded, by name
+MESSAGE_SCHEMAS = {
+    t: MessageSchema(s.fields, s.arrays, {k: FIELD_BOUNDS[k] for k, typ in s.fields.items() if typ is int})
+    for t, s in MESSAGE_SCHEMAS.items()
 }
 
 

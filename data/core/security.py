@@ -4,6 +4,11 @@ Loopback binds (127.0.0.0/8, ::1, localhost) need nothing. Any other bind addres
 CURVE keys (made by ``tools/gen_keys.py``): the learner's secret certificate and a folder of
 authorised actor public certificates, checked by a ZAP authenticator. Binding elsewhere
 without keys is refused unless ``allow_insecure`` is set explicitly.
+
+An actor id is bound to its key: ``<actor_id>.key`` in the authorised-keys folder is the
+public key of actor ``<actor_id>`` (``tools/gen_keys.py`` names them so). One key, one id:
+:func:`authorized_actor_ids` refuses a folder where one key appears under two names, and the
+learner refuses a hello whose actor id is not the one its key was issued for.
 """
 
 from __future__ import annotations
@@ -56,6 +61,21 @@ def configure_server_socket(sock: zmq.Socket, host: str, security: dict) -> None
     sock.curve_secretkey = secret_key
     sock.curve_publickey = public
     sock.curve_server = True
+
+
+def authorized_actor_ids(keys_dir: str | Path) -> dict[str, str]:
+    """{z85 public key (the ZAP User-Id of a CURVE peer): actor id} from the ``*.key`` files
+    of ``keys_dir``, each file's name being its actor's id. Raises ValueError when one key is
+    filed under two ids."""
+    out: dict[str, str] = {}
+    for path in sorted(Path(keys_dir).glob("*.key")):
+        public, _ = zmq.auth.load_certificate(str(path))
+        key = public.decode("ascii") if isinstance(public, bytes) else str(public)
+        if key in out:
+            raise ValueError(f"{keys_dir}: one key is filed under two actor ids, {out[key]!r} "
+                             f"and {path.stem!r}; one key, one id")
+        out[key] = path.stem
+    return out
 
 
 def _ensure_authenticator(ctx: zmq.Context, keys_dir: str) -> None:

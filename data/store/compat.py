@@ -54,7 +54,49 @@ def import_lerobot():
         av.logging.set_level(av.logging.ERROR)
     except Exception:  # pragma: no cover
         pass
+    _install_video_backend()
     return LeRobotDataset
+
+
+_VIDEO_BACKEND: list[str] = []
+
+
+def _install_video_backend() -> None:
+    """Tandem reads its datasets with PyAV (wheels ship their own FFmpeg) and passes
+    ``video_backend="pyav"`` to lerobot; point lerobot's default decoder picker at
+    :func:`video_backend`, so a dataset opened without ``video_backend=`` does not print
+    torchcodec's load failure each time. Said once, in one line."""
+    import sys
+
+    installed = False
+    for mod in ("lerobot.utils.import_utils", "lerobot.datasets.lerobot_dataset",
+                "lerobot.datasets.video_utils"):
+        m = sys.modules.get(mod)
+        if m is not None and getattr(m, "get_safe_default_video_backend", None) not in (None, video_backend):
+            m.get_safe_default_video_backend = video_backend
+            installed = True
+    if installed:
+        logging.getLogger("tandem.data.store").info(
+            "video decoder: pyav for Tandem's datasets (lerobot's default is picked once, on first use)")
+
+
+def video_backend() -> str:
+    """lerobot's default video decoder in this process, picked once on first use and logged
+    in one line: ``torchcodec`` when it loads (it needs a system FFmpeg and takes seconds to
+    import, hence not at start-up), else ``pyav``."""
+    if _VIDEO_BACKEND:
+        return _VIDEO_BACKEND[0]
+    import importlib
+
+    try:
+        importlib.import_module("torchcodec")
+        name, why = "torchcodec", ""
+    except Exception as exc:  # no FFmpeg libraries: RuntimeError / OSError / ImportError
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        name, why = "pyav", f" (torchcodec does not load here: {first})"
+    _VIDEO_BACKEND.append(name)
+    logging.getLogger("tandem.data.store").info("lerobot's default video decoder: %s%s", name, why)
+    return name
 
 
 def check_writer_internals(ds) -> None:

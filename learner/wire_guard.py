@@ -1,0 +1,81 @@
+"""Checks the socket thread runs on untrusted messages before anything else touches them,
+and a rate-limited logger for what it rejects.
+
+The codec (:func:`data.core.codec.decode`) has already checked types, header bounds and
+that every buffer matches its claimed shape. What is left for a ``transitions`` message is
+its layout as a batch: every array at least 1-d with one row per record, a record count in
+``1..MAX_BATCH`` that matches ``tasks`` and ``last_seq``, and integer step arrays within
+:data:`data.core.schema.STEP_BOUNDS` - so that no numpy or arithmetic error can arise later
+from a crafted batch (a 0-d array, sequence numbers near the int64 limit, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from data.core.codec import Message
+from data.core.schema import MAX_BATCH, STEP_BOUNDS
+
+
+def check_transitions_message(msg: Message) -> str | None:
+    """The first layout problem of a ``transitions`` message, or None."""
+    tasks = msg["tasks"]
+    n = len(tasks)
+    if not 1 <= n <= MAX_BATCH:
+        return f"a batch holds 1..{MAX_BATCH} records, this one has {n} tasks"
+    for name, a in msg.arrays.items():
+        if a.ndim == 0 or a.shape[0] != n:
+            return f"array {name!r} has shape {tuple(a.shape)}; every array needs {n} rows (one per task)"
+    if msg["last_seq"] != msg["first_seq"] + n - 1:
+        return (f"last_seq {msg['last_seq']} does not match first_seq {msg['first_seq']} + "
+                f"{n} records")
+    for name, (lo, hi) in STEP_BOUNDS.items():
+        a = msg.arrays.get(name)
+        if a is None or a.dtype.kind not in "iu" or a.size == 0:
+            continue  # a missing or mistyped array is named by the batch's own validation
+        amin, amax = int(a.min()), int(a.max())
+        if amin < lo or amax > hi:
+            return f"{name}: values must be in [{lo}, {hi}], got {amin}..{amax}"
+    return None
+
+
+def check_obs_layout(arrays: dict[str, np.ndarray]) -> str | None:
+    """Every observation array of an ``act`` request is a batch (at least 1-d)."""
+    for name, a in arrays.items():
+        if a.ndim == 0:
+            return f"array {name!r} is 0-dimensional; an act request is a batch [B, ...]"
+    return None
+
+
+class RateLimitedLog:
+    """At most ``burst`` warnings per ``window_s`` through ``logger``; the rest are counted
+    and summarised in one line when the next window opens. Callers count every event
+    themselves; this only bounds the log."""
+
+    def __init__(self, logger: logging.Logger, *, burst: int = 10, window_s: float = 10.0):
+        self.logger = logger
+        self.burst = burst
+        self.window_s = window_s
+        self._window_start = -float("inf")
+        self._in_window = 0
+        self.suppressed = 0  # in the current window
+        self.suppressed_total = 0
+
+    def warning(self, fmt: str, *args, exc_info=None) -> bool:
+        """Log unless over the limit; returns whether it was logged."""
+        now = time.monotonic()
+        if now - self._window_start >= self.window_s:
+            if self.suppressed:
+                self.logger.warning("... %d more like these in the last %.0fs were not logged "
+                                    "(all are counted)", self.suppressed, now - self._window_start)
+            self._window_start, self._in_window, self.suppressed = now, 0, 0
+        if self._in_window >= self.burst:
+            self.suppressed += 1
+            self.suppressed_total += 1
+            return False
+        self._in_window += 1
+        self.logger.warning(fmt, *args, exc_info=exc_info)
+        return True

@@ -1,0 +1,29 @@
+"""Property-based fuzzing of the learner's wire against a real service on loopback
+(tools/fuzz_wire.py; `python -m tools.fuzz_wire --examples N` for a long run)."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from tools.fuzz_wire import FuzzTarget, messages
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    # with an episode store, as a training learner has (durable acks, staged episodes)
+    t = FuzzTarget(store_dir=str(tmp_path_factory.mktemp("fuzz") / "dataset"))
+    yield t
+    t.close()
+
+
+@settings(max_examples=500, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@given(fz=messages())
+def test_every_message_is_answered_or_dropped_and_nothing_raises_unchecked(target, fz):
+    target.check(fz)
+
+
+def test_a_real_client_is_still_served_after_the_fuzzing(target):
+    # runs after the property above, against the same service (module-scoped)
+    target.served()
+    assert target.svc.is_alive() and target.svc.counters["internal_errors"] == 0
