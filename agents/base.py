@@ -120,7 +120,11 @@ class ReferencePolicy(Protocol):
 class NoiseConditionedPolicy(Protocol):
     """A flow/diffusion policy whose denoising starts from a given noise (PI0, PI0.5):
     ``act(obs, noise=...)`` replays it, ``model_inputs(obs)`` are the tensors its backbone
-    reads and ``forward_model(inputs, noise)`` integrates the flow from ``noise`` [B, H, D]."""
+    reads and ``forward_model(inputs, noise)`` integrates the flow from ``noise`` [B, H, D],
+    ``noise_shape`` = (H, D) of one chunk's noise."""
+
+    @property
+    def noise_shape(self) -> tuple[int, int]: ...
 
     def model_inputs(self, obs: Batch) -> tuple: ...
 

@@ -401,6 +401,11 @@ class Pi0Policy(nn.Module):
         actions = self.forward_model(inputs, noise)
         return ActionChunk(self._postprocess(actions), None, {"noise": noise})
 
+    @property
+    def noise_shape(self) -> tuple[int, int]:
+        """(chunk_size, max_action_dim): one chunk's starting noise (NoiseConditionedPolicy)."""
+        return (self.chunk_size, int(self.lr_cfg.max_action_dim))
+
     def extras_spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """``noise``: the flow's starting sample of each chunk."""
         return {"noise": ("float32", (self.chunk_size, int(self.lr_cfg.max_action_dim)))}
