@@ -4,11 +4,15 @@ the robot twice, one controller at a time, and the CURVE / loopback rules."""
 
 from __future__ import annotations
 
+import ctypes.util
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -29,8 +33,8 @@ SIM_CFG = {"name": "gym_hil", "task": "PandaPickCube", "image_size": 32}
 
 @pytest.fixture
 def driver():
-    sim = make_raw_env(SIM_CFG)
-    server, thread = serve_in_thread(sim, heartbeat_timeout=0.6)
+    # the config, not an env: the driver builds (and renders) it on its own thread
+    server, thread = serve_in_thread(SIM_CFG, heartbeat_timeout=0.6)
     yield server
     server.shutdown()
     thread.join(timeout=5)
@@ -167,6 +171,158 @@ def test_driver_stops_the_robot_when_the_client_dies(driver):
         env.step(np.zeros(4, np.float32))
     finally:
         env.close()
+
+
+CHUNK_CLIENT = textwrap.dedent("""
+    import sys, numpy as np
+    from envs.robot import RobotEnv
+    env = RobotEnv(sys.argv[1], heartbeat_period=0.1, heartbeat_timeout=0.6)
+    env.reset(seed=0)
+    print("ready", flush=True)
+    try:
+        for _ in range(100_000):  # one long action chunk, executed act by act
+            env.step(np.array([0, 0, 0.2, 0], np.float32))
+    except Exception as exc:
+        print("raised", type(exc).__name__, exc, flush=True)
+""")
+
+
+def _assert_heartbeat_stop(driver, timeout: float = 0.6) -> int:
+    """The driver stopped the robot because the heartbeat lapsed, within the timeout of
+    the last message it heard (plus its 50 ms poll and some scheduling slack)."""
+    assert wait_for(lambda: driver.stopped, 3.0), "the driver never stopped the robot"
+    assert "heartbeat" in driver.stop_reason and driver.stats["heartbeat_stops"] == 1
+    assert driver.controller is None
+    silent = driver.stopped_at - driver.last_seen
+    assert timeout <= silent < timeout + 0.5, silent
+    return driver.stats["acts"]
+
+
+def test_driver_stops_the_robot_when_the_client_freezes_mid_chunk(driver):
+    """SIGSTOP freezes the client (its heartbeat thread too) while it streams a chunk of
+    acts: the driver stops the robot within the heartbeat timeout, and the thawed client
+    can move it no further (its next act fails; only a reset would re-arm)."""
+    proc = subprocess.Popen([sys.executable, "-c", CHUNK_CLIENT, driver.endpoint], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        assert wait_for(lambda: driver.stats["acts"] >= 5, 10.0)
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        acts = _assert_heartbeat_stop(driver)
+        assert time.monotonic() - t0 < 2.0
+        assert acts >= 5
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=20)
+        assert "raised RobotLinkLost" in out, out + err[-2000:]
+        assert driver.stats["acts"] == acts and driver.stopped  # nothing moved after the stop
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class TcpRelay(threading.Thread):
+    """A loopback TCP relay to ``port``: the link between a client and the driver. ``cut()``
+    closes every connection and the listener, as a pulled cable or a dead switch would."""
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True, name="tcp-relay")
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._cut = threading.Event()
+
+    def run(self) -> None:
+        peer: dict[socket.socket, socket.socket] = {}
+        while not self._cut.is_set():
+            ready, _, _ = select.select([self.listener, *peer], [], [], 0.02)
+            for s in ready:
+                if s is self.listener:
+                    a, _ = s.accept()
+                    b = socket.create_connection(("127.0.0.1", self.target))
+                    peer[a], peer[b] = b, a
+                    continue
+                if s not in peer:
+                    continue
+                try:
+                    data = s.recv(1 << 16)
+                    if data:
+                        peer[s].sendall(data)
+                        continue
+                except OSError:
+                    pass
+                other = peer.pop(s)
+                peer.pop(other, None)
+                s.close()
+                other.close()
+        for s in [self.listener, *peer]:
+            s.close()
+
+    def cut(self) -> None:
+        self._cut.set()
+        self.join(timeout=2.0)
+
+
+def test_driver_stops_the_robot_when_the_link_dies_mid_chunk(driver):
+    relay = TcpRelay(_port(driver))
+    relay.start()
+    env = RobotEnv(f"tcp://127.0.0.1:{relay.port}", heartbeat_period=0.1, heartbeat_timeout=0.6,
+                   request_timeout=0.5, retries=1)
+    raised: dict = {}
+
+    def run_chunk() -> None:
+        try:
+            for _ in range(100_000):
+                env.step(np.array([0, 0, 0.2, 0], np.float32))
+        except Exception as exc:  # noqa: BLE001 - the test checks which
+            raised["exc"], raised["t"] = exc, time.monotonic()
+
+    try:
+        env.reset(seed=0)
+        chunk = threading.Thread(target=run_chunk, daemon=True)
+        chunk.start()
+        assert wait_for(lambda: driver.stats["acts"] >= 5, 10.0)
+        relay.cut()
+        t_cut = time.monotonic()
+        acts = _assert_heartbeat_stop(driver)
+        assert time.monotonic() - t_cut < 2.0
+        chunk.join(timeout=10.0)
+        assert isinstance(raised.get("exc"), RobotLinkLost), raised
+        assert raised["t"] - t_cut < 3.0  # the actor learns of it fast, too
+        time.sleep(0.3)
+        assert driver.stats["acts"] == acts and driver.stopped
+    finally:
+        env.close()
+
+
+@pytest.mark.skipif(ctypes.util.find_library("EGL") is None, reason="no libEGL")
+def test_driver_thread_renders_on_egl():
+    """Defect: with EGL, an env built on one thread and rendered on the driver's thread failed
+    with EGL_BAD_ACCESS. serve_in_thread builds it on the serving thread; an instance that
+    would render on EGL from another thread is refused with the fix named."""
+    code = textwrap.dedent("""
+        import os; os.environ["MUJOCO_GL"] = "egl"
+        import numpy as np
+        from envs.registry import make_raw_env
+        from envs.robot import RobotEnv
+        from envs.robot.driver import serve_in_thread
+        cfg = {"name": "gym_hil", "task": "PandaPickCube", "image_size": 32}
+        try:
+            serve_in_thread(make_raw_env(cfg))
+        except ValueError as exc:
+            print("refused:", exc)
+        server, thread = serve_in_thread(cfg)
+        env = RobotEnv(server.endpoint)
+        obs, _ = env.reset(seed=0)
+        obs, *_ = env.step(np.zeros(4, np.float32))
+        print("std", float(obs["observation.images.front"].std()), os.environ["MUJOCO_GL"])
+        env.close(); server.shutdown(); thread.join(5)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused: serve_in_thread: this env renders cameras with MUJOCO_GL=egl" in out.stdout
+    std = [ln for ln in out.stdout.splitlines() if ln.startswith("std")][0].split()
+    assert float(std[1]) > 5 and std[2] == "egl"
 
 
 def test_client_detects_a_dead_driver_and_recovers_when_it_returns():

@@ -54,7 +54,8 @@ Modules: :mod:`~envs.libero.tasks` (suites, task lists, limits, init states),
 :mod:`~envs.libero.assets` (offline assets and config), :mod:`~envs.libero.rendering`
 (GL buffer size and render quality), :mod:`~envs.libero.env` (the env and its factory),
 :mod:`~envs.libero.spec` (the layout from a config, no simulator), :mod:`~envs.libero.goals`
-(forcing a goal state for tests). ``python -m envs.libero`` measures steps/s.
+(forcing a goal state for tests), :mod:`~envs.libero.check` (``python -m envs.libero
+--check``: assets, a render, a forced success). ``python -m envs.libero`` measures steps/s.
 
 The names below are loaded on first use, so ``import envs.libero.spec`` (the learner reading
 a spec) loads neither the env module nor gymnasium.

@@ -1,4 +1,6 @@
-"""``python -m envs.libero``: LIBERO steps per second for image sizes and render qualities."""
+"""``python -m envs.libero --check``: are the assets, a render and a forced success working
+(:mod:`envs.libero.check`)? ``python -m envs.libero``: LIBERO steps per second for image
+sizes and render qualities."""
 
 from __future__ import annotations
 
@@ -48,5 +50,27 @@ def _bench(argv: list[str] | None = None) -> None:
               flush=True)
 
 
+def _check(argv: list[str]) -> int:
+    import argparse
+
+    from envs.libero.check import run_checks
+
+    ap = argparse.ArgumentParser(prog="python -m envs.libero --check",
+                                 description="check LIBERO's assets, a render and a forced success")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--suite", default="libero_spatial")
+    ap.add_argument("--task-id", type=int, default=0)
+    ap.add_argument("--gl", default="auto")
+    ap.add_argument("--assets-path", help="a LIBERO assets folder")
+    ap.add_argument("--assets-tarball", help="a .tar.* of a LIBERO assets folder")
+    args = ap.parse_args(argv)
+    return run_checks(args.suite, args.task_id, assets_path=args.assets_path,
+                      assets_tarball=args.assets_tarball, gl=args.gl)
+
+
 if __name__ == "__main__":
+    import sys
+
+    if "--check" in sys.argv[1:]:
+        sys.exit(_check(sys.argv[1:]))
     _bench()

@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import gymnasium as gym
 import numpy as np
@@ -82,11 +83,13 @@ class RobotDriverServer:
         self.last_seen = 0.0
         self.stopped = True          # nothing may move until a reset
         self.stop_reason = "not reset yet"
+        self.stopped_at = 0.0        # time.monotonic() of the last stop
         self.episode_over = True
         self._last_seq = 0
         self._last_reply: list[Any] | None = None
         self._last_obs: dict[str, Any] | None = None
         self._halt = threading.Event()
+        self._closed = False
         self.stats = {"acts": 0, "resets": 0, "heartbeat_stops": 0, "errors": 0}
 
     # -- helpers
@@ -113,6 +116,7 @@ class RobotDriverServer:
         """Halt the robot: the env's ``stop()`` if it has one; no more motion until reset."""
         if not self.stopped:
             log.warning("stopping the robot: %s", reason)
+            self.stopped_at = time.monotonic()
             stop = getattr(self.env.unwrapped, "stop", None)
             if callable(stop):
                 try:
@@ -274,19 +278,76 @@ class RobotDriverServer:
         self._halt.set()
 
     def close(self) -> None:
+        """Stop the robot, close the socket and the env (once; later calls do nothing).
+        Call it on the thread that serves (see :func:`serve_in_thread`)."""
+        if self._closed:
+            return
+        self._closed = True
         self.stop_robot("driver shutting down")
         self._sock.close(0)
         self.env.close()
 
 
-def serve_in_thread(env: gym.Env, bind: str = "tcp://127.0.0.1:0",
-                    **kw) -> tuple[RobotDriverServer, threading.Thread]:
+def serve_in_thread(env: gym.Env | Callable[[], gym.Env] | Mapping[str, Any], bind: str = "tcp://127.0.0.1:0",
+                    *, start_timeout: float = 120.0, **kw) -> tuple[RobotDriverServer, threading.Thread]:
     """Start a driver on a background thread (tests, demos). Returns (server, thread);
-    ``server.endpoint`` is the bound address; call ``server.shutdown()`` then join."""
-    server = RobotDriverServer(env, bind, **kw)
-    t = threading.Thread(target=server.serve, name="robot-driver", daemon=True)
+    ``server.endpoint`` is the bound address; call ``server.shutdown()`` then join (the
+    thread closes the server, and the env, when it stops serving).
+
+    ``env`` is a zero-argument factory or an env config (built with
+    :func:`envs.registry.make_raw_env`): the env is built, served, rendered and closed on
+    the serving thread, because a GL context belongs to the thread that made it (EGL
+    refuses ``eglMakeCurrent`` from another: ``EGL_BAD_ACCESS``). An env *instance* is
+    accepted only when it renders nothing on EGL (no cameras, or another GL backend).
+    """
+    if isinstance(env, gym.Env):
+        if os.environ.get("MUJOCO_GL", "").lower() == "egl" and spec_message(env)["cameras"]:
+            raise ValueError(
+                "serve_in_thread: this env renders cameras with MUJOCO_GL=egl, and its GL context "
+                "belongs to the thread that built it; pass a factory (lambda: make_raw_env(cfg)) "
+                "or the env config instead of the env, so that it is built on the serving thread")
+        instance = env
+        build: Callable[[], gym.Env] = lambda: instance  # noqa: E731
+    elif isinstance(env, Mapping):
+        cfg = dict(env)
+
+        def build() -> gym.Env:
+            from envs.registry import make_raw_env
+
+            return make_raw_env(cfg)
+    elif callable(env):
+        build = env
+    else:
+        raise TypeError(f"serve_in_thread: env must be a gym.Env, a factory or a config, got {type(env).__name__}")
+    box: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def run() -> None:
+        built = None
+        try:
+            built = build()
+            server = RobotDriverServer(built, bind, **kw)
+        except BaseException as exc:  # handed to the caller below
+            if built is not None and built is not env:
+                built.close()
+            box["error"] = exc
+            ready.set()
+            return
+        box["server"] = server
+        ready.set()
+        try:
+            server.serve()
+        finally:
+            server.close()
+
+    t = threading.Thread(target=run, name="robot-driver", daemon=True)
     t.start()
-    return server, t
+    if not ready.wait(start_timeout):
+        raise TimeoutError(f"robot driver did not start within {start_timeout:.0f} s")
+    if "error" in box:
+        t.join()
+        raise box["error"]
+    return box["server"], t
 
 
 def _parse_value(v: str) -> Any:
