@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,9 @@ class LearnerClient:
         self._hello_at = 0.0
         self._hello_attempts = 0
         self._in_use_warned = False
+        #: random per-process token in every hello: the learner lets this process take over its
+        #: own live session (a retried handshake), never another process claiming the same id
+        self.instance = uuid.uuid4().hex
         self.last_act_ms = 0.0
 
     # ---- connection ----------------------------------------------------------------------
@@ -111,7 +115,7 @@ class LearnerClient:
         self._hello_attempts += 1
         self.sock.send_multipart(encode("hello", {
             "actor_id": self.actor_id, "config_hash": self.config_hash,
-            "resend_from": self.spool.resend_from,
+            "resend_from": self.spool.resend_from, "instance": self.instance,
         }))
         if self._hello_attempts == 2 or self._hello_attempts % 10 == 0:
             log.warning("no answer from learner at %s (attempt %d); retrying", self.endpoint,
@@ -175,6 +179,9 @@ class LearnerClient:
         self.connected = True
         self._hello_attempts = 0
         self._in_use_warned = False
+        #: random per-process token in every hello: the learner lets this process take over its
+        #: own live session (a retried handshake), never another process claiming the same id
+        self.instance = uuid.uuid4().hex
         now = time.monotonic()
         self._last_rx = self._last_ping = self._last_progress = now
         log.info("connected to learner %s at %s: acked seq %d, %d records to resend, version %d, "

@@ -28,7 +28,9 @@ Identities: an actor id is owned by one session at a time. With CURVE keys it is
 the key (``<actor_id>.key`` in the authorised-keys folder, :mod:`data.core.security`): a
 hello naming another id is refused, and the key's holder may take over its id from a stale
 session. Without keys the first live session owns the id until it is silent for
-``peer_timeout_s``; a hello claiming it meanwhile gets ``actor_id_in_use`` (the actor retries).
+``peer_timeout_s``; a hello claiming it meanwhile gets ``actor_id_in_use`` (the actor retries),
+unless it carries the same ``instance`` token as that session's hello (the same actor process
+retrying its handshake with a new socket, e.g. hellos queued while the learner was starting).
 A ``resend_from`` beyond what this learner acknowledged (``bad_resend``) is refused when the
 acks are durable (an episode store); without one a restarted learner cannot know what an
 earlier process acknowledged, and skips the gap as lost records (logged).
@@ -81,6 +83,9 @@ class ActRequest:
 class Peer:
     actor_id: str
     last_seen: float
+    #: the actor process's random instance token from its hello ("" when it sent none): a
+    #: retried hello of the same process may take over its own live session
+    instance: str = ""
 
 
 class LearnerService(threading.Thread):
@@ -289,7 +294,10 @@ class LearnerService(threading.Thread):
         if len(self.peers) > 256:  # forget silent sessions: a flood of hellos stays bounded
             self.peers = {i: p for i, p in self.peers.items() if now - p.last_seen < self.peer_timeout_s}
         holders = [i for i, p in self.peers.items() if p.actor_id == actor_id and i != identity]
-        live = [i for i in holders if now - self.peers[i].last_seen < self.peer_timeout_s]
+        instance = msg.get("instance")
+        instance = instance if isinstance(instance, str) and 0 < len(instance) <= 64 else ""
+        live = [i for i in holders if now - self.peers[i].last_seen < self.peer_timeout_s
+                and not (instance and self.peers[i].instance == instance)]
         if live and self.key_ids is None:
             self._error(identity, "actor_id_in_use",
                         f"actor id {actor_id!r} belongs to a live session (until it is silent for "
@@ -306,7 +314,7 @@ class LearnerService(threading.Thread):
         # A reconnecting actor gets a new identity: forget the old (stale, or same-key) one.
         for ident in holders:
             del self.peers[ident]
-        self.peers[identity] = Peer(actor_id, now)
+        self.peers[identity] = Peer(actor_id, now, instance)
         self.ingest.resync(actor_id, resend_from)
         acked, next_episode = self.ingest.actor_position(actor_id)
         log.info("actor %s connected (acked seq %d)", actor_id, acked)

@@ -80,9 +80,9 @@ def rpc(sock, frames, timeout=5.0):
     return decode(sock.recv_multipart())
 
 
-def hello(sock, actor_id="a0", resend_from=0):
+def hello(sock, actor_id="a0", resend_from=0, **extra):
     return rpc(sock, encode("hello", {"actor_id": actor_id, "config_hash": HASH,
-                                      "resend_from": resend_from}))
+                                      "resend_from": resend_from, **extra}))
 
 
 def raw(header: dict, *buffers: bytes) -> list[bytes]:
@@ -231,6 +231,21 @@ def test_a_second_session_claiming_a_live_id_is_refused_and_the_real_actor_goes_
     r = rpc(real, TransitionBatch.from_records("a0", 4, records(3, start=4)).to_frames())
     assert r.type == "ack" and r["acked_seq"] == 6 and r["received_seq"] == 6
     assert ingest.sink.total_added == 7
+
+
+def test_the_same_actor_process_retrying_its_hello_takes_over_its_own_session(learner):
+    """Hellos queued while the learner started: the first one admitted came from a socket the
+    actor has since closed; its retry (same instance token, new socket) is let in at once."""
+    svc, ingest, ctx = learner
+    first = dealer(ctx, svc.port)
+    assert hello(first, "a0", instance="tok-1").type == "welcome"
+    retry = dealer(ctx, svc.port)
+    assert hello(retry, "a0", instance="tok-1").type == "welcome"
+    r = rpc(retry, TransitionBatch.from_records("a0", 0, records(3)).to_frames())
+    assert r.type == "ack" and r["acked_seq"] == 2
+    other = dealer(ctx, svc.port)  # another process (another token, or none) is still refused
+    assert hello(other, "a0", instance="tok-2")["code"] == "actor_id_in_use"
+    assert hello(dealer(ctx, svc.port), "a0")["code"] == "actor_id_in_use"
 
 
 def test_a_silent_session_frees_its_id_and_the_client_retries_meanwhile(ports, tmp_path):
