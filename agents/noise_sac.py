@@ -12,7 +12,9 @@ plus gamma^k (min Q_target(s', w') - alpha log pi(w'|s')), w' ~ pi(.|s') in nois
 Features are computed once per batch (:func:`attach_features`: obs and next obs in one
 frozen forward) and stored in the batch as ``features`` / ``next.features``; the critic
 (:class:`CachedFeatures` encoder) and the actor both read them: the VLA backbone never runs
-twice for one batch, and no gradient reaches it.
+twice for one batch, and no gradient reaches it. With ``noise_feature_cache`` > 0 (:class:`FeatureCache`) the
+backbone runs once per distinct observation instead (replay rows recur across critic steps),
+which is what makes a high UTD affordable on a CPU.
 
 ``NoiseSACAgent.update(batches)`` is a pure step (no files, sockets or logging):
 ``utd_ratio`` critic steps, then one actor and one temperature step on the last batch. The
@@ -23,6 +25,7 @@ losses are :mod:`agents.sac`'s (:func:`agents.sac.td_target`, ``critic_loss``, `
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any, Iterator
 
 import torch
@@ -53,10 +56,60 @@ class CachedFeatures(nn.Module):
         return obs[key]
 
 
+class FeatureCache:
+    """Frozen features by observation content, so the backbone runs once per distinct
+    observation, not once per critic step (a replay row is drawn ~``utd_ratio * batch /
+    buffer`` times). Key: a 16-byte BLAKE2 digest of the row's ``observation.*`` bytes and
+    its task; at most ``max_rows`` entries (first in, first out). Exact: the base is frozen."""
+
+    def __init__(self, max_rows: int = 200_000):
+        self.max_rows = int(max_rows)
+        self._rows: dict[bytes, torch.Tensor] = {}
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @staticmethod
+    def keys(obs: Batch) -> list[bytes]:
+        names = sorted(k for k in obs if k.startswith("observation."))
+        arrays = [obs[k].detach().cpu().contiguous().numpy() for k in names]
+        tasks = obs.get("task")
+        out = []
+        for i in range(arrays[0].shape[0]):
+            h = hashlib.blake2b(digest_size=16)
+            for a in arrays:
+                h.update(a[i].tobytes())
+            if tasks is not None:
+                h.update(str(tasks[i]).encode())
+            out.append(h.digest())
+        return out
+
+    def features(self, policy: NoiseSpacePolicy, obs: Batch) -> torch.Tensor:
+        """[B, F] float32: cached rows looked up, the others computed in one frozen pass."""
+        keys = self.keys(obs)
+        rows = [self._rows.get(k) for k in keys]
+        missing = [i for i, r in enumerate(rows) if r is None]
+        self.misses += len(missing)
+        self.hits += len(keys) - len(missing)
+        if missing:
+            idx = torch.tensor(missing)
+            sub = {k: v.index_select(0, idx.to(v.device)) for k, v in obs.items() if k.startswith("observation.")}
+            if "task" in obs:
+                sub["task"] = [obs["task"][i] for i in missing]
+            f = policy.features(sub).float()
+            for j, i in enumerate(missing):
+                rows[i] = self._rows[keys[i]] = f[j]
+            while len(self._rows) > self.max_rows:
+                self._rows.pop(next(iter(self._rows)))
+        return torch.stack(rows)
+
+
 @torch.no_grad()
-def attach_features(policy: NoiseSpacePolicy, batch: Batch) -> Batch:
+def attach_features(policy: NoiseSpacePolicy, batch: Batch, cache: FeatureCache | None = None) -> Batch:
     """``batch`` with ``features`` and ``next.features`` [B, F] (float32, no grad), from one
-    frozen forward over the observations and the next observations together."""
+    frozen forward over the observations and the next observations together (with a
+    ``cache``: over those of them it has not seen)."""
     if FEATURES in batch and "next." + FEATURES in batch:
         return batch
     n = batch["observation.state"].shape[0]
@@ -66,7 +119,7 @@ def attach_features(policy: NoiseSpacePolicy, batch: Batch) -> Batch:
             both[k] = torch.cat([v, batch["next." + k]])
     if "task" in batch:
         both["task"] = list(batch["task"]) * 2
-    f = policy.features(both).float()
+    f = policy.features(both).float() if cache is None else cache.features(policy, both)
     return {**batch, FEATURES: f[:n], "next." + FEATURES: f[n:]}
 
 
@@ -112,6 +165,7 @@ class NoiseSACAgent:
         self.target_critic = copy.deepcopy(self._critic_raw).to(self.device)
         self.target_critic.requires_grad_(False)
         self.num_updates = 0
+        self.feature_cache = FeatureCache(cfg.noise_feature_cache) if cfg.noise_feature_cache > 0 else None
 
     def _clip(self, module: nn.Module) -> None:
         if self.cfg.max_grad_norm is not None:
@@ -173,7 +227,7 @@ class NoiseSACAgent:
         metrics: dict[str, torch.Tensor] = {}
         batch: Batch | None = None
         for _ in range(self.cfg.utd_ratio):
-            batch = attach_features(self.policy, _to_device(next(batches), self.device))
+            batch = attach_features(self.policy, _to_device(next(batches), self.device), self.feature_cache)
             metrics = self.critic_step(batch)
         assert batch is not None
         metrics.update(self.actor_step(batch))

@@ -112,6 +112,8 @@ class SACConfig:
     noise_actor_hidden_dims: tuple[int, ...] = (256, 256)
     #: noise space: env steps each chunk runs (the actor's ``chunk.execute``; 0: the whole chunk)
     execute_steps: int = 0
+    #: noise space: frozen features kept per distinct observation (0: recompute every batch)
+    noise_feature_cache: int = 200_000
 
     def __post_init__(self) -> None:
         if self.utd_ratio < 1:

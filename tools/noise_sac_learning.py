@@ -17,14 +17,37 @@ learner's windowed online success over time) and writes it to ``<out>/summary.js
 
     python -m tools.noise_sac_learning --out /tmp/noise_sac --train-s 480
 
-Measured (shared, heavily loaded 2-core CPU; 5 demos, 200 BC steps, 40 evaluation episodes
-on seeds 50000..50039): NO LEARNING YET. Base: 0.125 stochastic, 0.075 zero noise.
-Run 1 (the defaults below, 495 s, 139 online episodes, 736 updates): after 0.10 mean noise,
-0.075 sampled. Run 2 (lr 1e-3, tau 0.05, batch 32, unlimited update ratio, actor initialised
-near N(0, 1) in u-space; 425 s, 405 episodes, 3482 updates): after 0.075 / 0.05; online
-windowed success wandered between 0.05 and 0.2. Open suspects: how far this tiny BC'd base
-can be steered by its noise at all (measure action spread vs noise first), the zeros in the
-flow's padded noise dims (``algo.noise_dims=all`` untried), features, hyperparameters.
+Measured (shared 2-core CPU at load 4-10; 5 demos, 100 BC steps, 40 evaluation episodes on
+seeds 50000..50039): STILL NO RELIABLE LEARNING. Earlier runs (old defaults: entropy backup,
+temperature 0.05, lr 3e-4): base 0.125 / 0.075, after 0.05-0.10 (139 and 405 episodes).
+
+Diagnosis (in-process scripts outside the repo, same update functions):
+- the base CAN be steered: for fixed observations the executed action's std over N(0, I)
+  noises is 0.45 (|a| mean 0.46), and a best-of-N oracle (pick the noise whose chunk ends
+  nearest the target) succeeds 0.45 (N=8) and 0.62 (N=32) against 0.05 (N=1), with the
+  padded noise dims zero (``noise_dims=action``); 0.47 / 0.68 with all dims. The 100-step
+  base itself points nowhere (cosine of its chunk with the target direction: -0.17): the
+  noise decides everything, so the actor has to learn the whole reach from sparse reward;
+- the features are fine for this setting: a linear probe of (target - agent) from them has
+  held-out R^2 1.0 (via the state part); their pooled image+instruction part alone: -0.18
+  (mean pooling loses positions: an image-only task would need more);
+- the old defaults drowned the 0/1 reward in the entropy bonus: Q means of ~5 against
+  returns <= 1 (alpha 0.03 x entropy 8 per chunk, backed up). Fixed in the defaults below
+  (``backup_entropy=false``, temperature 0.005, lr 1e-3, UTD 4): Q means now 0.3-0.6;
+- ``noise_dims=all`` (128 noise values per chunk) learned less than ``action`` (8).
+In-process with the new defaults (same update functions, features cached): run A, 200
+episodes: online success (20-episode window) 0.05 -> 0.35, deterministic eval 0.10 -> 0.175;
+run B (UTD 8, batch 128), 180 episodes: eval 0.10 -> 0.075, online 0.05-0.25; run C (a
+400-BC-step base, no better: 0.075), 160 episodes: eval 0.075 -> 0.10.
+Through the processes, this tool with the defaults below (``--eval-episodes 40 --train-s
+600``; start-up took 270 s at load 10; 325 online episodes, 3985 updates, checkpoint at
+update 2910; 1045 s in all): before 0.05 (base, N(0, I) noise), 0.10 (zero noise), 0.10
+(untrained actor, sampled); after 0.15 (actor mean), 0.25 (sampled). 4 -> 10 wins of 40:
+a first positive signal, NOT significant (p ~ 0.07), and the online window stayed
+0.05-0.2. The likely limit is the signal: ~10% of ~200-300 episodes succeed, a few dozen
+positive chunks, too few to learn a direction map from scratch. Next: a base that already
+sometimes succeeds (the DSRL premise; more demos, not more BC steps), more episodes, a
+larger eval (100+ episodes), or a 0/1-preserving shaped reward.
 """
 
 from __future__ import annotations
@@ -197,10 +220,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-episodes", type=int, default=50)
     ap.add_argument("--train-s", type=float, default=480.0)
     ap.add_argument("--algo", nargs="*", default=[
-        "algo.learning_starts=200", "algo.batch_size=64", "algo.utd_ratio=1", "algo.critic_hidden_dims=[128,128]",
+        "algo.learning_starts=200", "algo.batch_size=64", "algo.utd_ratio=4", "algo.critic_hidden_dims=[128,128]",
         "algo.noise_actor_hidden_dims=[128,128]", "algo.publish_every=10", "algo.max_update_ratio=0.5",
-        "algo.init_temperature=0.05", "algo.actor_lr=3e-4", "algo.critic_lr=3e-4", "algo.tau=0.01",
-        "algo.noise_scale=1.5"], help="algo.* overrides of the learner")
+        "algo.backup_entropy=false", "algo.init_temperature=0.005", "algo.actor_lr=1e-3", "algo.critic_lr=1e-3",
+        "algo.tau=0.02", "algo.noise_scale=1.5", "algo.noise_dims=action"], help="algo.* overrides of the learner")
     args = ap.parse_args(argv)
     import torch
 
