@@ -179,9 +179,6 @@ class LearnerClient:
         self.connected = True
         self._hello_attempts = 0
         self._in_use_warned = False
-        #: random per-process token in every hello: the learner lets this process take over its
-        #: own live session (a retried handshake), never another process claiming the same id
-        self.instance = uuid.uuid4().hex
         now = time.monotonic()
         self._last_rx = self._last_ping = self._last_progress = now
         log.info("connected to learner %s at %s: acked seq %d, %d records to resend, version %d, "

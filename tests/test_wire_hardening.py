@@ -259,6 +259,12 @@ def test_a_silent_session_frees_its_id_and_the_client_retries_meanwhile(ports, t
         client.connect(give_up_after_s=10)  # refused while "old" is live, then admitted
         assert client.connected and time.monotonic() - t0 >= 1.0
         assert svc.rejections["actor_id_in_use"] >= 1
+        # its own retried handshake (new socket, same process) is let in at once
+        token, refused = client.instance, svc.rejections["actor_id_in_use"]
+        t0 = time.monotonic()
+        client.reconnect()
+        assert client.connected and client.instance == token
+        assert svc.rejections["actor_id_in_use"] == refused and time.monotonic() - t0 < 1.0
         client.close()
     finally:
         close()
