@@ -94,6 +94,9 @@ def save_checkpoint(root: str | Path, step: int, state: dict, *, keep: int = 2) 
     ckpts = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in ckpts[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp_step_*"):  # half-written by a killed process: never loaded
+        if not stale.name.endswith(f"_{os.getpid()}"):
+            shutil.rmtree(stale, ignore_errors=True)
     return final
 
 

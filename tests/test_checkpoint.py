@@ -48,3 +48,13 @@ def test_keeps_only_the_newest_and_refuses_what_it_cannot_store(tmp_path):
         save_checkpoint(tmp_path, 9, {"bad": object()})
     with pytest.raises(FileNotFoundError, match="not a Tandem checkpoint"):
         load_checkpoint(tmp_path / "nowhere")
+
+
+def test_half_written_checkpoints_of_killed_processes_are_cleared(tmp_path):
+    from learner.checkpoint import latest_checkpoint, save_checkpoint
+
+    stale = tmp_path / ".tmp_step_0000000007_999999"  # a learner killed mid-write
+    stale.mkdir()
+    (stale / "tensors.safetensors").write_bytes(b"partial")
+    final = save_checkpoint(tmp_path, 8, {"x": torch.ones(2)})
+    assert not stale.exists() and latest_checkpoint(tmp_path) == final
