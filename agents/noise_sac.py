@@ -35,7 +35,7 @@ from agents.base import Batch
 from agents.critics import EnsembleCritic
 from agents.noise_actor import NOISE_EXTRA, NoiseSpacePolicy
 from agents.sac import (SACConfig, Temperature, _to_device, actor_loss, chunk_return, critic_loss,
-                        soft_update, td_target, temperature_loss)
+                        soft_update, td_target, temperature_loss, utd_update)
 from data.core.spec import EnvSpec
 
 FEATURES = "features"
@@ -224,17 +224,8 @@ class NoiseSACAgent:
                 "noise_abs_mean": w.detach().abs().mean()}
 
     def update(self, batches: Iterator[Batch]) -> dict[str, float]:
-        metrics: dict[str, torch.Tensor] = {}
-        batch: Batch | None = None
-        for _ in range(self.cfg.utd_ratio):
-            batch = attach_features(self.policy, _to_device(next(batches), self.device), self.feature_cache)
-            metrics = self.critic_step(batch)
-        assert batch is not None
-        metrics.update(self.actor_step(batch))
-        self.num_updates += 1
-        out = {k: float(v) for k, v in metrics.items()}
-        out["num_updates"] = float(self.num_updates)
-        return out
+        return utd_update(self, batches, lambda b: attach_features(
+            self.policy, _to_device(b, self.device), self.feature_cache))
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -241,6 +241,23 @@ def chunk_return(reward: torch.Tensor, gamma: float, step_mask: torch.Tensor | N
                                                                    device=reward.device), k)
 
 
+def utd_update(agent, batches: Iterator[Batch], prepare) -> dict[str, float]:
+    """The SAC cadence any SAC-style agent shares: ``agent.cfg.utd_ratio`` critic steps (one
+    ``prepare``d batch each), then one actor + temperature step on the last batch; counts the
+    update. Returns float metrics of the last critic step and the actor step."""
+    metrics: dict[str, torch.Tensor] = {}
+    batch: Batch | None = None
+    for _ in range(agent.cfg.utd_ratio):
+        batch = prepare(next(batches))
+        metrics = agent.critic_step(batch)
+    assert batch is not None
+    metrics.update(agent.actor_step(batch))
+    agent.num_updates += 1
+    out = {k: float(v) for k, v in metrics.items()}
+    out["num_updates"] = float(agent.num_updates)
+    return out
+
+
 class SACAgent:
     """SAC over a :class:`agents.base.ReparamSampler` policy (``sample(obs, prefix)`` ->
     (actions [B, H, A], log_prob [B]), reparameterised; ``prefix="next."`` reads the next
@@ -352,17 +369,7 @@ class SACAgent:
     def update(self, batches: Iterator[Batch]) -> dict[str, float]:
         """``utd_ratio`` critic steps (one batch each), then one actor + temperature step on
         the last batch. Returns float metrics of the last critic step and the actor step."""
-        metrics: dict[str, torch.Tensor] = {}
-        batch: Batch | None = None
-        for _ in range(self.cfg.utd_ratio):
-            batch = _to_device(next(batches), self.device)
-            metrics = self.critic_step(batch)
-        assert batch is not None
-        metrics.update(self.actor_step(batch))
-        self.num_updates += 1
-        out = {k: float(v) for k, v in metrics.items()}
-        out["num_updates"] = float(self.num_updates)
-        return out
+        return utd_update(self, batches, lambda b: _to_device(b, self.device))
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:

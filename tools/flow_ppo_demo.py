@@ -19,9 +19,7 @@ writes it to ``<out>/summary.json``. Extra Hydra overrides for the learner go af
 
 from __future__ import annotations
 
-import argparse
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Sequence
@@ -29,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tools.learning_run import run
+from tools.learning_run import run, run_args, start_out
 
 ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "env.state_has_target=true"]
 CHUNK = 4
@@ -98,20 +96,10 @@ def bc_checkpoint(out: Path, env_cfg, *, demos: int, bc_steps: int, seed: int) -
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--minutes", type=float, default=14.0)
-    ap.add_argument("--demos", type=int, default=5)
+    ap = run_args(__doc__, minutes=14.0, demos=5, target=0.9, window=50)
     ap.add_argument("--bc-steps", type=int, default=100)
-    ap.add_argument("--actors", type=int, default=2)
-    ap.add_argument("--target", type=float, default=0.9)
-    ap.add_argument("--window", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
     a = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=False)
+    out = start_out(a.out)
     torch.set_num_threads(2)
     from tools.record_demos import env_config
 

@@ -4,6 +4,7 @@ loopback, and success by policy version read back from the run's LeRobot dataset
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -111,3 +112,27 @@ def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: f
             "by_version": {v: [round(float(np.mean(by_v[v])), 3), len(by_v[v])] for v in versions}}
 
 
+
+
+def run_args(doc: str, *, minutes: float, demos: int, target: float, window: int) -> argparse.ArgumentParser:
+    """The flags every learning-run tool shares (its own go after): ``--out``, ``--minutes``,
+    ``--demos``, ``--actors``, ``--target``, ``--window``, ``--seed`` and learner overrides."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--minutes", type=float, default=minutes)
+    ap.add_argument("--demos", type=int, default=demos)
+    ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--target", type=float, default=target)
+    ap.add_argument("--window", type=int, default=window)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
+    return ap
+
+
+def start_out(out: str) -> Path:
+    """SIGTERM stops the run like Ctrl-C (its processes are stopped, the summary written);
+    ``out`` must be new."""
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=False)
+    return path

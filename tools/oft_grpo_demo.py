@@ -21,9 +21,7 @@ Prints a JSON summary and writes ``<out>/summary.json``. Extra learner overrides
 
 from __future__ import annotations
 
-import argparse
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Sequence
@@ -47,23 +45,14 @@ def env_ranged_stats(ckpt: Path, action_dim: int, state_dim: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--demos", type=int, default=10)
+    from tools.learning_run import run, run_args, start_out
+
+    ap = run_args(__doc__, minutes=10.0, demos=10, target=0.95, window=64)
     ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--actors", type=int, default=2)
-    ap.add_argument("--target", type=float, default=0.95)
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
     a = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=False)
+    out = start_out(a.out)
     from envs.registry import env_spec
     from tools import sft
-    from tools.learning_run import run
     from tools.make_tiny_checkpoints import make_openvla_oft
     from tools.record_demos import env_config, record_demos
 
