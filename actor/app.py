@@ -16,7 +16,8 @@ import zmq
 from omegaconf import DictConfig, OmegaConf
 
 from actor.client import LearnerClient
-from actor.console import LiveView, actor_status, render
+from data.live_view import LiveView
+from actor.console import actor_status, render
 from actor.loop import ActorLoop
 from actor.rerun_live import make_rerun
 from actor.spool import Spool
@@ -128,7 +129,7 @@ class Actor:
         if self.rerun is not None:
             loop.on_step = self.rerun.log_step
         live = LiveView(lambda: render(actor_status(loop, self.client, device=cfg.intervention.device)),
-                        enabled=str(cfg.get("live", "auto")) != "false").start()
+                        enabled=str(cfg.get("live", "auto")) != "false", refresh_per_second=4.0).start()
         try:
             self.client.connect()
             if self.local is not None:

@@ -10,10 +10,8 @@ the recent episodes. The numbers are the ones the plain status line prints
 
 from __future__ import annotations
 
-import logging
-import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -88,53 +86,3 @@ def render(st: dict[str, Any]):
               f"{st['interventions']} human steps · {st['steps']} steps")
     return Panel(Group(who, keys, t), title=f"Tandem actor {st['actor_id']}", title_align="left",
                  border_style="red" if human else "green")
-
-
-class LiveView:
-    """A rich ``Live`` that redraws ``get_renderable()`` while log lines print above it.
-    Inactive unless ``enabled`` and stdout is a terminal. (The learner has its own copy:
-    actor/ and learner/ share only the core.)"""
-
-    def __init__(self, get_renderable: Callable[[], Any], *, enabled: bool = True,
-                 refresh_per_second: float = 4.0):
-        self.get_renderable = get_renderable
-        self.enabled = enabled
-        self.refresh_per_second = refresh_per_second
-        self.live = None
-        self._streams: list = []
-
-    def _safe(self):
-        try:
-            return self.get_renderable()
-        except Exception as exc:  # a view bug must never stop the robot
-            from rich.text import Text
-
-            return Text(f"(status view failed: {type(exc).__name__}: {exc})")
-
-    def start(self) -> "LiveView":
-        if not self.enabled or not sys.stdout.isatty():
-            return self
-        from rich.console import Console
-        from rich.live import Live
-
-        out = sys.stdout
-        self.live = Live(console=Console(), get_renderable=self._safe, redirect_stdout=True,
-                         redirect_stderr=True, refresh_per_second=self.refresh_per_second)
-        self.live.start()
-        for name in [None, *logging.root.manager.loggerDict]:
-            for h in getattr(logging.getLogger(name), "handlers", []):
-                if isinstance(h, logging.StreamHandler) and h.stream in (out, sys.__stdout__, sys.__stderr__):
-                    self._streams.append((h, h.stream))
-                    h.setStream(sys.stdout)
-        return self
-
-    def stop(self) -> None:
-        if self.live is None:
-            return
-        for h, stream in self._streams:
-            h.setStream(stream)
-        self._streams.clear()
-        try:
-            self.live.stop()
-        finally:
-            self.live = None

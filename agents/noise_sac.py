@@ -34,8 +34,8 @@ from torch import nn
 from agents.base import Batch
 from agents.critics import EnsembleCritic
 from agents.noise_actor import NOISE_EXTRA, NoiseSpacePolicy
-from agents.sac import (SACConfig, Temperature, _to_device, actor_loss, chunk_return, critic_loss,
-                        soft_update, td_target, temperature_loss, utd_update)
+from agents.sac import (SACAgent, SACConfig, Temperature, _to_device, actor_loss, chunk_return,
+                        critic_loss, soft_update, td_target, temperature_loss, utd_update)
 from data.core.spec import EnvSpec
 
 FEATURES = "features"
@@ -167,15 +167,9 @@ class NoiseSACAgent:
         self.num_updates = 0
         self.feature_cache = FeatureCache(cfg.noise_feature_cache) if cfg.noise_feature_cache > 0 else None
 
-    def _clip(self, module: nn.Module) -> None:
-        if self.cfg.max_grad_norm is not None:
-            self.accelerator.clip_grad_norm_(module.parameters(), self.cfg.max_grad_norm)
-
-    def _target_q_subset(self, next_q: torch.Tensor) -> torch.Tensor:
-        if self.num_min_qs >= next_q.shape[0]:
-            return next_q
-        idx = torch.randperm(next_q.shape[0], device=next_q.device)[: self.num_min_qs]
-        return next_q.index_select(0, idx)
+    # the same gradient clip and target-Q subset as SAC's
+    _clip = SACAgent._clip
+    _target_q_subset = SACAgent._target_q_subset
 
     def stored_noise(self, batch: Batch) -> torch.Tensor:
         """The SAC action of each row: the actor's dims [B, H, d] of ``extra.noise``."""

@@ -315,6 +315,7 @@ class SACAgent:
             self.accelerator.clip_grad_norm_(module.parameters(), self.cfg.max_grad_norm)
 
     def _target_q_subset(self, next_q: torch.Tensor) -> torch.Tensor:
+        """A random ``num_min_qs`` of the ensemble's target Qs [E, B] (REDQ's subset min)."""
         if self.num_min_qs >= next_q.shape[0]:
             return next_q
         idx = torch.randperm(next_q.shape[0], device=next_q.device)[: self.num_min_qs]

@@ -34,7 +34,8 @@ from envs.registry import env_spec
 from learner.actor_stats import ActorStats
 from learner.checkpoint import (checkpoint_age_s, format_age, latest_checkpoint, load_checkpoint,
                                 save_checkpoint)
-from learner.console import LiveView, RateMeter, Stages, render, view_status
+from data.live_view import LiveView
+from learner.console import RateMeter, Stages, render, view_status
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
