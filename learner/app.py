@@ -77,6 +77,7 @@ class Learner:
     def __init__(self, cfg: DictConfig):
         validate(cfg)
         self.cfg = cfg
+        self.stopped: dict | None = None  # why and on what figure the run stopped itself
         torch.manual_seed(cfg.seed)
         if cfg.trainer.num_threads:
             torch.set_num_threads(int(cfg.trainer.num_threads))
@@ -278,7 +279,8 @@ class Learner:
                   dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status(),
                   rejected_by_code=dict(self.service.rejections),
                   internal_errors=self.service.counters["internal_errors"],
-                  rejection_logs_suppressed=self.service._warn.suppressed_total)
+                  rejection_logs_suppressed=self.service._warn.suppressed_total,
+                  stopped=self.stopped)
         tmp = self.run_dir / ".status.json.tmp"
         tmp.write_text(json.dumps(st, indent=1))
         tmp.replace(self.run_dir / "status.json")
@@ -314,8 +316,13 @@ class Learner:
             s = self.ingest.stats.summary()
             if (cfg.stop_at_success and s.get("episodes", 0) >= cfg.stop_min_episodes
                     and s.get("success", 0.0) >= cfg.stop_at_success):
+                window = min(int(s["episodes"]), self.cfg.logging.stats_window)
                 log.info("success %.2f >= %.2f over the last %d episodes: done", s["success"],
-                         cfg.stop_at_success, min(int(s["episodes"]), self.cfg.logging.stats_window))
+                         cfg.stop_at_success, window)
+                # the figure that decided the stop: episodes keep arriving until the status is written
+                self.stopped = {"reason": "stop_at_success", "success": float(s["success"]),
+                                "episodes": int(s["episodes"]), "window": window,
+                                "updates": self.algo.updates}
                 break
         return self._status()
 
