@@ -213,3 +213,22 @@ class Builder(Protocol):
     def jobs(self) -> Any:
         """A job source (``next_job(actor_id, episode)``) or None: actors run as they like."""
         ...
+
+
+# -- distributed training ------------------------------------------------------------------------
+def accelerator_kwargs() -> list:
+    """The ``kwargs_handlers`` every learner ``Accelerator`` is made with. The algorithms put
+    their trained parts behind one wrapper module whose forward runs one *phase* (SAC: the
+    critic phase touches only the critic, the actor phase only the actor and temperature), so
+    under DDP some parameters get no gradient in a given backward: DDP must look for them
+    (``find_unused_parameters``) instead of waiting for their gradients forever."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return [DistributedDataParallelKwargs(find_unused_parameters=True)]
+
+
+def uses_deepspeed(accelerator: Any) -> bool:
+    """True when ``accelerator`` prepares models as DeepSpeed engines."""
+    from accelerate.utils import DistributedType
+
+    return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED

@@ -34,8 +34,8 @@ from torch import nn
 from agents.base import Batch
 from agents.critics import EnsembleCritic
 from agents.noise_actor import NOISE_EXTRA, NoiseSpacePolicy
-from agents.sac import (SACAgent, SACConfig, Temperature, _to_device, actor_loss, chunk_return,
-                        critic_loss, soft_update, td_target, temperature_loss, utd_update)
+from agents.sac import (SACAgent, SACConfig, SACModel, Temperature, _to_device, prepare_sac,
+                        sac_actor_step, sac_critic_step, utd_update)
 from data.core.spec import EnvSpec
 
 FEATURES = "features"
@@ -130,10 +130,19 @@ def make_noise_critic(cfg: SACConfig, policy: NoiseSpacePolicy) -> EnsembleCriti
                           layer_norm=cfg.critic_layer_norm, activation_name=cfg.critic_activation)
 
 
+class NoiseSACModel(SACModel):
+    """:class:`agents.sac.SACModel` whose actor is the noise actor, reading the batch's frozen
+    ``features`` (``prefix + "features"``) instead of the observation."""
+
+    def sample(self, batch: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        return self.actor.sample(batch[prefix + FEATURES])
+
+
 class NoiseSACAgent:
     """SAC over the noise actor of a :class:`NoiseSpacePolicy` (module docstring). The noise
-    actor, critic and temperature go through ``accelerator.prepare``; the frozen base does
-    not (it has no trainable parameter and no optimizer)."""
+    actor, critic and temperature go through ``accelerator.prepare`` as one
+    :class:`NoiseSACModel` (every forward through it, so DDP all-reduces the gradients); the
+    frozen base does not (it has no trainable parameter and no optimizer)."""
 
     name = "sac"
 
@@ -149,21 +158,10 @@ class NoiseSACAgent:
         critic = critic if critic is not None else make_noise_critic(cfg, policy)
         temperature = Temperature(cfg.init_temperature)
         self.device = accelerator.device
-        fused = self.device.type in ("cpu", "cuda")
-        policy.to(self.device)
-        critic.to(self.device)
-        temperature.to(self.device)
+        policy.to(self.device)  # the frozen base too (not part of the prepared model)
         actor = policy.noise_actor
-        opts = (torch.optim.Adam(actor.parameters(), lr=cfg.actor_lr, fused=fused),
-                torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr, fused=fused),
-                torch.optim.Adam(temperature.parameters(), lr=cfg.temp_lr, fused=fused))
-        (self.actor, self.critic, self.temperature, self.actor_opt, self.critic_opt,
-         self.temp_opt) = accelerator.prepare(actor, critic, temperature, *opts)
-        self._actor_raw = accelerator.unwrap_model(self.actor)
-        self._critic_raw: EnsembleCritic = accelerator.unwrap_model(self.critic)
-        self._temp_raw: Temperature = accelerator.unwrap_model(self.temperature)
-        self.target_critic = copy.deepcopy(self._critic_raw).to(self.device)
-        self.target_critic.requires_grad_(False)
+        prepare_sac(self, NoiseSACModel(actor, critic, temperature), list(actor.parameters()),
+                    critic, temperature)
         self.num_updates = 0
         self.feature_cache = FeatureCache(cfg.noise_feature_cache) if cfg.noise_feature_cache > 0 else None
 
@@ -177,45 +175,13 @@ class NoiseSACAgent:
 
     def critic_step(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One critic update (and target soft-update) on a batch with features attached."""
-        with torch.no_grad():
-            alpha = self.temperature()
-            next_w, next_logp = self._actor_raw.sample(batch["next." + FEATURES])
-            next_q = self._target_q_subset(self.target_critic(batch, next_w, "next."))
-            reward, discount = chunk_return(batch["reward"].float(), self.cfg.gamma,
-                                            batch.get("step_mask"), batch.get("n_steps"))
-            target = td_target(reward, batch["terminated"], next_q, next_logp, alpha=alpha,
-                               gamma=discount, backup_entropy=self.cfg.backup_entropy)
-        q = self.critic(batch, self.stored_noise(batch))
-        loss = critic_loss(q, target)
-        self.critic_opt.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
-        self._clip(self.critic)
-        self.critic_opt.step()
-        soft_update(self.target_critic, self._critic_raw, self.cfg.tau)
-        return {"critic_loss": loss.detach(), "q_mean": q.detach().mean(), "target_q_mean": target.mean()}
+        return sac_critic_step(self, batch, self.stored_noise(batch))
 
     def actor_step(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One actor step (through the frozen critic) and one temperature step."""
-        critic = self._critic_raw
-        critic.requires_grad_(False)
-        try:
-            w, logp = self._actor_raw.sample(batch[FEATURES])
-            q = self.critic(batch, w)
-            alpha = self.temperature().detach()
-            a_loss = actor_loss(q, logp, alpha, self.cfg.actor_q_reduce)
-            self.actor_opt.zero_grad(set_to_none=True)
-            self.accelerator.backward(a_loss)
-            self._clip(self.actor)
-            self.actor_opt.step()
-        finally:
-            critic.requires_grad_(True)
-        t_loss = temperature_loss(self._temp_raw.log_alpha, logp.detach(), self.target_entropy)
-        self.temp_opt.zero_grad(set_to_none=True)
-        self.accelerator.backward(t_loss)
-        self.temp_opt.step()
-        return {"actor_loss": a_loss.detach(), "temperature_loss": t_loss.detach(),
-                "entropy": -logp.detach().mean(), "alpha": alpha,
-                "noise_abs_mean": w.detach().abs().mean()}
+        metrics, w = sac_actor_step(self, batch)
+        metrics["noise_abs_mean"] = w.detach().abs().mean()
+        return metrics
 
     def update(self, batches: Iterator[Batch]) -> dict[str, float]:
         return utd_update(self, batches, lambda b: attach_features(

@@ -35,7 +35,7 @@ from torch import nn
 
 from agents.advantages import ESTIMATORS, masked_mean, masked_whiten
 from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, ValuePolicy,
-                         check_pair, has_capability)
+                         check_pair, has_capability, uses_deepspeed)
 from agents.kl import KL_KINDS, kl_penalty
 from data.core.schema import EXTRA_PREFIX, TASK
 
@@ -180,23 +180,34 @@ def truncated_is_weights(behaviour_logp: torch.Tensor, old_logp: torch.Tensor,
 
 # -- the agent ----------------------------------------------------------------------------------
 class PolicyCalls(nn.Module):
-    """The policy's training-time calls behind one ``forward``, so that they run through the
-    module ``accelerator.prepare`` returns (DDP hooks, DeepSpeed engine):
-    ``(obs, actions)`` -> log_prob [B]; ``(obs, what="sample")`` -> (actions, log_prob);
-    ``(obs, what="value")`` -> value [B]."""
+    """The policy's training-time calls (and a separate value net's) behind one ``forward``,
+    so that they run through the one module ``accelerator.prepare`` returns (DDP hooks,
+    DeepSpeed engine). ``what`` names one call or a tuple of calls made in that order in
+    *one* forward (DDP reduces once per forward/backward pair):
+    ``"log_prob"`` (obs, actions) -> [B]; ``"sample"`` -> (actions, log_prob);
+    ``"value"`` -> value [B] (the value net's when there is one, else the policy's).
 
-    def __init__(self, policy: nn.Module):
+    Why one wrapper for policy and value net: accelerate prepares one model per DeepSpeed
+    engine, and under DDP one forward per backward keeps the reducer's bookkeeping simple."""
+
+    def __init__(self, policy: nn.Module, value: nn.Module | None = None):
         super().__init__()
         self.policy = policy
+        self.value = value
 
-    def forward(self, obs: Batch, actions: torch.Tensor | None = None, what: str = "log_prob"):
+    def _call(self, what: str, obs: Batch, actions: torch.Tensor | None):
         if what == "log_prob":
             return self.policy.log_prob(obs, actions)
         if what == "sample":
             return self.policy.sample(obs)
         if what == "value":
-            return self.policy.value(obs)
+            return self.value(obs) if self.value is not None else self.policy.value(obs)
         raise ValueError(f"unknown call {what!r}")
+
+    def forward(self, obs: Batch, actions: torch.Tensor | None = None, what="log_prob"):
+        if isinstance(what, str):
+            return self._call(what, obs, actions)
+        return tuple(self._call(w, obs, actions) for w in what)
 
 
 def observation_keys(batch: Batch) -> list[str]:
@@ -223,9 +234,12 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
             for k, v in batch.items()}
 
 
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
 def _adam(module: nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
-    params = [p for p in module.parameters() if p.requires_grad]
-    return torch.optim.Adam(params, lr=lr, fused=device.type in ("cpu", "cuda"))
+    return torch.optim.Adam(_trainable(module), lr=lr, fused=device.type in ("cpu", "cuda"))
 
 
 class PPOAgent:
@@ -234,8 +248,13 @@ class PPOAgent:
     ``value_fn`` is a module ``value_fn(obs) -> [B]`` trained with its own optimizer
     (``value_lr``), or the policy itself to train a :class:`agents.base.ValuePolicy`'s own value
     head with the policy's optimizer, or None for critic-free training (advantages from an
-    outcome estimator; no value loss). Modules and optimizers go through
-    ``accelerator.prepare``; ``self.policy`` stays the unwrapped policy (what broadcasts read).
+    outcome estimator; no value loss). Policy and value net go through ``accelerator.prepare``
+    as one :class:`PolicyCalls` and every forward with a gradient runs through it (one per
+    minibatch), so DDP all-reduces both; ``self.policy`` stays the unwrapped policy (what
+    broadcasts read). With N ranks each holding a share of the round, advantages are whitened
+    with the global statistics and each rank's loss is scaled so that the all-reduced gradient
+    is the global masked mean's (:meth:`_whiten`, :meth:`_rank_scale`). A reference policy is
+    the same weights with adapters disabled (``policy.reference()``), so it needs no copy.
     """
 
     name = "ppo"
@@ -252,17 +271,26 @@ class PPOAgent:
         self.has_critic = value_fn is not None
         self._sampler = has_capability(policy, ReparamSampler)
         self._reference = has_capability(policy, ReferencePolicy)
-        calls = PolicyCalls(policy).to(self.device)
-        opt = _adam(policy, cfg.lr, self.device)
-        self.value_fn = self.value_opt = self._value_raw = None
-        if self.has_critic and not self._value_in_policy:
-            value_fn.to(self.device)
-            vopt = _adam(value_fn, cfg.value_lr, self.device)
-            self._calls, self.value_fn, self.opt, self.value_opt = accelerator.prepare(
-                calls, value_fn, opt, vopt)
-            self._value_raw = accelerator.unwrap_model(self.value_fn)
-        else:
+        separate = self.has_critic and not self._value_in_policy
+        calls = PolicyCalls(policy, value_fn if separate else None).to(self.device)
+        self.value_opt = self._value_raw = None
+        if separate and uses_deepspeed(accelerator):
+            # one engine, one optimizer: the value net is a second parameter group (its own
+            # lr); gradient clipping is the engine's (config/deepspeed/*.json), over both
+            opt = torch.optim.AdamW([{"params": _trainable(policy), "lr": cfg.lr},
+                                     {"params": _trainable(value_fn), "lr": cfg.value_lr}],
+                                    weight_decay=0.0)
             self._calls, self.opt = accelerator.prepare(calls, opt)
+        elif separate:
+            vopt = _adam(value_fn, cfg.value_lr, self.device)
+            self._calls, self.opt, self.value_opt = accelerator.prepare(
+                calls, _adam(policy, cfg.lr, self.device), vopt)
+        else:
+            self._calls, self.opt = accelerator.prepare(calls, _adam(policy, cfg.lr, self.device))
+        if separate:
+            self._value_raw = value_fn
+        #: the value net (unwrapped; no-gradient calls only) or None
+        self.value_fn = self._value_raw
         self.num_updates = 0
 
     # -- forwards ---------------------------------------------------------------------------
@@ -270,8 +298,28 @@ class PPOAgent:
         return self._calls(obs, actions).float().reshape(-1)
 
     def _value(self, obs: Batch) -> torch.Tensor:
-        v = self._calls(obs, what="value") if self._value_in_policy else self.value_fn(obs)
-        return v.float().reshape(-1)
+        return self._calls(obs, what="value").float().reshape(-1)
+
+    def _whiten(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:func:`agents.advantages.masked_whiten` with the statistics of the *global* batch
+        (all ranks' shares), so N ranks normalise as one process would."""
+        if self.accelerator.num_processes == 1:
+            return masked_whiten(adv, mask)
+        m = mask.to(adv.dtype)
+        tot = self.accelerator.reduce(torch.stack([(adv * m).sum(), m.sum()]), "sum")
+        mean = tot[0] / tot[1].clamp_min(1.0)
+        var = self.accelerator.reduce(((adv - mean).pow(2) * m).sum(), "sum") / (tot[1] - 1.0).clamp_min(1.0)
+        return (adv - mean) / (var.sqrt() + 1e-6) * m
+
+    def _rank_scale(self, mask: torch.Tensor) -> torch.Tensor | float:
+        """Factor on a rank's masked-mean loss so that DDP's mean over ranks is the masked
+        mean over the global minibatch (ranks whose shares hold different numbers of real
+        chunks); 1 on one process."""
+        if self.accelerator.num_processes == 1:
+            return 1.0
+        local = mask.float().sum()
+        total = self.accelerator.reduce(local.detach().clone(), "sum")
+        return local.clamp_min(1.0) * self.accelerator.num_processes / total.clamp_min(1.0)
 
     @torch.no_grad()
     def _in_chunks(self, fn, obs: Batch, actions: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -294,10 +342,9 @@ class PPOAgent:
         with self.policy.reference():
             return self._in_chunks(self._log_prob, obs, actions, n)
 
-    def _entropy(self, obs: Batch, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self._sampler:
-            _, lp = self._calls(obs, what="sample")
-            return entropy_bonus(lp.float().reshape(-1), mask)
+    def _entropy(self, sampled, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if sampled is not None:
+            return entropy_bonus(sampled[1].float().reshape(-1), mask)
         return entropy_bonus(logp, mask, score_function=True)
 
     def _clip(self, module) -> torch.Tensor | None:
@@ -331,7 +378,7 @@ class PPOAgent:
             ref = self._reference_log_prob(batch, obs, actions, n)
             adv = batch["advantages"].float()
             if cfg.normalize_advantages:
-                adv = masked_whiten(adv, mask)
+                adv = self._whiten(adv, mask)
             returns = old_values = None
             if self.has_critic:
                 returns = batch["returns"].float()
@@ -365,7 +412,10 @@ class PPOAgent:
     def _minibatch_step(self, obs: Batch, actions, old, adv, mask, is_w, ref, returns,
                         old_values) -> dict[str, torch.Tensor]:
         cfg = self.cfg
-        logp = self._log_prob(obs, actions)
+        sample = cfg.entropy_coef > 0 and self._sampler
+        whats = ("log_prob",) + (("sample",) if sample else ()) + (("value",) if self.has_critic else ())
+        outs = dict(zip(whats, self._calls(obs, actions, what=whats)))  # one forward
+        logp = outs["log_prob"].float().reshape(-1)
         loss, metrics = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, mask, is_w)
         metrics["policy_loss"] = loss.detach()
         if ref is not None:
@@ -373,11 +423,11 @@ class PPOAgent:
             loss = loss + cfg.kl_coef * kl
             metrics["kl"] = kl.detach()
         if cfg.entropy_coef > 0:
-            ent = self._entropy(obs, logp, mask)
+            ent = self._entropy(outs.get("sample"), logp, mask)
             loss = loss - cfg.entropy_coef * ent
             metrics["entropy"] = ent.detach()
         if self.has_critic:
-            v = self._value(obs)
+            v = outs["value"].float().reshape(-1)
             vl = value_loss(v, old_values, returns, cfg.value_clip, mask)
             loss = loss + cfg.value_coef * vl
             metrics["value_loss"] = vl.detach()
@@ -385,13 +435,13 @@ class PPOAgent:
         self.opt.zero_grad(set_to_none=True)
         if self.value_opt is not None:
             self.value_opt.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
-        norm = self._clip(self._calls)
+        self.accelerator.backward(loss * self._rank_scale(mask))
+        norm = self._clip(self.policy)
         if norm is not None:
             metrics["grad_norm"] = norm
         self.opt.step()
         if self.value_opt is not None:
-            self._clip(self.value_fn)
+            self._clip(self._value_raw)
             self.value_opt.step()
         metrics["loss"] = loss.detach()
         return metrics

@@ -193,10 +193,24 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
             for k, v in batch.items()}
 
 
+class BCLoss(torch.nn.Module):
+    """The policy's ``bc_loss`` as the ``forward`` of the module ``accelerator.prepare``
+    returns, so the BC gradient is all-reduced across ranks (DDP) or goes through the
+    DeepSpeed engine; calling the unwrapped policy's ``bc_loss`` would skip both."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.policy.bc_loss(batch)
+
+
 class BCAgent:
     """The policy and its optimizer; :meth:`update` is one BC step on one batch at a given
-    learning rate. Networks and optimizer go through ``accelerator.prepare``; ``policy``
-    stays the unwrapped module (what weight broadcasts read)."""
+    learning rate. The policy goes through ``accelerator.prepare`` as a :class:`BCLoss` and
+    every loss is computed through it; ``policy`` stays the unwrapped module (what weight
+    broadcasts read)."""
 
     name = "rejection_sampling"
 
@@ -212,8 +226,8 @@ class BCAgent:
         if not self._params:
             raise ValueError(f"{type(policy).__name__} has no trainable parameters")
         opt = self._make_optimizer()
-        self._model, self.opt = accelerator.prepare(policy, opt)
-        self._raw = accelerator.unwrap_model(self._model)
+        self._model, self.opt = accelerator.prepare(BCLoss(policy), opt)
+        self._raw = policy
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         fused = self.device.type in ("cpu", "cuda")
@@ -230,7 +244,7 @@ class BCAgent:
         for g in self.opt.param_groups:
             g["lr"] = float(lr)
         self._raw.train()
-        loss = self._raw.bc_loss(batch)
+        loss = self._model(batch)
         self.opt.zero_grad(set_to_none=True)
         self.accelerator.backward(loss)
         metrics = {"bc_loss": float(loss.detach()), "lr": float(lr)}

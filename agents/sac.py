@@ -258,14 +258,140 @@ def utd_update(agent, batches: Iterator[Batch], prepare) -> dict[str, float]:
     return out
 
 
+class SACModel(nn.Module):
+    """SAC's trained parts (actor, critic ensemble, temperature) behind one ``forward``, so
+    that every forward that needs a gradient runs through the module ``accelerator.prepare``
+    returned (DDP's all-reduce hooks; a DeepSpeed engine) and one ``prepare`` gets one model.
+
+    Why one wrapper and not accelerate's multi-DeepSpeed-plugin support (one engine per
+    part): under DDP the wrapper is exact (each part keeps its own optimizer; the phase's
+    backward all-reduces the gradients of the parts it touched), costs nothing on one process
+    and needs no experimental API; the multi-plugin API is marked experimental by accelerate,
+    keeps the *last* prepared engine for ``accelerator.backward`` and would need a third engine
+    for a scalar temperature. Under DeepSpeed one engine steps one optimizer over *all* its
+    parameters (parts without a gradient get zero ones, which Adam still moves), so SAC's three
+    separate steps per update cannot be expressed on one engine: :class:`SACAgent` refuses
+    DeepSpeed with a clear error and runs multi-GPU under DDP (``deepspeed.stage=0``), which is
+    the right choice anyway for SAC's small trained parts (LoRA, critic heads).
+
+    Phases (``what``), each one forward:
+
+    - ``"critic"``: Q(s, a) of ``actions`` [E, B] (``prefix="next."`` reads the next obs)
+    - ``"next"``: (a' [B, H, A], log pi(a'|s') [B], alpha []) at ``prefix`` (no-grad target)
+    - ``"actor"``: (a, log pi(a|s), Q(s, a) [E, B], log_alpha []) for the actor and
+      temperature losses (the caller freezes the critic's parameters around it)
+
+    The target critic is not part of it: a plain local copy on every rank, updated by the
+    same soft update from the same (all-reduced) critic, so the ranks' copies stay equal;
+    unsharded by choice (under ZeRO-3 it would have to be gathered every step).
+    """
+
+    def __init__(self, actor: nn.Module, critic: nn.Module, temperature: "Temperature"):
+        super().__init__()
+        self.actor, self.critic, self.temperature = actor, critic, temperature
+
+    def sample(self, batch: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """The actor's reparameterised (actions, log_prob) at ``prefix``."""
+        return self.actor.sample(batch, prefix)
+
+    def forward(self, batch: Batch, what: str, actions: torch.Tensor | None = None,
+                prefix: str = ""):
+        if what == "critic":
+            return self.critic(batch, actions, prefix)
+        if what == "next":
+            a, logp = self.sample(batch, prefix)
+            return a, logp, self.temperature()
+        if what == "actor":
+            a, logp = self.sample(batch)
+            # a view, not the leaf: DDP finds used parameters through the outputs' graph
+            return a, logp, self.critic(batch, a), self.temperature.log_alpha.view(())
+        raise ValueError(f"unknown SAC phase {what!r}")
+
+
+def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, temperature: nn.Module):
+    """Optimizers for the three parts, ``model`` through ``accelerator.prepare`` (one model,
+    three optimizers: DDP or one process; DeepSpeed refused, see :class:`SACModel`). Sets
+    ``agent.model`` (prepared), ``agent.actor_opt``/``critic_opt``/``temp_opt`` and the raw
+    parts ``agent._actor_raw``/``_critic_raw``/``_temp_raw`` and the target critic."""
+    from agents.base import uses_deepspeed
+
+    acc, cfg = agent.accelerator, agent.cfg
+    if uses_deepspeed(acc):
+        raise ValueError("SAC under DeepSpeed is not supported: one DeepSpeed engine steps one "
+                         "optimizer over all its parameters, SAC steps its actor, critic and "
+                         "temperature separately. Run multi-GPU SAC with deepspeed.stage=0 (DDP)")
+    # fused Adam: one kernel per step instead of ~10 ops per tensor (2x faster on CPU)
+    fused = acc.device.type in ("cpu", "cuda")
+    model.to(acc.device)
+    actor_opt = torch.optim.Adam(actor_params, lr=cfg.actor_lr, fused=fused)
+    critic_opt = torch.optim.Adam([p for p in critic.parameters() if p.requires_grad],
+                                  lr=cfg.critic_lr, fused=fused)
+    temp_opt = torch.optim.Adam(temperature.parameters(), lr=cfg.temp_lr, fused=fused)
+    agent.model, agent.actor_opt, agent.critic_opt, agent.temp_opt = acc.prepare(
+        model, actor_opt, critic_opt, temp_opt)
+    # the raw parts, taken once (accelerator.unwrap_model is slow: package metadata look-ups)
+    raw: SACModel = acc.unwrap_model(agent.model)
+    agent._actor_raw, agent._critic_raw, agent._temp_raw = raw.actor, raw.critic, raw.temperature
+    # the raw parts under their plain names, for evaluation calls (no gradient sync through them)
+    agent.critic, agent.temperature = raw.critic, raw.temperature
+    agent.target_critic = copy.deepcopy(raw.critic).to(acc.device)
+    agent.target_critic.requires_grad_(False)
+
+
+def sac_critic_step(agent, batch: Batch, actions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One critic update of ``Q(batch, actions)`` and one target soft-update (SAC and
+    noise-space SAC); every forward through ``agent.model``."""
+    with torch.no_grad():
+        next_a, next_logp, alpha = agent.model(batch, "next", prefix="next.")
+        next_q = agent._target_q_subset(agent.target_critic(batch, next_a, "next."))
+        reward, discount = chunk_return(batch["reward"].float(), agent.cfg.gamma,
+                                        batch.get("step_mask"), batch.get("n_steps"))
+        target = td_target(reward, batch["terminated"], next_q, next_logp, alpha=alpha,
+                           gamma=discount, backup_entropy=agent.cfg.backup_entropy)
+    q = agent.model(batch, "critic", actions)
+    loss = critic_loss(q, target)
+    agent.critic_opt.zero_grad(set_to_none=True)
+    agent.accelerator.backward(loss)
+    agent._clip(agent._critic_raw)
+    agent.critic_opt.step()
+    soft_update(agent.target_critic, agent._critic_raw, agent.cfg.tau)
+    return {"critic_loss": loss.detach(), "q_mean": q.detach().mean(), "target_q_mean": target.mean()}
+
+
+def sac_actor_step(agent, batch: Batch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One actor and one temperature update on ``batch`` from one forward and one backward of
+    the sum of both losses (their gradients are disjoint: the actor loss sees alpha detached,
+    the temperature loss log pi detached), so each reaches its optimizer as after two
+    separate backwards. Returns (detached metrics, the actions)."""
+    critic = agent._critic_raw
+    critic.requires_grad_(False)
+    try:
+        a, logp, q, log_alpha = agent.model(batch, "actor")
+        alpha = log_alpha.exp().detach()
+        a_loss = actor_loss(q, logp, alpha, agent.cfg.actor_q_reduce)
+        t_loss = temperature_loss(log_alpha, logp.detach(), agent.target_entropy)
+        agent.actor_opt.zero_grad(set_to_none=True)
+        agent.temp_opt.zero_grad(set_to_none=True)
+        agent.accelerator.backward(a_loss + t_loss)
+        agent._clip(agent._actor_raw)
+        agent.actor_opt.step()
+        agent.temp_opt.step()
+    finally:
+        critic.requires_grad_(True)
+    return ({"actor_loss": a_loss.detach(), "temperature_loss": t_loss.detach(),
+             "entropy": -logp.detach().mean(), "alpha": alpha}, a)
+
+
 class SACAgent:
     """SAC over a :class:`agents.base.ReparamSampler` policy (``sample(obs, prefix)`` ->
     (actions [B, H, A], log_prob [B]), reparameterised; ``prefix="next."`` reads the next
     observation).
 
-    Networks and optimizers go through ``accelerator.prepare``; ``self.policy`` stays the
-    unwrapped policy (what weight broadcasts read). ``critic`` may be passed in (the builder
-    makes it, :func:`make_critic`); otherwise it is made here.
+    The policy, critic and temperature go through ``accelerator.prepare`` as one
+    :class:`SACModel` (why: its docstring); every forward runs through the prepared model,
+    so under DDP each rank's gradients are all-reduced (mean) before the optimizer steps.
+    ``self.policy`` stays the unwrapped policy (what weight broadcasts read). ``critic`` may
+    be passed in (the builder makes it, :func:`make_critic`); otherwise it is made here.
     """
 
     name = "sac"
@@ -283,26 +409,9 @@ class SACAgent:
         self.num_min_qs = cfg.num_min_qs or cfg.num_critics
         critic = critic if critic is not None else make_critic(cfg, spec, policy)
         temperature = Temperature(cfg.init_temperature)
-        # fused Adam: one kernel per step instead of ~10 ops per tensor (2x faster on CPU)
-        fused = accelerator.device.type in ("cpu", "cuda")
-        policy.to(accelerator.device)
-        critic.to(accelerator.device)
-        temperature.to(accelerator.device)
-        actor_opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad],
-                                     lr=cfg.actor_lr, fused=fused)
-        critic_opt = torch.optim.Adam([p for p in critic.parameters() if p.requires_grad],
-                                      lr=cfg.critic_lr, fused=fused)
-        temp_opt = torch.optim.Adam(temperature.parameters(), lr=cfg.temp_lr, fused=fused)
-        (self._actor, self.critic, self.temperature, self.actor_opt, self.critic_opt,
-         self.temp_opt) = accelerator.prepare(policy, critic, temperature, actor_opt, critic_opt,
-                                              temp_opt)
+        prepare_sac(self, SACModel(policy, critic, temperature),
+                    [p for p in policy.parameters() if p.requires_grad], critic, temperature)
         self.device = accelerator.device
-        # unwrap once: accelerator.unwrap_model is slow (package metadata look-ups per call)
-        self._actor_raw = accelerator.unwrap_model(self._actor)
-        self._critic_raw: EnsembleCritic = accelerator.unwrap_model(self.critic)
-        self._temp_raw: Temperature = accelerator.unwrap_model(self.temperature)
-        self.target_critic = copy.deepcopy(self._critic_raw).to(self.device)
-        self.target_critic.requires_grad_(False)
         self.num_updates = 0
 
     # -- helpers ----------------------------------------------------------------------------
@@ -324,48 +433,11 @@ class SACAgent:
     # -- the update -------------------------------------------------------------------------
     def critic_step(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One critic update and one target soft-update on ``batch``; returns detached metrics."""
-        actor = self._actor_raw
-        with torch.no_grad():
-            alpha = self.temperature()
-            next_a, next_logp = actor.sample(batch, "next.")
-            next_q = self._target_q_subset(self.target_critic(batch, next_a, "next."))
-            reward, discount = chunk_return(batch["reward"].float(), self.cfg.gamma,
-                                            batch.get("step_mask"), batch.get("n_steps"))
-            target = td_target(reward, batch["terminated"], next_q, next_logp,
-                               alpha=alpha, gamma=discount,
-                               backup_entropy=self.cfg.backup_entropy)
-        q = self.critic(batch, batch["action"])
-        loss = critic_loss(q, target)
-        self.critic_opt.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
-        self._clip(self.critic)
-        self.critic_opt.step()
-        soft_update(self.target_critic, self._critic_raw, self.cfg.tau)
-        return {"critic_loss": loss.detach(), "q_mean": q.detach().mean(),
-                "target_q_mean": target.mean()}
+        return sac_critic_step(self, batch, batch["action"])
 
     def actor_step(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One actor and one temperature update on ``batch``; returns detached metrics."""
-        actor, critic = self._actor_raw, self._critic_raw
-        critic.requires_grad_(False)
-        try:
-            a, logp = actor.sample(batch)
-            q = self.critic(batch, a)
-            alpha = self.temperature().detach()
-            a_loss = actor_loss(q, logp, alpha, self.cfg.actor_q_reduce)
-            self.actor_opt.zero_grad(set_to_none=True)
-            self.accelerator.backward(a_loss)
-            self._clip(self._actor)
-            self.actor_opt.step()
-        finally:
-            critic.requires_grad_(True)
-        t_loss = temperature_loss(self._temp_raw.log_alpha,
-                                  logp.detach(), self.target_entropy)
-        self.temp_opt.zero_grad(set_to_none=True)
-        self.accelerator.backward(t_loss)
-        self.temp_opt.step()
-        return {"actor_loss": a_loss.detach(), "temperature_loss": t_loss.detach(),
-                "entropy": -logp.detach().mean(), "alpha": alpha}
+        return sac_actor_step(self, batch)[0]
 
     def update(self, batches: Iterator[Batch]) -> dict[str, float]:
         """``utd_ratio`` critic steps (one batch each), then one actor + temperature step on

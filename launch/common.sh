@@ -16,6 +16,7 @@ while [ $# -gt 0 ]; do
     --host) TANDEM_ARGS+=("transport.host=$2"); shift 2 ;;
     --port) TANDEM_ARGS+=("transport.port=$2"); shift 2 ;;
     --pub-port) TANDEM_ARGS+=("transport.pub_port=$2"); shift 2 ;;
+    --gpus) TANDEM_ARGS+=("gpus=$2"); shift 2 ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) TANDEM_ARGS+=("$1"); shift ;;
   esac

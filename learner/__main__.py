@@ -11,14 +11,18 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base=None, config_path="../config", config_name="learner")
 def main(cfg: DictConfig) -> None:
-    from learner.app import Learner
+    import os
 
+    if int(os.environ.get("RANK", "0")) > 0:  # rank k of an N-rank learner (learner/distributed.py)
+        from learner.distributed import Follower as make
+    else:
+        from learner.app import Learner as make
     try:
-        learner = Learner(cfg)
+        process = make(cfg)
     except (ValueError, FileNotFoundError) as exc:
         logging.getLogger("tandem.learner").error("%s", exc)
         sys.exit(2)
-    learner.run()
+    process.run()
 
 
 if __name__ == "__main__":
