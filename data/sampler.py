@@ -181,7 +181,8 @@ def build_store(cfg, spec: EnvSpec, *, run_dir: str | Path, train: bool = True,
 
     root = get("dataset_dir", None) or Path(run_dir) / "dataset"
     store = EpisodeStore(root, spec, fps=int(get("fps", 10)), video=bool(get("video", True)),
-                         vcodec=get("vcodec", None),
+                         vcodec=get("vcodec", None), encoder=str(get("encoder", "pool")),
+                         encode_workers=int(get("encode_workers", 2)),
                          commit_interval_s=float(get("commit_interval_s", 0.0)),
                          max_episodes_per_commit=int(get("max_episodes_per_commit", 32)))
     if refill_into is not None:

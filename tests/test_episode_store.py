@@ -290,7 +290,8 @@ def test_view_episode_saves_an_rrd_headless(tmp_path):
 def test_bench_buffer_json(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_buffer.py"), "--json",
                         "--episodes", "3", "--episode-len", "20", "--sample-iters", "2",
-                        "--write-episodes", "1"], capture_output=True, text=True, timeout=600,
+                        "--write-episodes", "1", "--writer-episodes", "4", "--writer-len", "8"],
+                       capture_output=True, text=True, timeout=600,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -298,3 +299,4 @@ def test_bench_buffer_json(tmp_path):
         assert res[k] > 0
     assert res["memory_ratio"] < 0.14  # uint8 and no next-observation copy: ~1/8 or less
     assert res["tandem"]["write_episodes_per_s"] > 0
+    assert res["writer_ratio"] > 0 and res["writer"]["pool"]["episodes"] == 4

@@ -68,6 +68,9 @@ up to its capacity.
 
 Modules: :mod:`~data.store.features` (the table above, both ways), :mod:`~data.store.writer`
 (:class:`EpisodeStore`), :mod:`~data.store.worker` (its queue and thread),
+:mod:`~data.store.prepare` (the pool encoder's worker processes: stats and videos prepared
+ahead, staged in ``.tandem/staging``, which is never part of a commit),
+:mod:`~data.store.append` (appending prepared episodes at commit time),
 :mod:`~data.store.commit` (commit records, recovery), :mod:`~data.store.compat` (lerobot
 internals), :mod:`~data.store.reader` (reading datasets).
 """

@@ -48,14 +48,21 @@ def import_lerobot():
     img_log = logging.getLogger("lerobot.datasets.image_writer")
     if DISK_FULL_SEEN not in img_log.handlers:
         img_log.addHandler(DISK_FULL_SEEN)
+    quiet_av()
+    _install_video_backend()
+    return LeRobotDataset
+
+
+def quiet_av() -> None:
+    """FFmpeg logs errors only. (lerobot's ``get_video_info`` and others call PyAV's
+    ``restore_default_callback``, after which FFmpeg prints its info lines to stderr until the
+    level is set again: the store calls this before each commit.)"""
     try:
         import av
 
         av.logging.set_level(av.logging.ERROR)
     except Exception:  # pragma: no cover
         pass
-    _install_video_backend()
-    return LeRobotDataset
 
 
 _VIDEO_BACKEND: list[str] = []

@@ -103,6 +103,13 @@ def episode_problem(arrays: dict[str, np.ndarray], n: int, spec: EnvSpec) -> str
 
 def episode_frames(arrays: dict[str, np.ndarray], n: int, spec: EnvSpec) -> list[dict]:
     """The frame dicts (without actor id, seq and task) of an episode's records."""
+    cols = episode_columns(arrays, n, spec)
+    return [{k: v[i] for k, v in cols.items()} for i in range(n)]
+
+
+def episode_columns(arrays: dict[str, np.ndarray], n: int, spec: EnvSpec) -> dict[str, np.ndarray]:
+    """The frame features of an episode's records as columns [n, *feature shape] (without
+    actor id, seq and task; cameras as given, uint8 [n, H, W, 3])."""
     cols: dict[str, np.ndarray] = {
         OBS_STATE: np.asarray(arrays[OBS_STATE], np.float32),
         "action": np.asarray(arrays["action"], np.float32),
@@ -115,7 +122,7 @@ def episode_frames(arrays: dict[str, np.ndarray], n: int, spec: EnvSpec) -> list
     for name, (dt, shape) in spec.extras.items():
         k = EXTRA_PREFIX + name
         cols[k] = np.asarray(arrays[k], dtype=dt).reshape(n, *extra_shape(shape))
-    return [{k: v[i] for k, v in cols.items()} for i in range(n)]
+    return cols
 
 
 def record_arrays(columns: dict[str, np.ndarray], n: int, spec: EnvSpec) -> dict[str, np.ndarray]:

@@ -52,6 +52,10 @@ class CommitWorker:
     def _closed(self) -> None:
         """Called once the thread has stopped (release the dataset writer)."""
 
+    def _prepare(self, episode: Episode) -> None:
+        """Called for each submitted episode, on the submitting thread, after queueing it:
+        start work that does not need the dataset (encoding, off this thread)."""
+
     # ---- the queue -------------------------------------------------------------------------
 
     def start(self):
@@ -71,6 +75,7 @@ class CommitWorker:
                 return
             self._queue.append(episode)
             self._cv.notify_all()
+        self._prepare(episode)
 
     def status(self) -> dict:
         """Counters for status.json: committed episodes and frames, queue, write errors."""

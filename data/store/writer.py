@@ -1,5 +1,21 @@
 """EpisodeStore: appends finished episodes to a LeRobot dataset, one durable commit at a
-time (durability and recovery are described in :mod:`data.store`)."""
+time (durability and recovery are described in :mod:`data.store`).
+
+Two encoders write video datasets (``buffer.encoder``):
+
+- ``pool`` (default): each submitted episode is prepared at once in worker processes --
+  stats and one H.264 MP4 per camera (preset ``veryfast``, CRF 23, lerobot's GOP of 2)
+  encoded from memory -- and the writer thread only appends rows, metadata and videos at
+  commit time (:mod:`data.store.prepare`, :mod:`data.store.append`). Measured with
+  ``python tools/bench_buffer.py --json`` (burst of 30 episodes of 21 frames, 2 cameras
+  128x128, 2 shared cores): 21.4 episodes/s against 2.24 for ``lerobot``,
+  ``writer_ratio`` 9.5. Disk: 18.9 KB of video per episode against 12.7 KB for AV1 (1.5x;
+  PSNR 36.3 dB against 34.1 dB on the bench's camera-like frames).
+- ``lerobot``: lerobot's own ``add_frame`` / ``save_episode`` on the writer thread (PNG
+  staging of every frame, then AV1 through SVT-AV1), the method before the pool.
+
+Image datasets (``video=False``: PNGs in the parquet rows) always use lerobot's path.
+"""
 
 from __future__ import annotations
 
@@ -18,14 +34,20 @@ from data.core.spec import EnvSpec
 from data.fsutil import free_mb, is_disk_full
 from data.store import commit as cm
 from data.store.compat import (DISK_FULL_SEEN, abandon_writer, check_writer_internals,
-                               import_lerobot, seal_writer)
+                               import_lerobot, quiet_av, seal_writer)
+from data.store.append import Appender, check_append_internals
 from data.store.episode import Episode
 from data.store.features import (DEFAULT_REPO_ID, INFO_PATH, StoreError, build_features,
                                  episode_frames, episode_problem)
 from data.store.reader import read_episodes, tandem_batch
+from data.store.prepare import PreparePool, PrepareJob
 from data.store.worker import CommitWorker
 
 log = logging.getLogger("tandem.data.store")
+
+ENCODERS = ("pool", "lerobot")
+#: lerobot encoder settings per codec where Tandem's differ from lerobot's defaults
+CODEC_SETTINGS = {"h264": {"preset": "veryfast", "crf": 23}}
 
 
 class EpisodeStore(CommitWorker):
@@ -48,6 +70,8 @@ class EpisodeStore(CommitWorker):
         video: bool = True,
         repo_id: str = DEFAULT_REPO_ID,
         vcodec: str | None = None,
+        encoder: str = "pool",
+        encode_workers: int = 2,
         commit_interval_s: float = 0.0,
         max_episodes_per_commit: int = 32,
         retry_min_s: float = 1.0,
@@ -62,14 +86,22 @@ class EpisodeStore(CommitWorker):
         self.fps = int(fps)
         self.video = bool(video)
         self.repo_id = repo_id
-        self.vcodec = vcodec
+        if encoder not in ENCODERS:
+            raise ValueError(f"buffer.encoder must be one of {ENCODERS}, got {encoder!r}")
+        self.encoder = encoder
+        self.vcodec = vcodec or ("h264" if encoder == "pool" else "libsvtav1")
         self.fsync = fsync
         self.features = build_features(spec, video=self.video)
-        if self.video and (vcodec or "libsvtav1") == "libsvtav1":
+        if self.video and self.vcodec == "libsvtav1":
             small = {c: s for c, s in spec.cameras.items() if min(s[0], s[1]) < 32}
             if small:  # SVT-AV1 kills the process (SIGFPE) on tiny frames
                 raise StoreError(f"cameras {small} are smaller than 32x32: too small to store as "
                                  "AV1 video; set buffer.video=false (PNG images) or another vcodec")
+        if self.video and self.vcodec in ("h264", "hevc"):
+            odd = {c: s for c, s in spec.cameras.items() if s[0] % 2 or s[1] % 2}
+            if odd:
+                raise StoreError(f"cameras {odd} have an odd height or width: {self.vcodec} "
+                                 "(yuv420p) needs even sizes; set buffer.video=false (PNG images)")
         self.ack_preview: Callable[[list[Episode]], dict[str, int]] | None = None
         self.acked: dict[str, int] = {}
         self.max_episode: dict[str, int] = {}
@@ -83,7 +115,12 @@ class EpisodeStore(CommitWorker):
         self.recovered_files = 0  # files of an unfinished commit removed by the last recover()
         self._LeRobotDataset = import_lerobot()
         self._kinds = cm.file_kinds(self.root, spec.image_keys, self.video)
+        self._rgb_encoder = self._make_encoder() if self.video else None
+        self._pool: PreparePool | None = None
+        self._appender: Appender | None = None
         self._open()
+        self._pool = (PreparePool(self.root, workers=encode_workers, make_job=self._job)
+                      if self.video and encoder == "pool" else None)
 
     # ---- opening, recovery, commits ------------------------------------------------------
 
@@ -118,12 +155,28 @@ class EpisodeStore(CommitWorker):
         log.info("episode store: created LeRobot dataset %s (%s)", self.root,
                  "video" if self.video else "images")
 
-    def _encoder_kwargs(self) -> dict:
-        if not self.vcodec:
-            return {}
+    def _make_encoder(self):
         from lerobot.configs import RGBEncoderConfig
 
-        return {"rgb_encoder": RGBEncoderConfig(vcodec=self.vcodec)}
+        return RGBEncoderConfig(vcodec=self.vcodec, **CODEC_SETTINGS.get(self.vcodec, {}))
+
+    def _encoder_kwargs(self) -> dict:
+        return {"rgb_encoder": self._rgb_encoder} if self._rgb_encoder is not None else {}
+
+    def _job(self, ep: Episode) -> PrepareJob:
+        enc = self._rgb_encoder
+        return PrepareJob(ep, self.spec, self._lr_features, self.fps, str(self._pool.staging),
+                          enc.vcodec, enc.pix_fmt, enc.get_codec_options(1, as_strings=True))
+
+    @property
+    def prepared(self) -> dict[str, int]:
+        """Episodes whose cameras were prepared by the encoder pool (``pool``) and by the
+        writer thread itself (``inline``: before the pool's first result, or a retry)."""
+        return dict(self._pool.counts) if self._pool is not None else {}
+
+    def _prepare(self, episode: Episode) -> None:
+        if self._pool is not None and episode_problem(episode.arrays, len(episode), self.spec) is None:
+            self._pool.submit(episode)
 
     def recover(self) -> None:
         """Bring the directory back to the last commit (see :mod:`data.store`). A dataset
@@ -140,6 +193,8 @@ class EpisodeStore(CommitWorker):
         self._last_files = dict(rec["last_files"])
         self.acked = {k: int(v) for k, v in rec.get("acked", {}).items()}
         self.max_episode = {k: int(v) for k, v in rec.get("max_episode", {}).items()}
+        self._lr_features = {k: {**ft, "shape": tuple(ft["shape"])}
+                             for k, ft in rec["info"]["features"].items()}
 
     def _write_commit(self, acked: dict[str, int], max_episode: dict[str, int]) -> None:
         acked_all = {**self.acked, **{k: int(v) for k, v in acked.items()}}
@@ -156,6 +211,8 @@ class EpisodeStore(CommitWorker):
             self._ds = self._LeRobotDataset.resume(
                 self.repo_id, root=self.root, video_backend="pyav", **self._encoder_kwargs())
             check_writer_internals(self._ds)
+            if self.video and self.encoder == "pool":
+                check_append_internals(self._ds)
         return self._ds
 
     def _abandon_writer(self) -> None:
@@ -164,12 +221,19 @@ class EpisodeStore(CommitWorker):
 
     def _closed(self) -> None:
         self._abandon_writer()
+        if self._pool is not None:
+            self._pool.close()
 
     def _write_episode(self, ep: Episode) -> None:
         ds = self._ensure_writer()
         import datasets
 
         datasets.disable_progress_bars()  # lerobot's metadata loading turns them back on
+        if self._pool is not None:
+            if self._appender is None:
+                self._appender = Appender(ds, self.spec, self.fps, self._rgb_encoder)
+            self._appender.add(ep, self._pool.take(ep))
+            return
         n = len(ep)
         seqs = np.asarray(ep.seqs, np.int64)
         for i, frame in enumerate(episode_frames(ep.arrays, n, self.spec)):
@@ -193,6 +257,8 @@ class EpisodeStore(CommitWorker):
                 continue
             log.error("episode store: dropping episode %d of actor %s: %s", ep.episode,
                       ep.actor_id, why)
+            if self._pool is not None:
+                self._pool.forget(ep)
             dropped.append(ep)
             self.counters["dropped_episodes"] += 1
         return done, dropped
@@ -206,6 +272,7 @@ class EpisodeStore(CommitWorker):
         if self._needs_recover:  # an earlier rollback did not finish
             self.recover()
             self._needs_recover = False
+        quiet_av()
         before = dict(self._last_files)
         seen = DISK_FULL_SEEN.seen
         done, dropped = self._settle(episodes)
@@ -220,6 +287,8 @@ class EpisodeStore(CommitWorker):
                     if not is_disk_full(exc):
                         self._failures[ep.key] += 1
                     raise
+            if self._appender is not None:
+                self._appender.finish()
             if self._ds is not None:
                 seal_writer(self._ds)
             else:
@@ -238,8 +307,12 @@ class EpisodeStore(CommitWorker):
                 max_ep[ep.actor_id] = max(max_ep.get(ep.actor_id, -1), ep.episode)
             self._write_commit(acked, max_ep)
         except BaseException:
+            if self._appender is not None:
+                self._appender.discard()
             self._rollback()
             raise
+        finally:
+            self._appender = None
         for ep in done + dropped:
             self._failures.pop(ep.key, None)
         self.counters["commits"] += 1

@@ -21,6 +21,15 @@ objects, a little sensor noise). Measured, for each:
 
 Ratios are Tandem / lerobot: ``memory_ratio`` (lower is better), ``sample_ratio``,
 ``add_ratio`` and ``write_ratio`` (higher is better).
+
+The episode writer under a burst (``writer``; ``--writer-only`` runs just this part): the
+learner's episode store, fed ``--writer-episodes`` short episodes (``--writer-len`` steps,
+2 cameras 128x128) at once through ``submit`` as ingest does, timed until the last one is
+durable (committed and fsynced: when the learner acks it), for the store's default encoder
+(``pool``: worker processes encode H.264 from memory, the writer thread appends) and for
+today's method before it (``lerobot``: lerobot's add_frame / save_episode, PNG staging and
+AV1, on the writer thread), in the same run. ``writer_ratio`` = pool / lerobot episodes/s;
+``bytes_per_episode`` is the dataset's video bytes per episode.
 """
 
 from __future__ import annotations
@@ -112,7 +121,8 @@ def bench_tandem(eps, spec, args) -> dict:
 def bench_tandem_write(eps, spec, args, root: Path) -> dict:
     from data.store import Episode, EpisodeStore
 
-    store = EpisodeStore(root / "tandem", spec, video=not args.images, fps=10)
+    store = EpisodeStore(root / "tandem", spec, video=not args.images, fps=10, encoder="pool",
+                         encode_workers=0)
     todo = [Episode("bench", i, e, ["bench task"] * len(e["reward"]),
                     np.arange(len(e["reward"]), dtype=np.int64)) for i, e in enumerate(eps)]
     store.write(todo[:1])  # warm-up (encoder start-up), not timed
@@ -122,6 +132,52 @@ def bench_tandem_write(eps, spec, args, root: Path) -> dict:
     dt = time.perf_counter() - t
     frames = sum(len(e) for e in todo[1:])
     return {"write_episodes_per_s": (len(todo) - 1) / dt, "write_frames_per_s": frames / dt}
+
+
+def bench_writer(eps, spec, root: Path, encoder: str, warmup: int = 2) -> dict:
+    """Episodes/s of the episode store draining a burst (submit all, wait until durable)."""
+    from data.store import Episode, EpisodeStore
+
+    store = EpisodeStore(root / encoder, spec, fps=10, encoder=encoder, commit_interval_s=0.0)
+    todo = [Episode("bench", i, e, ["bench task"] * len(e["reward"]),
+                    np.arange(i * 1000, i * 1000 + len(e["reward"]), dtype=np.int64))
+            for i, e in enumerate(eps)]
+    durable: list[float] = []
+    store.on_durable = lambda done, dropped: durable.extend(time.perf_counter() for _ in done)
+    store.start()
+    for ep in todo[:warmup]:  # encoder start-up (the pool's processes), not timed
+        store.submit(ep)
+    store.flush(600)
+    burst = todo[warmup:]
+    c0, t0 = time.thread_time(), time.perf_counter()
+    for ep in burst:
+        store.submit(ep)
+    submit_s = time.perf_counter() - t0
+    assert store.flush(1200), "writer did not drain"
+    dt = time.perf_counter() - t0
+    commits = store.counters["commits"]
+    store.close()
+    videos = sum(p.stat().st_size for p in (root / encoder / "videos").rglob("*.mp4"))
+    frames = sum(len(e) for e in burst)
+    return {"episodes_per_s": len(burst) / dt, "frames_per_s": frames / dt,
+            "drain_s": dt, "submit_ms_per_episode": 1000 * submit_s / len(burst),
+            "bytes_per_episode": videos / len(todo), "commits": commits - 1,
+            "episodes": len(burst), "vcodec": store.vcodec,
+            "submit_thread_cpu_s": time.thread_time() - c0}
+
+
+def writer_section(args, spec) -> dict:
+    eps = make_episodes(args.writer_episodes + 2, args.writer_len, 1, args.noise)
+    root = Path(tempfile.mkdtemp(prefix="tandem-bench-writer-"))
+    try:
+        old = bench_writer(eps, spec, root, "lerobot")
+        new = bench_writer(eps, spec, root, "pool")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"writer_ratio": new["episodes_per_s"] / old["episodes_per_s"],
+            "writer": {"lerobot": old, "pool": new, "episode_len": args.writer_len,
+                       "cameras": f"{len(CAMS)}x{H}x{W}", "cpus": os.cpu_count(),
+                       "load_avg": os.getloadavg()[0]}}
 
 
 # ---- lerobot -------------------------------------------------------------------------------------
@@ -198,12 +254,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--drq", action="store_true", help="lerobot samples with its DrQ augmentation")
     p.add_argument("--no-write", action="store_true", help="skip the disk write benchmark")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--writer-episodes", type=int, default=30,
+                   help="episodes in the writer burst (0: skip the writer bench)")
+    p.add_argument("--writer-len", type=int, default=20, help="steps per writer-bench episode")
+    p.add_argument("--writer-only", action="store_true", help="run only the writer bench")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     quiet_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = bench_spec(S, A, CAMS, (H, W))
+    if args.writer_only:
+        result = writer_section(args, spec)
+        if args.json:
+            emit_json(result)
+        else:
+            print_writer(result)
+        return result
     eps = make_episodes(args.episodes, args.episode_len, 0, args.noise)
     tandem = bench_tandem(eps, spec, args)
     lerobot, lrb = bench_lerobot(eps, args)
@@ -229,6 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if "write_episodes_per_s" in tandem and "write_episodes_per_s" in lerobot:
         ratios["write_ratio"] = tandem["write_episodes_per_s"] / lerobot["write_episodes_per_s"]
+    if not args.no_write and args.writer_episodes > 0:
+        ratios.update(writer_section(args, spec))
     result = {**ratios, "tandem": tandem, "lerobot": lerobot,
               "setup": {"episodes": args.episodes, "episode_len": args.episode_len,
                         "transitions": args.episodes * args.episode_len, "cameras": f"2x{H}x{W}",
@@ -255,7 +324,20 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:32s} {fmt.format(a):>14s} {fmt.format(b):>14s} {a / b:>15.3f}")
     print(f"memory_ratio {ratios['memory_ratio']:.4f} (target <= 0.125), "
           f"sample_ratio {ratios['sample_ratio']:.2f} (target >= 1)")
+    if "writer" in result:
+        print_writer(result)
     return result
+
+
+def print_writer(result: dict) -> None:
+    w = result["writer"]
+    print(f"episode writer, burst of {w['pool']['episodes']} episodes of {w['episode_len']} steps, "
+          f"{w['cameras']}, until durable:")
+    for name in ("lerobot", "pool"):
+        r = w[name]
+        print(f"  {name:8s} ({r['vcodec']:9s}) {r['episodes_per_s']:7.2f} episodes/s  "
+              f"{r['bytes_per_episode'] / 1024:7.1f} KiB video/episode  {r['commits']} commits")
+    print(f"writer_ratio {result['writer_ratio']:.2f} (target >= 5)")
 
 
 if __name__ == "__main__":
