@@ -1,10 +1,17 @@
-"""The actor's connection to the learner: one DEALER socket, used from one thread.
+"""The actor's connection to the learner: a DEALER socket (and an act DEALER), used from one
+thread.
 
 It handshakes, asks for actions, streams spooled transition batches and processes acks,
 with timeouts, retries and heartbeats. When the learner stops answering (restart, dropped
 link) it closes the socket, opens a new one and handshakes again ("lazy pirate"); the
 welcome says what the learner has acknowledged, and everything after that is resent from
 the spool. A config mismatch or an evaluation that is finished is final and raised.
+
+Acts go to the learner's act socket when the welcome names one (``act_port``, served by its
+inference thread: :mod:`learner.act_channel`): a second DEALER whose routing id is the
+session's ``act_token``, rebuilt with every welcome. A learner that forgot the session answers
+``handshake_required`` there, and the client handshakes again and resends. Without an
+``act_port`` acts use the main socket.
 
 The welcome carries the learner's :class:`data.core.spec.EnvSpec` (:attr:`LearnerClient.spec`:
 the env layout plus the policy extras every record must carry) and whether the learner hands
@@ -24,7 +31,7 @@ import zmq
 from actor.spool import Spool
 from data.core.codec import CodecError, Message, decode, encode
 from data.core.jobs import Job
-from data.core.schema import EXTRA_PREFIX
+from data.core.schema import ACT_TOKEN_BYTES, EXTRA_PREFIX
 from data.core.security import configure_client_socket
 from data.core.spec import EnvSpec
 
@@ -57,6 +64,7 @@ class LearnerClient:
         max_message_bytes: int = 64 << 20,
     ):
         self.ctx = ctx
+        self.host = host
         self.endpoint = f"tcp://{host}:{port}"
         self.actor_id = actor_id
         self.config_hash = config_hash
@@ -68,6 +76,8 @@ class LearnerClient:
         self.security = security or {}
         self.max_message_bytes = max_message_bytes
         self.sock: zmq.Socket | None = None
+        #: the act socket (routing id = the session's act token), None: acts use ``sock``
+        self.act_sock: zmq.Socket | None = None
         self.learner_id: str | None = None
         self.mode = "train"
         #: the learner's spec from the last welcome (env layout + policy extras), or None
@@ -184,7 +194,30 @@ class LearnerClient:
         log.info("connected to learner %s at %s: acked seq %d, %d records to resend, version %d, "
                  "mode %s, extras %s, jobs %s", self.learner_id, self.endpoint, acked, len(self.spool),
                  self.policy_version, self.mode, sorted(spec.extras), self.jobs)
+        self._open_act_socket(msg["act_port"], msg["act_token"])
         self.flush()
+
+    def _open_act_socket(self, port: int, token: bytes) -> None:
+        """A fresh act DEALER for this session (the old one belonged to the last session)."""
+        if self.act_sock is not None:
+            self.act_sock.close(0)
+            self.act_sock = None
+        if port == 0:
+            return
+        if len(token) != ACT_TOKEN_BYTES or token[0] == 0:
+            raise HandshakeError(f"learner sent a bad act_token ({len(token)} bytes; expected "
+                                 f"{ACT_TOKEN_BYTES}, not starting with 0)")
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, token)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # observations up to this size are copied on send: cheaper than a zero-copy frame's
+        # hand-back through pyzmq's garbage-collector thread
+        s.copy_threshold = 1 << 20
+        configure_client_socket(s, self.security)
+        s.connect(f"tcp://{self.host}:{port}")
+        self.act_sock = s
 
     def reconnect(self, *, block: bool = True) -> None:
         log.warning("learner at %s silent; reconnecting", self.endpoint)
@@ -194,6 +227,9 @@ class LearnerClient:
             self._start_handshake()
 
     def close(self) -> None:
+        if self.act_sock is not None:
+            self.act_sock.close(0)
+            self.act_sock = None
         if self.sock is not None:
             try:
                 if self.connected:
@@ -205,8 +241,10 @@ class LearnerClient:
 
     # ---- receiving -----------------------------------------------------------------------
 
-    def _recv(self) -> Message | None:
-        frames = self.sock.recv_multipart(copy=False)
+    def _recv(self, sock: zmq.Socket | None = None) -> Message | None:
+        sock = sock or self.sock
+        # act replies are small: bytes are cheaper than zero-copy frames
+        frames = sock.recv_multipart(copy=sock is not self.act_sock)
         self._last_rx = time.monotonic()
         try:
             return decode(frames, max_bytes=self.max_message_bytes)
@@ -308,14 +346,15 @@ class LearnerClient:
             self._req_id += 1
             req = self._req_id
             t0 = time.perf_counter()
-            self.sock.send_multipart(encode(
+            sock = self.act_sock or self.sock
+            sock.send_multipart(encode(
                 "act", {"req_id": req, "deterministic": deterministic, "tasks": list(tasks)}, arrays),
                 copy=False)
             deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline:
-                if not self.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                     break
-                msg = self._recv()
+                msg = self._recv(sock)
                 if msg is None:
                     continue
                 if msg.type == "act_reply" and msg["req_id"] == req:
@@ -326,6 +365,8 @@ class LearnerClient:
                 if msg.type == "error" and msg["code"] in ("bad_observation", "inference_failed"):
                     raise ValueError(f"learner could not serve the act request: {msg['code']}: "
                                      f"{msg['message']}")
+                # (a late act_reply is dropped; handshake_required from the act socket, a learner
+                # that forgot this session, starts a new handshake and the request is resent)
                 self._dispatch(msg)
                 if not self.connected:
                     break

@@ -5,6 +5,10 @@ makes its networks, its data (the sink ingest feeds and what it samples from) an
 learner (update cadence, what it publishes), and may hand actors jobs. Nothing here
 depends on which algorithm it is.
 
+Ranks (:mod:`learner.distributed`): with ``gpus`` = N > 1 this is rank 0, which owns the
+service, ingest, store, serving copy, versions and checkpoints; its agent's updates are
+announced to and shared with ranks 1..N-1 (:class:`learner.distributed.Follower`).
+
 Threads: the socket thread (:mod:`learner.service`), the inference thread
 (:mod:`learner.inference`) and this main thread, which steps the algorithm, publishes
 weight versions, checkpoints and logs.
@@ -25,7 +29,6 @@ from typing import Any
 
 import torch
 import zmq
-from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from agents import registry
@@ -36,6 +39,8 @@ from learner.checkpoint import (checkpoint_age_s, format_age, latest_checkpoint,
                                 save_checkpoint)
 from data.live_view import LiveView
 from learner.console import RateMeter, Stages, render, view_status
+from learner.distributed import (CTRL_GATHER, CTRL_IDLE, CTRL_STOP, RankError, Ranks, RootAgent,
+                                 check_world, gathered_trainable, make_accelerator, needs_gather)
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
@@ -84,7 +89,11 @@ class Learner:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.device = pick_device(cfg.device)
-        self.accelerator = Accelerator(cpu=self.device.type == "cpu")
+        self.accelerator = make_accelerator(self.device.type == "cpu", cfg.distributed.timeout_s)
+        self.ranks = Ranks(self.accelerator)
+        check_world(cfg, self.ranks.world, cfg.algo.name)
+        if self.ranks.world > 1:
+            self.device = self.accelerator.device  # this rank's GPU (cuda:0 on rank 0)
         env = env_spec(cfg.env)
         self.config_hash = config_hash(env, env_name=cfg.env.name, policy_name=cfg.policy.name,
                                        chunk=int(cfg.policy.chunk_size))
@@ -104,6 +113,8 @@ class Learner:
                              on_ack=lambda actor, seq: self._push_ack(actor, seq))
         self.algo = self.builder.make_learner(networks, self.data, self.accelerator,
                                               env_steps=lambda: self.ingest.steps)
+        if self.ranks.world > 1:  # every update is announced to and shared with the other ranks
+            self.algo.agent = RootAgent(self.algo.agent, self.ranks)
         # what the operator sees (learner/console.py): per-actor numbers fed by the threads
         self.actor_stats = ActorStats(window=int(cfg.logging.stats_window))
         self.eval_videos = EvalVideos(self.spec) if cfg.mode == "eval" else None
@@ -117,7 +128,7 @@ class Learner:
             ctx=self.ctx, spec=self.spec, config_hash=self.config_hash, ingest=self.ingest,
             submit_act=self._submit_act, get_version=lambda: self.weights.version,
             get_weights=lambda: self.weights.latest(), host=t.host, port=t.port, pub_port=t.pub_port,
-            max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
+            act_port=t.get("act_port"), max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
             mode=cfg.mode, security=OmegaConf.to_container(t.security, resolve=True),
             next_job=None if self.jobs is None else self.jobs.next_job,
             on_fatal=self._service_died,
@@ -126,6 +137,7 @@ class Learner:
             serving, reply=self._reply_act, active_actors=self.service.active_actors,
             device=self.device, max_batch=cfg.inference.max_batch,
             batch_window_ms=cfg.inference.batch_window_ms,
+            act_channel=self.service.act_channel,  # acts on their own socket (learner/act_channel.py)
         )
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
         self._stop = threading.Event()
@@ -145,7 +157,7 @@ class Learner:
                 raise FileNotFoundError(f"resume=must but {ckpt_root} has no checkpoint")
             if self.cfg.mode == "eval":
                 log.warning("evaluating an untrained policy: no checkpoint in %s", ckpt_root)
-            self.weights.publish(self.algo.policy.trainable_state_dict(), version=0)
+            self.weights.publish(self._trainable(), version=0)
             return
         with Stages(f"checkpoint {path.name}", ["reading", "restoring", "publishing"]) as stage:
             state = load_checkpoint(path)
@@ -157,7 +169,7 @@ class Learner:
             if self.cfg.mode == "train":
                 self.ingest.load_state_dict(state["ingest"])
             stage()
-            self.weights.publish(self.algo.policy.trainable_state_dict(), version=int(state["version"]))
+            self.weights.publish(self._trainable(), version=int(state["version"]))
         log.info("resumed from %s (written %s ago): %d updates, policy version %d", path,
                  format_age(checkpoint_age_s(path)), self.algo.updates, self.weights.version)
 
@@ -182,6 +194,7 @@ class Learner:
     def run(self) -> dict:
         cfg = self.cfg
         self._fatal: BaseException | None = None
+        self._fatal_rank: RankError | None = None
         self.service.start()
         self.inference.start()
         log.info("learner %s serving %s on %s:%d (pub %d), mode=%s, algo=%s, policy=%s, env=%s, "
@@ -200,18 +213,47 @@ class Learner:
             result = self._eval_loop() if cfg.mode == "eval" else self._train_loop()
         except KeyboardInterrupt:
             log.info("interrupted: stopping")
+        except RankError as exc:  # checkpoint (rank 0 holds the whole state under DDP), then fail
+            log.error("%s: the learner stops", exc)
+            self._fatal_rank = exc
         finally:
             live.stop()
+            self._stop_ranks()
             if cfg.mode == "train" and self.algo.updates > 0:
                 log.info("checkpoint %s", self.save())
             self.write_status()
             self.close()
             if prev is not None:
                 signal.signal(signal.SIGTERM, prev)
+            if self._fatal_rank is not None:
+                raise RuntimeError(f"a learner rank died ({self._fatal_rank}); the run stopped "
+                                   "after a checkpoint: restart it with the same --gpus") from self._fatal_rank
             if self._fatal is not None:  # replaces what the main thread hit on the dead sockets
                 raise RuntimeError(f"the socket thread died ({type(self._fatal).__name__}: "
                                    f"{self._fatal}); the learner stopped") from self._fatal
         return result
+
+    def _stop_ranks(self) -> None:
+        """Tell the other ranks to finish (once; not after a rank failure)."""
+        if self.ranks.world > 1 and self._fatal_rank is None and not getattr(self, "_ranks_stopped", False):
+            self._ranks_stopped = True
+            try:
+                self.ranks.send(CTRL_STOP)
+            except RankError as exc:
+                log.error("%s", exc)
+
+    def _heartbeat(self) -> None:
+        """Nothing to train on: let the other ranks know rank 0 is alive (rate-limited)."""
+        now = time.monotonic()
+        if self.ranks.world > 1 and now - getattr(self, "_last_beat", 0.0) >= self.cfg.distributed.heartbeat_s:
+            self.ranks.send(CTRL_IDLE)
+            self._last_beat = now
+
+    def _trainable(self) -> dict:
+        """The weights to publish; under ZeRO-3 gathered from every rank's shard."""
+        if self.ranks.world > 1 and needs_gather(self.accelerator):
+            self.ranks.send(CTRL_GATHER)
+        return gathered_trainable(self.algo.policy, self.accelerator)
 
     def _service_died(self, exc: BaseException) -> None:  # the dying socket thread
         """No half-alive learner: stop the main loop; :meth:`run` checkpoints and raises."""
@@ -224,10 +266,9 @@ class Learner:
             if peer.actor_id == actor_id:
                 self.service.reply(ident, self.service.ack_frames(actor_id, seq))
 
-    def _submit_act(self, req) -> None:  # socket thread
-        peer = self.service.peers.get(req.identity)
-        if peer is not None:
-            self.actor_stats.on_act(peer.actor_id, req.identity, req.t_recv)
+    def _submit_act(self, req) -> None:  # socket thread, or the inference thread (act socket)
+        if req.actor_id:
+            self.actor_stats.on_act(req.actor_id, req.identity, req.t_recv)
         self.inference.submit(req)
 
     def _reply_act(self, identity: bytes, frames: list) -> None:  # inference thread
@@ -295,12 +336,13 @@ class Learner:
             if m:
                 metrics = m
                 if self.algo.should_publish():
-                    self.weights.publish(self.algo.policy.trainable_state_dict())
+                    self.weights.publish(self._trainable())
                 if ((cfg.checkpoint_every and self.algo.updates - last_ckpt >= cfg.checkpoint_every)
                         or (every_s and time.monotonic() - last_ckpt_t >= every_s)):
                     self.save()
                     last_ckpt, last_ckpt_t = self.algo.updates, time.monotonic()
             else:
+                self._heartbeat()
                 time.sleep(0.005)
             now = time.monotonic()
             if now - last_log >= self.cfg.logging.every_s:

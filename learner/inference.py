@@ -3,7 +3,11 @@
 Requests queued by the socket thread are gathered into one forward pass: the thread takes
 every request waiting, and when fewer than the number of active actors are waiting it
 lingers up to ``batch_window_ms`` for the rest, so that with a request in flight from each
-of N actors one forward of batch N runs. It owns a serving copy of the policy; the trainer
+of N actors one forward of batch N runs. Requests come from the socket thread (``submit``,
+which wakes this thread through a pipe) and, when the server was given the service's
+``act_channel``, straight from the act socket, which this thread polls, validates and
+answers itself (:mod:`learner.act_channel`: no thread hand-off on the act path). It owns a
+serving copy of the policy; the trainer
 hands it new trainable weights through :meth:`set_weights` and they are loaded between
 forwards, so every reply carries exactly the version that produced it.
 
@@ -17,6 +21,7 @@ returns an extra it did not declare, or misses one, gets every request of the ba
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,10 +29,12 @@ from typing import Callable
 
 import numpy as np
 import torch
+import zmq
 
 from data.core.codec import encode
 from data.core.schema import TASK
 from data.transitions import extras_to_numpy
+from learner.act_channel import ActChannel
 from learner.service import ActRequest
 
 log = logging.getLogger("tandem.learner.inference")
@@ -44,6 +51,7 @@ class InferenceServer(threading.Thread):
         max_batch: int = 64,
         batch_window_ms: float = 2.0,
         autocast_dtype: torch.dtype | None = None,
+        act_channel: ActChannel | None = None,
     ):
         super().__init__(name="tandem-inference", daemon=True)
         self.policy = policy
@@ -64,9 +72,28 @@ class InferenceServer(threading.Thread):
         self.batches = 0
         self.served = 0
         self.batch_sizes: list[int] = []
+        self.channel = act_channel
+        if act_channel is not None:
+            act_channel.claim()
+        # submit() from another thread wakes this one through a pipe it polls with the act socket
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._ident: int | None = None
+        self._wake_lock = threading.Lock()  # the pipe is closed when the thread ends
+        self._wake_open = True
 
     def submit(self, req: ActRequest) -> None:
         self.requests.put(req)
+        if threading.get_ident() != self._ident:
+            with self._wake_lock:
+                if self._wake_open:
+                    try:
+                        os.write(self._wake_w, b"w")
+                    except BlockingIOError:  # full: a wake-up is already pending
+                        pass
 
     def set_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
         with self._lock:
@@ -83,31 +110,65 @@ class InferenceServer(threading.Thread):
             self.policy.load_trainable_state_dict(state)
             self.version = version
 
-    def _gather(self) -> list[ActRequest]:
-        try:
-            first = self.requests.get(timeout=0.1)
-        except queue.Empty:
-            return []
-        reqs = [first]
-        n = first.n
-        deadline = time.perf_counter() + self.window_s
-        want = max(1, self.active_actors())
+    def _wait(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for a wake-up or the act socket; move every request
+        waiting on the act socket into the queue (the act channel validates them)."""
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self.channel is not None and self.channel.sock in events:
+            self.channel.read()
+
+    def _take(self, reqs: list[ActRequest], n: int) -> int:
         while n < self.max_batch:
             try:
                 r = self.requests.get_nowait()
             except queue.Empty:
-                if len(reqs) >= want or time.perf_counter() >= deadline:
-                    break
-                time.sleep(0.0002)
-                continue
+                break
             reqs.append(r)
             n += r.n
+        return n
+
+    def _gather(self) -> list[ActRequest]:
+        reqs: list[ActRequest] = []
+        n = self._take(reqs, 0)
+        if not reqs:
+            self._wait(0.1)
+            n = self._take(reqs, 0)
+            if not reqs:
+                return []
+        deadline = time.perf_counter() + self.window_s
+        want = max(1, self.active_actors())
+        while n < self.max_batch and len(reqs) < want:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self._wait(left)
+            n = self._take(reqs, n)
         return reqs
 
     def run(self) -> None:
+        self._ident = threading.get_ident()
+        if self.channel is not None:
+            if self.channel.attach_thread():
+                self._poller.register(self.channel.sock, zmq.POLLIN)
+            else:
+                self.channel = None
         torch.set_grad_enabled(False)
-        with torch.inference_mode():  # once for the thread: entering it per batch costs ~10-50 us
-            self._loop()
+        try:
+            with torch.inference_mode():  # once for the thread: entering it per batch costs ~10-50 us
+                self._loop()
+        finally:
+            if self.channel is not None:
+                self.channel.close()
+            with self._wake_lock:
+                self._wake_open = False
+                for fd in (self._wake_r, self._wake_w):
+                    os.close(fd)
 
     def _loop(self) -> None:
         while not self._stop_event.is_set():
@@ -129,10 +190,11 @@ class InferenceServer(threading.Thread):
     def _serve(self, group: list[ActRequest], deterministic: bool) -> None:
         t0 = time.perf_counter()
         keys = list(group[0].arrays)
-        obs = {
-            k: torch.from_numpy(np.concatenate([r.arrays[k] for r in group])).to(self.device, non_blocking=True)
-            for k in keys
-        }
+        # concatenate copies even one request's arrays: the decoded ones are read-only views
+        # of the received frames, which torch must not be handed
+        obs = {k: torch.from_numpy(np.concatenate([r.arrays[k] for r in group])) for k in keys}
+        if self.device.type != "cpu":
+            obs = {k: v.to(self.device, non_blocking=True) for k, v in obs.items()}
         obs[TASK] = [t for r in group for t in r.tasks]
         if self.autocast_dtype is None:
             chunk = self.policy.act(obs, deterministic=deterministic)
@@ -140,7 +202,10 @@ class InferenceServer(threading.Thread):
             with torch.autocast(self.device.type, dtype=self.autocast_dtype):
                 chunk = self.policy.act(obs, deterministic=deterministic)
         actions = chunk.actions.float().cpu().numpy()
-        extras = extras_to_numpy(chunk.extras_with_log_prob(), self.extras_spec, actions.shape[0])
+        if self.extras_spec or chunk.extras or chunk.log_prob is not None:
+            extras = extras_to_numpy(chunk.extras_with_log_prob(), self.extras_spec, actions.shape[0])
+        else:  # nothing declared, nothing returned
+            extras = {}
         infer_ms = (time.perf_counter() - t0) * 1000.0
         self.batches += 1
         self.served += len(group)

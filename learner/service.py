@@ -8,7 +8,10 @@ Per message from an actor (first frame is the ROUTER identity):
 
 - ``hello``: checks protocol (codec) and config hash, registers the actor, replies
   ``welcome`` with the actor's acknowledged sequence number and the current version;
-- ``act``: validates the observation and queues it for the inference thread;
+- ``act``: validates the observation and queues it for the inference thread. Actors that
+  got an ``act_port`` in their welcome send acts to the act socket instead
+  (:mod:`learner.act_channel`: the inference thread reads, validates and answers them itself,
+  with no hand-off through this thread); both paths run the same checks (:meth:`check_act`);
 - ``transitions``: validates, drops duplicates by sequence number, hands new records to
   :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number;
 - ``ping`` -> ``pong``; ``get_weights`` -> ``weights``; ``bye`` forgets the peer;
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import _thread
 import logging
+import os
 import threading
 import time
 import uuid
@@ -52,17 +56,18 @@ import zmq
 
 from data.core.codec import CodecError, FieldRangeError, decode, encode
 from data.core.jobs import Job
-from data.core.schema import OBS_STATE, TASK
+from data.core.schema import ACT_TOKEN_BYTES, OBS_STATE
 from data.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
 from learner.ingest import Ingest
-from learner.wire_guard import RateLimitedLog, check_obs_layout, check_transitions_message
+from learner.act_channel import ActChannel, drain as _drain, is_act_token, user_id as _user_id
+from learner.wire_guard import RateLimitedLog, check_obs, check_obs_layout, check_transitions_message
 from data.core.security import authorized_actor_ids, configure_server_socket
 
 log = logging.getLogger("tandem.learner.service")
 
 OUTBOX_ADDR = "inproc://tandem-outbox"
-_DTYPES = {"float32": np.dtype("float32"), "uint8": np.dtype("uint8")}
+__all__ = ["ActRequest", "LearnerService", "Peer", "check_obs"]
 
 
 @dataclass
@@ -73,6 +78,8 @@ class ActRequest:
     arrays: dict[str, np.ndarray]
     tasks: list[str]
     t_recv: float = field(default_factory=time.perf_counter)
+    #: the session's actor id ("" when the submitter did not know it)
+    actor_id: str = ""
 
     @property
     def n(self) -> int:
@@ -86,6 +93,8 @@ class Peer:
     #: the actor process's random instance token from its hello ("" when it sent none): a
     #: retried hello of the same process may take over its own live session
     instance: str = ""
+    #: this session's act token (the routing id of its act socket)
+    token: bytes = b""
 
 
 class LearnerService(threading.Thread):
@@ -108,7 +117,13 @@ class LearnerService(threading.Thread):
         security: dict | None = None,
         next_job: Callable[[str, int], Job | None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        act_port: int | None = None,
+        act_socket: bool = True,
     ):
+        """``act_port``: the act socket's port (:mod:`learner.act_channel`); None: ``port + 2``
+        (5590 by default; one the OS picks, logged, when that is taken or ``port`` is 0; the
+        welcome tells actors which). ``act_socket=False``: none,
+        every act goes through this thread's ROUTER."""
         super().__init__(name="tandem-service", daemon=True)
         self.ctx = ctx
         self.spec = spec
@@ -123,6 +138,9 @@ class LearnerService(threading.Thread):
         self.next_job = next_job
         self.learner_id = uuid.uuid4().hex[:12]
         self.peers: dict[bytes, Peer] = {}
+        #: act token -> session (read by the inference thread; written here only)
+        self.act_sessions: dict[bytes, Peer] = {}
+        self._count_lock = threading.Lock()  # counters are written by two threads
         self.counters = {"rejected": 0, "duplicates": 0, "acts": 0, "transitions": 0, "jobs": 0,
                          "internal_errors": 0}
         self.rejections: Counter[str] = Counter()  # by error code
@@ -155,6 +173,34 @@ class LearnerService(threading.Thread):
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(OUTBOX_ADDR + "-" + self.learner_id)
+        self.act_channel: ActChannel | None = None
+        if act_socket:
+            self.act_channel = ActChannel(self, self._bind_act_socket(
+                host, (port + 2 if port else 0) if act_port is None else act_port, security,
+                max_message_bytes, fallback=act_port is None))
+
+    def _bind_act_socket(self, host: str, port: int, security: dict, max_message_bytes: int,
+                         fallback: bool):
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        configure_server_socket(sock, host, security)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            try:
+                sock.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError as exc:
+                if not (fallback and port):
+                    raise
+                log.warning("act socket: port %d is taken (%s); using one the OS picks", port, exc)
+                sock.bind(f"tcp://{host}:0")
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            for s in (self.router, self.pub, self.pull):
+                s.close(0)
+            raise zmq.ZMQError(exc.errno, f"the act socket cannot bind {host}:{port} ({exc}); "
+                               "pass another act_port (the main port + 2 by default)") from exc
+        return sock
 
     # ---- API for other threads -------------------------------------------------------
 
@@ -171,6 +217,11 @@ class LearnerService(threading.Thread):
         return sock
 
     def reply(self, identity: bytes, frames: list) -> None:
+        """Send from any thread: via the outbox, or straight on the act socket (its thread)."""
+        ch = self.act_channel
+        if ch is not None and is_act_token(identity) and ch.owns_thread():
+            ch.send(identity, frames)
+            return
         self.outbox().send_multipart([b"R", identity, *frames], copy=False)
 
     def publish(self, frames: list) -> None:
@@ -178,7 +229,27 @@ class LearnerService(threading.Thread):
 
     def active_actors(self) -> int:
         now = time.monotonic()
-        return sum(1 for p in self.peers.values() if now - p.last_seen < self.peer_timeout_s)
+        # list(): one C-level copy, safe while the socket thread adds a peer
+        return sum(1 for p in list(self.peers.values()) if now - p.last_seen < self.peer_timeout_s)
+
+    def count_rejection(self, code: str, *, internal: bool = False) -> None:
+        with self._count_lock:
+            self.counters["internal_errors" if internal else "rejected"] += 1
+            if not internal:
+                self.rejections[code] += 1
+
+    def check_act(self, msg) -> tuple[str, str] | None:
+        """(error code, message) for an ``act`` request that must not be served, else None."""
+        if self.finished:
+            return "finished", "evaluation is done"
+        err = check_obs_layout(msg.arrays) or check_obs(msg.arrays, msg["tasks"], self.spec)
+        return ("bad_observation", err) if err else None
+
+    def act_request(self, identity: bytes, msg, actor_id: str) -> ActRequest:  # counted
+        with self._count_lock:
+            self.counters["acts"] += 1
+        return ActRequest(identity, msg["req_id"], bool(msg["deterministic"]) or self.mode == "eval",
+                          msg.arrays, msg["tasks"], actor_id=actor_id)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -210,6 +281,8 @@ class LearnerService(threading.Thread):
         finally:
             for s in (self.router, self.pub, self.pull):
                 s.close(0)
+            if self.act_channel is not None:  # the inference thread closes it if it took it
+                self.act_channel.close(unless_owned=True)
             with self._outbox_lock:
                 for s in self._outbox_socks:
                     s.close(0)
@@ -218,8 +291,7 @@ class LearnerService(threading.Thread):
         self.router.send_multipart([identity, *frames], copy=False)
 
     def _error(self, identity: bytes, code: str, message: str) -> None:
-        self.counters["rejected"] += 1
-        self.rejections[code] += 1
+        self.count_rejection(code)
         self._warn.warning("rejected message from %s: %s: %s",
                            self.peers[identity].actor_id if identity in self.peers else identity.hex(),
                            code, message[:500])
@@ -231,7 +303,7 @@ class LearnerService(threading.Thread):
         try:
             self._handle(identity, frames)
         except Exception as exc:
-            self.counters["internal_errors"] += 1
+            self.count_rejection("internal_error", internal=True)
             self._warn.warning("message from %s raised %s (counted, serving on)", identity.hex(),
                                type(exc).__name__, exc_info=exc)
             try:
@@ -275,6 +347,11 @@ class LearnerService(threading.Thread):
         if not actor_id or len(actor_id) > 128:
             self._error(identity, "bad_hello", "actor_id must be 1-128 characters")
             return
+        if is_act_token(identity):  # replies to such ids are taken for the act socket's
+            self._error(identity, "bad_hello", f"a routing id of {ACT_TOKEN_BYTES} bytes not "
+                        "starting with 0 is reserved for act sockets; leave the main socket's "
+                        "routing id unset")
+            return
         if self.key_ids is not None:
             owner = self.key_ids.get(user_id or "")
             if owner != actor_id:
@@ -293,6 +370,7 @@ class LearnerService(threading.Thread):
         now = time.monotonic()
         if len(self.peers) > 256:  # forget silent sessions: a flood of hellos stays bounded
             self.peers = {i: p for i, p in self.peers.items() if now - p.last_seen < self.peer_timeout_s}
+            self.act_sessions = {p.token: p for p in self.peers.values() if p.token}
         holders = [i for i, p in self.peers.items() if p.actor_id == actor_id and i != identity]
         instance = msg.get("instance")
         instance = instance if isinstance(instance, str) and 0 < len(instance) <= 64 else ""
@@ -313,8 +391,15 @@ class LearnerService(threading.Thread):
             return
         # A reconnecting actor gets a new identity: forget the old (stale, or same-key) one.
         for ident in holders:
-            del self.peers[ident]
-        self.peers[identity] = Peer(actor_id, now, instance)
+            self.act_sessions.pop(self.peers.pop(ident).token, None)
+        old = self.peers.get(identity)
+        if old is not None:  # a second hello on the same connection: a new session token
+            self.act_sessions.pop(old.token, None)
+        token = b"\x01" + os.urandom(ACT_TOKEN_BYTES - 1)
+        self.peers[identity] = peer = Peer(actor_id, now, instance, token)
+        self.act_sessions[token] = peer
+        ch = self.act_channel
+        act_port = ch.port if ch is not None and ch.claimed and not ch.closed else 0
         self.ingest.resync(actor_id, resend_from)
         acked, next_episode = self.ingest.actor_position(actor_id)
         log.info("actor %s connected (acked seq %d)", actor_id, acked)
@@ -323,19 +408,19 @@ class LearnerService(threading.Thread):
             "received_seq": max(acked, self.ingest.received.get(actor_id, -1)),
             "policy_version": self.get_version(), "mode": self.mode,
             "next_episode": next_episode, "spec": self.spec.to_dict(), "jobs": self.next_job is not None,
+            "act_port": act_port, "act_token": token if act_port else b"",
         }))
 
     def _on_act(self, identity: bytes, peer: Peer, msg) -> None:
-        if self.finished:
-            self._send(identity, encode("error", {"code": "finished", "message": "evaluation is done"}))
+        bad = self.check_act(msg)
+        if bad is not None:
+            code, message = bad
+            if code == "finished":
+                self._send(identity, encode("error", {"code": code, "message": message}))
+            else:
+                self._error(identity, code, message)
             return
-        err = check_obs_layout(msg.arrays) or check_obs(msg.arrays, msg["tasks"], self.spec)
-        if err:
-            self._error(identity, "bad_observation", err)
-            return
-        self.counters["acts"] += 1
-        deterministic = bool(msg["deterministic"]) or self.mode == "eval"
-        self.submit_act(ActRequest(identity, msg["req_id"], deterministic, msg.arrays, msg["tasks"]))
+        self.submit_act(self.act_request(identity, msg, peer.actor_id))
 
     def _on_transitions(self, identity: bytes, peer: Peer, msg) -> None:
         if msg["actor_id"] != peer.actor_id:
@@ -389,6 +474,7 @@ class LearnerService(threading.Thread):
 
     def _on_bye(self, identity: bytes, peer: Peer, msg) -> None:
         self.peers.pop(identity, None)
+        self.act_sessions.pop(peer.token, None)
 
     def _on_get_job(self, identity: bytes, peer: Peer, msg) -> None:
         episode = msg["episode"]
@@ -411,49 +497,3 @@ class LearnerService(threading.Thread):
             return
         self.counters["jobs"] += 1
         self._send(identity, encode("job", {**job.to_fields(), "episode": episode}))
-
-
-def _user_id(frame) -> str | None:
-    """The ZAP User-Id of the peer that sent ``frame`` (its z85 CURVE key), if any."""
-    try:
-        return frame.get("User-Id")
-    except (AttributeError, zmq.ZMQError):
-        return None
-
-
-def _drain(sock: zmq.Socket, limit: int = 256):
-    """Up to ``limit`` waiting messages, without blocking (so neither socket starves)."""
-    for _ in range(limit):
-        try:
-            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return
-
-
-def check_obs(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec) -> str | None:
-    """Validate an act request's observation batch; return an error message or None."""
-    if OBS_STATE not in arrays:
-        return f"missing {OBS_STATE!r}"
-    b = arrays[OBS_STATE].shape[0] if arrays[OBS_STATE].ndim else 0
-    if b < 1 or b > 1024:
-        return f"batch size {b} out of range 1..1024"
-    expected = {OBS_STATE: ("float32", (spec.state_dim,))}
-    for cam, shape in spec.cameras.items():
-        expected["observation.images." + cam] = ("uint8", tuple(shape))
-    extra = sorted(set(arrays) - set(expected))
-    if extra:
-        return f"unexpected arrays {extra}"
-    for k, (dt, shape) in expected.items():
-        if k not in arrays:
-            n_img = len(spec.cameras)
-            return f"missing {k!r} (this env has {n_img} camera(s): {sorted(spec.cameras)})"
-        a = arrays[k]
-        if a.dtype != _DTYPES[dt] or a.shape != (b, *shape):
-            return f"{k}: got {a.dtype.name}{tuple(a.shape)}, expected {dt}{(b, *shape)}"
-        if a.dtype.kind == "f" and not np.isfinite(a).all():
-            return f"{k}: contains NaN or Inf"
-    if len(tasks) != b or not all(isinstance(t, str) for t in tasks):
-        return f"{TASK}: expected {b} instruction strings"
-    if spec.has_task and not all(tasks):
-        return "missing task instruction: this env needs one per observation"
-    return None

@@ -1,12 +1,14 @@
-"""Checks the socket thread runs on untrusted messages before anything else touches them,
-and a rate-limited logger for what it rejects.
+"""Checks the learner runs on untrusted messages before anything else touches them (the
+socket thread on its ROUTER, the inference thread on the act socket), and a rate-limited
+logger for what they reject.
 
 The codec (:func:`data.core.codec.decode`) has already checked types, header bounds and
 that every buffer matches its claimed shape. What is left for a ``transitions`` message is
 its layout as a batch: every array at least 1-d with one row per record, a record count in
 ``1..MAX_BATCH`` that matches ``tasks`` and ``last_seq``, and integer step arrays within
 :data:`data.core.schema.STEP_BOUNDS` - so that no numpy or arithmetic error can arise later
-from a crafted batch (a 0-d array, sequence numbers near the int64 limit, ...).
+from a crafted batch (a 0-d array, sequence numbers near the int64 limit, ...). An ``act``
+request's observation must be a batch of exactly the env's arrays (:func:`check_obs`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import time
 import numpy as np
 
 from data.core.codec import Message
-from data.core.schema import MAX_BATCH, STEP_BOUNDS
+from data.core.schema import MAX_BATCH, OBS_STATE, STEP_BOUNDS, TASK
+from data.core.spec import EnvSpec
+
+_DTYPES = {"float32": np.dtype("float32"), "uint8": np.dtype("uint8")}
 
 
 def check_transitions_message(msg: Message) -> str | None:
@@ -47,6 +52,37 @@ def check_obs_layout(arrays: dict[str, np.ndarray]) -> str | None:
     for name, a in arrays.items():
         if a.ndim == 0:
             return f"array {name!r} is 0-dimensional; an act request is a batch [B, ...]"
+    return None
+
+
+def check_obs(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec) -> str | None:
+    """Validate an act request's observation batch (after :func:`check_obs_layout`); return an
+    error message or None. Both act paths (the socket thread's ROUTER and the inference
+    thread's act socket, :mod:`learner.act_channel`) run it."""
+    if OBS_STATE not in arrays:
+        return f"missing {OBS_STATE!r}"
+    b = arrays[OBS_STATE].shape[0] if arrays[OBS_STATE].ndim else 0
+    if b < 1 or b > 1024:
+        return f"batch size {b} out of range 1..1024"
+    expected = {OBS_STATE: ("float32", (spec.state_dim,))}
+    for cam, shape in spec.cameras.items():
+        expected["observation.images." + cam] = ("uint8", tuple(shape))
+    extra = sorted(set(arrays) - set(expected))
+    if extra:
+        return f"unexpected arrays {extra}"
+    for k, (dt, shape) in expected.items():
+        if k not in arrays:
+            n_img = len(spec.cameras)
+            return f"missing {k!r} (this env has {n_img} camera(s): {sorted(spec.cameras)})"
+        a = arrays[k]
+        if a.dtype != _DTYPES[dt] or a.shape != (b, *shape):
+            return f"{k}: got {a.dtype.name}{tuple(a.shape)}, expected {dt}{(b, *shape)}"
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            return f"{k}: contains NaN or Inf"
+    if len(tasks) != b or not all(isinstance(t, str) for t in tasks):
+        return f"{TASK}: expected {b} instruction strings"
+    if spec.has_task and not all(tasks):
+        return "missing task instruction: this env needs one per observation"
     return None
 
 

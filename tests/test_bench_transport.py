@@ -22,3 +22,21 @@ def test_bench_transport_json_smoke(capsys):
     assert out["rejected"] == 0
     assert out["records_stored"] == 4 * (1 + 2 * 2)
     assert len(out["act_rounds"]["raw"]) == len(out["act_rounds"]["tandem"]) == 2
+
+
+def test_bench_transport_quick_has_ratios_and_intervals(capsys):
+    """--quick: both ratios with their 95% intervals, and the p50s' intervals (no speed asserts)."""
+    assert bench_transport.main(["--quick", "--json"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    out = json.loads(lines[0])
+    for ratio in ("act_overhead_ratio", "ingest_ratio"):
+        lo, hi = out[ratio + "_ci95"]
+        assert 0 < lo <= hi and isinstance(out[ratio], float), ratio
+    for key in ("act_raw_p50_ci", "act_tandem_p50_ci", "ingest_raw_mb_s_ci", "ingest_tandem_mb_s_ci"):
+        ci = out[key]
+        assert ci["ci95"][0] <= ci["ci95"][1] and ci["ci_rel"] >= 0 and isinstance(ci["stable"], bool), key
+    p50 = out["act_tandem_p50_us"]  # the pooled interval brackets the pooled median's neighbourhood
+    assert out["act_tandem_p50_ci"]["ci95"][0] <= p50 * 1.5
+    assert isinstance(out["warnings"], list)
+    assert out["rejected"] == 0 and out["config"]["quick"] is True

@@ -110,12 +110,19 @@ def test_n_actors_share_one_forward_and_replies_carry_the_version(kind, tmp_path
 
 def test_bench_policy_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    res = bench_policy.main(["--tiny", "--device", "cpu", "--actors", "1,2", "--seconds", "1", "--iters", "2",
-                             "--warmup", "1", "--train-batch", "2", "--json", str(out)])
+    res = bench_policy.main(["--tiny", "--device", "cpu", "--actors", "1,2", "--seconds", "1", "--iters", "6",
+                             "--max-iters", "12", "--warmup", "1", "--train-batch", "2", "--json", str(out)])
     assert json.loads(out.read_text())["policies"].keys() == {"pi0", "openvla_oft"}
     for name, r in res["policies"].items():
         assert r["bare_forward_ms"]["p50"] > 0 and r["act_ms"]["p50"] > 0 and r["train_step_ms"]["p50"] > 0
         assert [a["actors"] for a in r["actors"]] == [1, 2] and all(a["chunks"] > 0 for a in r["actors"])
         assert r["actors"][0]["reply_shape"] == [1, r["chunk"], 7]
         assert 0 < r["snapshot_mb"] < r["model_mb"]
+        # every latency carries the 95% interval of its median; no GPU fields on the CPU
+        for key in ("bare_forward_ms", "act_ms"):
+            s = r[key]
+            assert 6 <= s["n"] <= 12 and s["ci95"][0] <= s["p50"] <= s["ci95"][1], (key, s)
+            assert isinstance(s["stable"], bool) and s["ci_rel"] >= 0
+        assert r["gpu_before"] is None and r["gpu_after"] is None
+        assert isinstance(r["warnings"], list)
     assert res["policies"]["pi0"]["lerobot_select_action_ms"]["p50"] > 0

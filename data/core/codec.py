@@ -12,8 +12,8 @@ bytes, and arrays are rebuilt with ``np.frombuffer``.
 ``decode`` checks, in order: total size, frame count, header size, msgpack validity,
 protocol version (type-exact: ``1.0`` or ``true`` is not protocol 1), message type, the
 type's required header fields (type-exact; with the schema's bounds, as all of Tandem's
-messages have: ints within :data:`data.core.schema.FIELD_BOUNDS`, floats finite, lists
-bounded), array metadata (name, dtype allow-list, shape: at most ``MAX_NDIM`` dims of at
+messages have: ints within :data:`data.core.schema.FIELD_BOUNDS`, floats finite, lists and
+bytes bounded), array metadata (name, dtype allow-list, shape: at most ``MAX_NDIM`` dims of at
 most ``MAX_DIM`` each, a size claim within ``max_bytes``) and that each buffer's length
 equals ``prod(shape) * itemsize``, all before numpy sees a shape. Any failure raises
 :class:`CodecError` (:class:`FieldRangeError` for a number out of bounds) with a message that
@@ -29,8 +29,8 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import numpy as np
 
-from data.core.schema import (INT64_BOUNDS, MAX_LIST_LEN, MESSAGE_SCHEMAS, PROTOCOL_VERSION,
-                              MessageSchema)
+from data.core.schema import (INT64_BOUNDS, MAX_BYTES_FIELD, MAX_LIST_LEN, MESSAGE_SCHEMAS,
+                              PROTOCOL_VERSION, MessageSchema)
 
 ALLOWED_DTYPES = frozenset(
     ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -211,6 +211,8 @@ def _check_field(msg_type: str, key: str, typ: type, value: Any,
         raise FieldRangeError(f"{msg_type}: field {key!r} must be finite, got {value!r}")
     elif typ is list and len(value) > MAX_LIST_LEN:
         raise CodecError(f"{msg_type}: field {key!r} has {len(value)} items, over {MAX_LIST_LEN}")
+    elif typ is bytes and len(value) > MAX_BYTES_FIELD:
+        raise CodecError(f"{msg_type}: field {key!r} has {len(value)} bytes, over {MAX_BYTES_FIELD}")
 
 
 def _check_meta(msg_type: str, i: int, entry: Any) -> tuple[str, str, list[int]]:

@@ -78,6 +78,12 @@ INT64_BOUNDS = (-(2**63), 2**63 - 1)
 MAX_LIST_LEN = 65536
 #: the most records of one ``transitions`` or ``act`` message
 MAX_BATCH = 4096
+#: the most bytes of a header bytes field (``act_token``)
+MAX_BYTES_FIELD = 1024
+#: length of a session's act token; its first byte is never 0 (ZMQ reserves routing ids
+#: starting with a zero byte for the ones it makes up), which also tells a reply to an act
+#: token from one to the main ROUTER's identities
+ACT_TOKEN_BYTES = 16
 
 #: inclusive bounds of header int fields, by name (the same name means the same quantity in
 #: every message type); the codec refuses a value outside them on decode
@@ -85,7 +91,7 @@ FIELD_BOUNDS: dict[str, tuple[int, int]] = {
     "resend_from": (0, MAX_SEQ), "first_seq": (0, MAX_SEQ), "last_seq": (0, MAX_SEQ),
     "acked_seq": (-1, MAX_SEQ), "received_seq": (-1, MAX_SEQ), "req_id": (0, MAX_SEQ),
     "have_version": (-1, MAX_SEQ), "policy_version": (0, MAX_SEQ), "episode": (0, MAX_SEQ),
-    "next_episode": (0, MAX_SEQ),
+    "next_episode": (0, MAX_SEQ), "act_port": (0, 65535),
     "job_id": (0, 2**31 - 1), "task_id": (0, 2**31 - 1), "init_state": (0, 2**31 - 1),
     "seed": (0, 2**31 - 1), "group_id": (-1, 2**31 - 1),
 }
@@ -128,9 +134,12 @@ MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
     # acked_seq: every record <= it is durable (the actor may delete it from its spool);
     # received_seq: every record <= it has arrived (the actor need not send it again
     # on this connection). received_seq >= acked_seq.
+    # act_port / act_token: the learner's act socket (0: none, send act here) and this
+    # session's token, the routing id the actor's act socket must use (ACT_TOKEN_BYTES)
     "welcome": MessageSchema(
         {"learner_id": str, "acked_seq": int, "received_seq": int, "policy_version": int,
-         "mode": str, "next_episode": int, "spec": dict, "jobs": bool}
+         "mode": str, "next_episode": int, "spec": dict, "jobs": bool, "act_port": int,
+         "act_token": bytes}
     ),
     # actions [B, H, A] float32, plus "extra.<name>" [B, ...] arrays of the policy's extras
     "act_reply": MessageSchema({"req_id": int, "policy_version": int}, ("actions",)),

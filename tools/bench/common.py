@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,25 +36,98 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+#: the widest 95% interval of a median (relative half-width) that counts as stable
+CI_REL_TARGET = 0.05
+
+
+def median_ci(xs, conf: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free ``conf`` interval of the median from order statistics: the sorted
+    samples ``[x_(l), x_(n+1-l)]`` with the largest ``l`` such that ``P(Binom(n, 1/2) < l)
+    <= (1-conf)/2`` (exact binomial up to 2000 samples, normal approximation above). None
+    when there are too few samples (n < 6 at 95%)."""
+    x = np.sort(np.asarray(xs, dtype=float))
+    n = len(x)
+    alpha = (1.0 - conf) / 2
+    if n > 2000:
+        z = statistics.NormalDist().inv_cdf(1 - alpha)
+        lo = int(np.floor(n / 2 - z * np.sqrt(n) / 2))
+    else:
+        cdf, lo = 0.0, 0
+        for k in range(n + 1):  # cdf = P(B <= k - 1) before adding P(B = k)
+            p = math.comb(n, k) / (1 << n)
+            if cdf + p > alpha:
+                break
+            cdf += p
+            lo = k + 1
+        lo -= 1  # 0-based index of x_(l) with l = lo + 1
+    if lo < 0:
+        return None
+    return float(x[lo]), float(x[n - 1 - lo])
+
+
+def ci_fields(xs, target: float = CI_REL_TARGET) -> dict:
+    """``ci95`` [lo, hi] of the median, ``ci_rel`` (the larger side over the median) and
+    ``stable`` (``ci_rel <= target``); nulls when there are too few samples."""
+    ci = median_ci(xs)
+    if ci is None or not len(xs):
+        return {"ci95": None, "ci_rel": None, "stable": False}
+    med = float(np.median(xs))
+    rel = max(med - ci[0], ci[1] - med) / abs(med) if med else float("inf")
+    return {"ci95": [ci[0], ci[1]], "ci_rel": rel, "stable": rel <= target}
+
+
 def p50_p99(xs) -> dict:
-    """``{"p50", "p99", "n"}`` of a list of samples. The sample count travels with the figures:
-    a p99 over fewer than ~100 samples is close to the maximum."""
-    return {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "n": len(xs)}
+    """``{"p50", "p99", "n", "ci95", "ci_rel", "stable"}`` of a list of samples. The sample
+    count travels with the figures: a p99 over fewer than ~100 samples is close to the
+    maximum; ``ci95`` is the 95% interval of the p50 (:func:`median_ci`)."""
+    return {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "n": len(xs), **ci_fields(xs)}
+
+
+def bootstrap_ratio_ci(num, den, *, reps: int = 2000, seed: int = 0) -> list[float] | None:
+    """95% percentile-bootstrap interval of ``median(num) / median(den)`` (each resampled
+    on its own); None with fewer than 3 samples on a side."""
+    a, b = np.asarray(num, float), np.asarray(den, float)
+    if len(a) < 3 or len(b) < 3:
+        return None
+    rng = np.random.default_rng(seed)
+    ra = np.median(a[rng.integers(0, len(a), (reps, len(a)))], axis=1)
+    rb = np.median(b[rng.integers(0, len(b), (reps, len(b)))], axis=1)
+    lo, hi = np.percentile(ra / rb, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def ci_warning(name: str, stats: dict, target: float = CI_REL_TARGET) -> str | None:
+    """A one-line warning when ``stats`` (from :func:`p50_p99`) has a wide or no interval."""
+    if stats.get("ci_rel") is None:
+        return f"{name}: too few samples ({stats.get('n')}) for a 95% interval of the median"
+    if stats["ci_rel"] > target:
+        lo, hi = stats["ci95"]
+        return (f"{name}: p50 {stats['p50']:.4g}, 95% interval [{lo:.4g}, {hi:.4g}] is "
+                f"+/-{stats['ci_rel']:.1%}, wider than +/-{target:.0%}: the figure is noisy")
+    return None
 
 
 def timed_ms(fn: Callable[[], Any], iters: int, warmup: int,
-             sync: Callable[[], Any] = lambda: None) -> list[float]:
+             sync: Callable[[], Any] = lambda: None, *, max_iters: int | None = None,
+             max_s: float = 120.0, target: float = CI_REL_TARGET) -> list[float]:
     """Milliseconds per call of ``fn`` (``sync()`` after each: e.g. torch.cuda.synchronize),
-    after ``warmup`` untimed calls."""
+    after ``warmup`` untimed calls: ``iters`` calls, then more (up to ``max_iters`` calls or
+    ``max_s`` seconds) until the 95% interval of the median is within ``+/-target``."""
     for _ in range(warmup):
         fn()
     sync()
-    out = []
-    for _ in range(iters):
+    out: list[float] = []
+    cap = max(iters, max_iters or iters)
+    t_start = perf()
+    while len(out) < cap:
         t0 = perf()
         fn()
         sync()
         out.append((perf() - t0) * 1000.0)
+        n = len(out)
+        if n >= iters and (n == iters or n % 20 == 0):
+            if ci_fields(out, target)["stable"] or perf() - t_start > max_s:
+                break
     return out
 
 
@@ -62,6 +139,67 @@ def rate(fn: Callable[[], Any], n: int, warmup: int = 2) -> float:
     for _ in range(n):
         fn()
     return n / (perf() - t)
+
+
+# ---- the GPU's state ---------------------------------------------------------------------------
+
+_SMI_FIELDS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.draw",
+               "temperature.gpu", "utilization.gpu")
+
+
+def gpu_state(device_index: int | None = None) -> dict | None:
+    """Clocks, power and other processes of the GPU the bench runs on, from ``nvidia-smi``:
+    ``sm_clock_mhz``, ``mem_clock_mhz`` (and their maxima), ``power_w``, ``temperature_c``,
+    ``utilization_pct`` and ``other_processes`` (compute processes on the GPU that are not
+    this one: their pid and used MiB; a shared GPU makes timings noisy). None without a
+    CUDA device or ``nvidia-smi``."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        idx = torch.cuda.current_device() if device_index is None else device_index
+    except Exception:
+        return None
+    if shutil.which("nvidia-smi") is None:
+        return {"error": "nvidia-smi not found"}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:  # torch's index counts the visible devices only
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        idx = ids[idx] if idx < len(ids) else idx
+
+    def smi(*args: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", f"--id={idx}", *args, "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+        return [[c.strip() for c in ln.split(",")] for ln in out.stdout.splitlines() if ln.strip()]
+
+    def num(v: str) -> float | None:
+        try:
+            return float(v)
+        except ValueError:
+            return None
+    try:
+        row = smi("--query-gpu=" + ",".join(_SMI_FIELDS))[0]
+        apps = smi("--query-compute-apps=pid,used_memory")
+    except Exception as exc:  # noqa: BLE001 - a broken nvidia-smi must not stop the bench
+        return {"error": f"nvidia-smi failed: {type(exc).__name__}: {exc}"}
+    v = dict(zip(_SMI_FIELDS, (num(x) for x in row)))
+    own = {os.getpid(), *_child_pids()}
+    others = [{"pid": int(a[0]), "used_mib": num(a[1])} for a in apps
+              if a and a[0].isdigit() and int(a[0]) not in own]
+    return {"sm_clock_mhz": v["clocks.sm"], "mem_clock_mhz": v["clocks.mem"],
+            "max_sm_clock_mhz": v["clocks.max.sm"], "max_mem_clock_mhz": v["clocks.max.mem"],
+            "power_w": v["power.draw"], "temperature_c": v["temperature.gpu"],
+            "utilization_pct": v["utilization.gpu"], "other_processes": others,
+            "shared": bool(others)}
+
+
+def _child_pids() -> list[int]:
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
 
 
 # ---- ports -----------------------------------------------------------------------------------
@@ -152,7 +290,7 @@ class LoopbackLearner:
         )
         self.inference = InferenceServer(
             policy, reply=self._reply, active_actors=self.service.active_actors, device=device,
-            **(inference_kw or {}),
+            act_channel=self.service.act_channel, **(inference_kw or {}),
         )
 
     @property

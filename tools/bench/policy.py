@@ -20,6 +20,13 @@ configs, plus small local tokenizers; nothing is downloaded. Per policy, in one 
 - PI0 only, ``lerobot_select_action_ms``: lerobot's own ``PI0Policy.select_action`` (queue
   reset every call, so each call computes a chunk) on the same inputs, built without LoRA.
 
+Timings that hold still: each latency takes ``--iters`` (100) timed calls after ``--warmup``,
+then more (up to ``--max-iters`` / ``--max-seconds``) until the 95% interval of its median
+(order statistics, distribution-free) is within +/-5%; every figure carries ``n``, ``ci95``,
+``ci_rel`` and ``stable``, and a wide one is warned about (``warnings``). ``gpu`` holds the
+GPU's clocks, power and the other processes on it, read before and after each policy
+(``nvidia-smi``; null on the CPU).
+
     python -m tools.bench_policy                    # GPU, full size, human-readable
     python -m tools.bench_policy --json out.json    # also write every figure as JSON
     python -m tools.bench_policy --tiny --device cpu --actors 1,2 --seconds 2   # CPU smoke
@@ -38,7 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.bench.common import LoopbackLearner, bench_spec, emit_json, p50_p99, random_obs, timed_ms
+from tools.bench.common import (CI_REL_TARGET, LoopbackLearner, bench_spec, ci_warning, emit_json, gpu_state,
+                                p50_p99, random_obs, timed_ms)
 from tools.bench.policy_actors import HASH, TASK, client_main, run_actors
 
 
@@ -91,10 +99,12 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
     obs = {k: torch.from_numpy(v) for k, v in obs_np.items()}
     obs["task"] = [TASK]
     it, wu = args.iters, args.warmup
+    timed = _timer(args, sync)
+    res["gpu_before"] = gpu_state() if cuda else None
     with torch.inference_mode():
         inputs = policy.model_inputs(obs)
-        res["bare_forward_ms"] = p50_p99(timed_ms(lambda: policy.forward_model(inputs), it, wu, sync))
-        res["act_ms"] = p50_p99(timed_ms(lambda: policy.act(obs), it, wu, sync))
+        res["bare_forward_ms"] = p50_p99(timed(lambda: policy.forward_model(inputs)))
+        res["act_ms"] = p50_p99(timed(lambda: policy.act(obs)))
     with torch.no_grad():  # a new weights version on the serving copy: unfold, load, fold
         res["load_weights_ms"] = p50_p99(timed_ms(lambda: policy.load_trainable_state_dict(snap), 3, 1, sync))
     res["overhead_ratio"] = res["act_ms"]["p50"] / res["bare_forward_ms"]["p50"]
@@ -148,8 +158,34 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
         res["lerobot_select_action_ms"] = lerobot_baseline(policy, obs, args, sync)
     if cuda:
         res["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    res["gpu_after"] = gpu_state() if cuda else None
+    res["warnings"] = _warnings(name, res)
     del policy
     return res
+
+
+def _timer(args, sync):
+    """``fn -> samples``: --iters calls, extended until the median's interval is narrow."""
+    return lambda fn: timed_ms(fn, args.iters, args.warmup, sync, max_iters=args.max_iters,
+                               max_s=args.max_seconds)
+
+
+def _warnings(name: str, res: dict) -> list[str]:
+    out = []
+    for key in ("bare_forward_ms", "act_ms", "lerobot_select_action_ms"):
+        if key in res and (w := ci_warning(f"{name} {key}", res[key])):
+            out.append(w)
+    for when in ("gpu_before", "gpu_after"):
+        g = res.get(when) or {}
+        if g.get("shared"):
+            out.append(f"{name}: other processes on the GPU ({when}): {g['other_processes']}")
+        if g.get("sm_clock_mhz") and g.get("max_sm_clock_mhz") and \
+                g["sm_clock_mhz"] < 0.8 * g["max_sm_clock_mhz"]:
+            out.append(f"{name}: SM clock {g['sm_clock_mhz']:.0f} MHz {when}, under 80% of its "
+                       f"maximum {g['max_sm_clock_mhz']:.0f} MHz (throttled or idle)")
+    for w in out:
+        print("WARNING:", w, file=sys.stderr, flush=True)
+    return out
 
 
 def lerobot_baseline(policy, obs, args, sync) -> dict:
@@ -168,7 +204,7 @@ def lerobot_baseline(policy, obs, args, sync) -> dict:
         def call():
             plain.reset()
             plain.select_action(lb)
-        out = p50_p99(timed_ms(call, args.iters, args.warmup, sync))
+        out = p50_p99(_timer(args, sync)(call))
     del plain
     return out
 
@@ -180,8 +216,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--actors", default="1,4,8,16")
     ap.add_argument("--seconds", type=float, default=10.0, help="per concurrency level")
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=100, help="timed calls per latency, at least")
+    ap.add_argument("--max-iters", type=int, default=1000,
+                    help=f"more calls, up to this many, while the median's 95%% interval is wider "
+                         f"than +/-{CI_REL_TARGET:.0%}")
+    ap.add_argument("--max-seconds", type=float, default=120.0, help="per latency, for the extension")
+    ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--train-batch", type=int, default=4)
     ap.add_argument("--batch-window-ms", type=float, default=2.0)
     ap.add_argument("--image-size", type=int, default=224)
@@ -225,8 +265,9 @@ def report(name: str, r: dict) -> str:
     lines = [f"  params {r['params_m']:.1f} M, model {r['model_mb']:.1f} MB, trainable snapshot "
              f"{r['snapshot_mb']:.2f} MB ({r['snapshot_tensors']} tensors, {r['snapshot_mb'] / r['model_mb']:.2%}), "
              f"build {r['build_s']:.1f} s",
-             f"  bare forward p50 {r['bare_forward_ms']['p50']:.2f} ms p99 {r['bare_forward_ms']['p99']:.2f} ms",
-             f"  act          p50 {r['act_ms']['p50']:.2f} ms p99 {r['act_ms']['p99']:.2f} ms  overhead x"
+             f"  bare forward p50 {r['bare_forward_ms']['p50']:.2f} ms {_ci(r['bare_forward_ms'])} p99 "
+             f"{r['bare_forward_ms']['p99']:.2f} ms",
+             f"  act          p50 {r['act_ms']['p50']:.2f} ms {_ci(r['act_ms'])} p99 {r['act_ms']['p99']:.2f} ms  overhead x"
              f"{r['overhead_ratio']:.3f} (target <= {r['act_target_ms']:.2f} ms: "
              f"{'ok' if r['act_within_target'] else 'MISSED'})",
              f"  socket, 1 actor p50 {r['socket_ms']['p50']:.2f} ms p99 {r['socket_ms']['p99']:.2f} ms",
@@ -241,11 +282,28 @@ def report(name: str, r: dict) -> str:
     if "lerobot_select_action_ms" in r:
         b = r["lerobot_select_action_ms"]
         lines.append(f"  lerobot PI0 select_action p50 {b['p50']:.2f} ms p99 {b['p99']:.2f} ms (no LoRA)")
+    for when in ("gpu_before", "gpu_after"):
+        g = r.get(when)
+        if g and "sm_clock_mhz" in g:
+            lines.append(f"  GPU {when[4:]}: SM {g['sm_clock_mhz']} / {g['max_sm_clock_mhz']} MHz, mem "
+                         f"{g['mem_clock_mhz']} MHz, {g['power_w']} W, {g['temperature_c']} C, other "
+                         f"processes: {len(g['other_processes'])}")
+    for w in r.get("warnings", []):
+        lines.append(f"  WARNING: {w}")
     if "peak_gpu_gb" in r:
         lines.append(f"  peak GPU memory {r['peak_gpu_gb']:.1f} GB serving + training (building: "
                      f"{r['build_peak_gpu_gb']:.1f} GB)")
     return "\n".join(lines)
 
 
+def _ci(stats: dict) -> str:
+    """``[lo, hi] (n N)``: the p50's 95% interval, or why there is none."""
+    if stats.get("ci95") is None:
+        return f"(n {stats['n']}, too few for an interval)"
+    lo, hi = stats["ci95"]
+    return f"[95% {lo:.2f}-{hi:.2f}, +/-{stats['ci_rel']:.1%}, n {stats['n']}]"
+
+
 if __name__ == "__main__":
     main()
+

@@ -5,7 +5,8 @@ Everything runs on loopback with ports picked by the OS (bind to port 0).
 (a) **act round trip**: a real :class:`learner.service.LearnerService` and
     :class:`learner.inference.InferenceServer` (with a policy whose ``act()`` returns zeros of
     the right shape at once, so the figure is transport overhead, not model time) answering a
-    real :meth:`actor.client.LearnerClient.act` with a 224x224x3 uint8 image plus a small float32
+    real :meth:`actor.client.LearnerClient.act` (through the learner's act socket, served by the
+    inference thread: :mod:`learner.act_channel`) with a 224x224x3 uint8 image plus a small float32
     state. Baseline: raw pyzmq REQ/REP carrying the same bytes (a frame of image bytes and a
     frame of state bytes) and replying with as many bytes as Tandem's action chunk.
     ``act_overhead_ratio = tandem_p50 / raw_p50``.
@@ -40,6 +41,12 @@ Usage::
     python tools/bench_transport.py                 # human-readable report
     python tools/bench_transport.py --json          # exactly one JSON object on stdout
     python tools/bench_transport.py --profile --act-rounds 3 --ingest-rounds 3
+    python tools/bench_transport.py --quick --json  # a few seconds (smoke; rough figures)
+
+Intervals: ``act_*_p50_ci`` is the 95% interval of each p50 over every call (order statistics),
+``act_overhead_ratio_ci95`` a bootstrap interval of the ratio; ingest's are over rounds (one
+MB/s per round; 6+ rounds needed). Figures whose interval is wider than +/-5% are listed in
+``warnings`` (and on stderr).
 """
 
 from __future__ import annotations
@@ -122,6 +129,11 @@ def run_bench(cfg: dict) -> dict:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+#: --quick: enough samples for intervals (6 rounds), small payloads
+QUICK = dict(act_iters=40, act_warmup=10, act_rounds=2, act_image=64, ingest_batches=3, ingest_rounds=6,
+             ingest_warmup_batches=1, batch_records=4, ingest_image=32, buffer_capacity=256)
+
+
 def parse_args(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +143,8 @@ def parse_args(argv: list[str] | None = None) -> dict:
     ap.add_argument("--act-rounds", type=int, default=5, help="interleaved rounds (0 skips part a)")
     ap.add_argument("--act-image", type=int, default=224)
     ap.add_argument("--ingest-batches", type=int, default=24, help="batches per round")
-    ap.add_argument("--ingest-rounds", type=int, default=5, help="interleaved rounds (0 skips part b)")
+    ap.add_argument("--ingest-rounds", type=int, default=8,
+                    help="interleaved rounds (0 skips part b; 6 or more for a 95%% interval)")
     ap.add_argument("--ingest-warmup-batches", type=int, default=4)
     ap.add_argument("--batch-records", type=int, default=32)
     ap.add_argument("--cameras", type=int, default=2)
@@ -146,9 +159,14 @@ def parse_args(argv: list[str] | None = None) -> dict:
                     help="do not pre-fault the replay buffer's pages (measure a fresh buffer's first pass)")
     ap.add_argument("--client-in-process", action="store_true",
                     help="run the client side in a thread of this process instead of a child process")
+    ap.add_argument("--quick", action="store_true",
+                    help="a few seconds: small images and counts (a smoke run; figures are rough)")
     ap.add_argument("--profile", action="store_true", help="add stage-timer and cProfile passes")
     ap.add_argument("--profile-top", type=int, default=25)
     args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
     if args.batch_records < 2:
         ap.error("--batch-records must be >= 2")
     if min(args.act_iters, args.ingest_batches) < 1:

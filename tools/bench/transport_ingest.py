@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.bench.common import median
+from tools.bench.common import bootstrap_ratio_ci, ci_fields, median
 from tools.bench.raw_zmq import RawSink
 from tools.bench.transport_client import WorkerHandle
 from tools.bench.transport_data import INGEST_ACTOR
@@ -70,6 +70,11 @@ def bench_ingest(cfg: dict, worker: WorkerHandle, stack: TandemStack, sink: RawS
         out[f"{kind}_cpu_ms_per_mb"] = median([x["cpu_ms_per_mb"] for x in per[kind]])
     out["ingest_ratio"] = out["tandem_mb_s"] / out["raw_mb_s"]
     out["ingest_ratio_paired"] = median([t["mb_s"] / r["mb_s"] for t, r in zip(per["tandem"], per["raw"])])
+    # intervals over rounds (each round one throughput sample)
+    for kind in ("raw", "tandem"):
+        out[f"{kind}_mb_s_ci"] = ci_fields([x["mb_s"] for x in per[kind]])
+    out["ingest_ratio_ci95"] = bootstrap_ratio_ci([x["mb_s"] for x in per["tandem"]],
+                                                  [x["mb_s"] for x in per["raw"]])
     out["batch_payload_bytes"] = per["tandem"][0]["payload"] // n if per["tandem"] else 0
     out["spool_append_mb_s"] = median(append_mb_s)
     out["records_stored"] = stack.buffer.total_added

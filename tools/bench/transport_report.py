@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from tools.bench.common import CI_REL_TARGET
+
 TARGET_ACT_RATIO = 1.3
 TARGET_INGEST_RATIO = 0.8
 
@@ -23,6 +25,9 @@ def summary(cfg: dict, result: dict) -> dict:
             act_tandem_stage_p50_us=a["tandem_stage_p50_us"],
             act_rounds={k: [x["p50_us"] for x in v] for k, v in a["rounds"].items()},
             act_cpu_us_per_call_by_thread=a["cpu_us_per_call_by_thread"],
+            act_overhead_ratio_ci95=a["act_overhead_ratio_ci95"],
+            act_overhead_ratio_pooled=a["act_overhead_ratio_pooled"],
+            act_raw_p50_ci=a["raw_p50_ci"], act_tandem_p50_ci=a["tandem_p50_ci"],
         )
     if "ingest" in result:
         g = result["ingest"]
@@ -36,12 +41,15 @@ def summary(cfg: dict, result: dict) -> dict:
             ingest_batch_payload_bytes=g["batch_payload_bytes"],
             spool_append_mb_s=g["spool_append_mb_s"], records_stored=g["records_stored"],
             rejected=g["rejected"],
+            ingest_ratio_ci95=g["ingest_ratio_ci95"],
+            ingest_raw_mb_s_ci=g["raw_mb_s_ci"], ingest_tandem_mb_s_ci=g["tandem_mb_s_ci"],
         )
     out["targets"] = {"act_overhead_ratio_max": TARGET_ACT_RATIO, "ingest_ratio_min": TARGET_INGEST_RATIO}
     if "act_overhead_ratio" in out:
         out["act_ok"] = out["act_overhead_ratio"] <= TARGET_ACT_RATIO
     if "ingest_ratio" in out:
         out["ingest_ok"] = out["ingest_ratio"] >= TARGET_INGEST_RATIO
+    out["warnings"] = _warnings(out)
     out["load_avg"] = result.get("load_avg")
     out["config"] = {k: v for k, v in cfg.items() if k != "json"}
     out["notes"] = [
@@ -55,6 +63,27 @@ def summary(cfg: dict, result: dict) -> dict:
     if "profile" in result:
         out["profile"] = {k: v for k, v in result["profile"].items() if "cprofile" not in k}
     return out
+
+
+def _warnings(s: dict) -> list[str]:
+    """Figures whose 95% interval of the median is missing or wider than +/-5%."""
+    out = []
+    for key in ("act_raw_p50_ci", "act_tandem_p50_ci", "ingest_raw_mb_s_ci", "ingest_tandem_mb_s_ci"):
+        ci = s.get(key)
+        if ci is None:
+            continue
+        if ci["ci_rel"] is None:
+            out.append(f"{key[:-3]}: too few samples for a 95% interval of the median (more rounds)")
+        elif ci["ci_rel"] > CI_REL_TARGET:
+            out.append(f"{key[:-3]}: 95% interval {ci['ci95'][0]:.4g}..{ci['ci95'][1]:.4g} is "
+                       f"+/-{ci['ci_rel']:.1%}, wider than +/-{CI_REL_TARGET:.0%}: noisy")
+    for w in out:
+        print("WARNING:", w, file=sys.stderr, flush=True)
+    return out
+
+
+def _ci(ci: list[float] | None) -> str:
+    return "no interval" if ci is None else f"95% {ci[0]:.2f}-{ci[1]:.2f}"
 
 
 def _pairs(rounds: dict[str, list[dict]], key: str) -> str:
@@ -78,7 +107,8 @@ def print_report(cfg: dict, result: dict, s: dict) -> None:
               f"   CPU {a[k + '_cpu_us']:7.1f} us/call\n")
         ok = "OK" if a["act_overhead_ratio"] <= TARGET_ACT_RATIO else "MISSES"
         w(f"    act_overhead_ratio = {a['act_overhead_ratio']:.2f}"
-          f" (paired median {a['act_overhead_ratio_paired']:.2f}); target <= {TARGET_ACT_RATIO}: {ok}\n")
+          f" ({_ci(a['act_overhead_ratio_ci95'])}; paired median {a['act_overhead_ratio_paired']:.2f});"
+          f" target <= {TARGET_ACT_RATIO}: {ok}\n")
         w(f"    per-round p50 raw / tandem: {_pairs(a['rounds'], 'p50_us')}\n")
         for kind, d in a["cpu_us_per_call_by_thread"].items():
             w(f"    CPU us/call by thread, {kind}: " + ", ".join(f"{k} {v:.0f}" for k, v in d.items()) + "\n")
@@ -97,7 +127,8 @@ def print_report(cfg: dict, result: dict, s: dict) -> None:
         for label, k in (("raw PUSH/PULL    ", "raw"), ("Tandem spool->ack", "tandem")):
             w(f"    {label}      {g[k + '_mb_s']:8.1f} MB/s   CPU {g[k + '_cpu_ms_per_mb']:6.2f} ms/MB\n")
         ok = "OK" if g["ingest_ratio"] >= TARGET_INGEST_RATIO else "MISSES"
-        w(f"    ingest_ratio = {g['ingest_ratio']:.2f} (paired median {g['ingest_ratio_paired']:.2f});"
+        w(f"    ingest_ratio = {g['ingest_ratio']:.2f} ({_ci(g['ingest_ratio_ci95'])}; paired median"
+          f" {g['ingest_ratio_paired']:.2f});"
           f" target >= {TARGET_INGEST_RATIO}: {ok}\n")
         w(f"    per-round MB/s raw / tandem: {_pairs(g['rounds'], 'mb_s')}\n")
         for kind, d in g["cpu_ms_per_mb_by_thread"].items():

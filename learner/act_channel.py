@@ -1,0 +1,182 @@
+"""The act socket: a ROUTER of its own for ``act`` requests, read and answered by the
+inference thread.
+
+Through the socket thread an act request takes two thread hand-offs (ROUTER -> socket thread
+-> queue -> inference thread -> outbox -> socket thread -> ROUTER), each one a wake-up of a
+sleeping thread, which on a busy host costs more than the whole raw ZMQ round trip. On this
+socket the inference thread polls for requests itself, decodes and validates each one
+exactly as the socket thread does (the codec's limits and schema, ``check_obs_layout``,
+``check_obs``), serves the batch and sends the replies. The main ROUTER keeps the handshake,
+ingest, heartbeats, weights and jobs, and a forward pass never blocks it: inference still
+never runs on the socket thread. While a forward runs, new requests wait in this socket's
+queue, as they waited in the inference queue before.
+
+Sessions: the ``welcome`` hands each actor an ``act_token`` (:data:`ACT_TOKEN_BYTES` random
+bytes) and the ``act_port``; the actor's act DEALER uses the token as its ZMQ routing id, so
+a request's identity frame names its session. A request from an unknown token (no
+handshake, a forgotten session, a restarted learner) gets ``handshake_required``; with CURVE
+keys the request's key must also be that session's actor's key. Every other rejection is the
+main socket's: an ``error`` reply naming what is wrong, counted in the service's
+``counters``/``rejections``, and the loop keeps serving.
+
+The socket is created and bound by :class:`learner.service.LearnerService` (bind errors
+surface in the caller's thread) and handed to one :class:`learner.inference.InferenceServer`
+(``claim``); only that server's thread touches it afterwards. The service advertises the
+port only once a server has claimed it, so a learner without one keeps acts on the main
+socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from data.core.codec import CodecError, FieldRangeError, decode, encode
+from data.core.schema import ACT_TOKEN_BYTES
+from learner.wire_guard import RateLimitedLog
+
+if TYPE_CHECKING:  # pragma: no cover
+    from learner.service import LearnerService
+
+log = logging.getLogger("tandem.learner.act")
+
+
+def is_act_token(identity: bytes) -> bool:
+    """Whether a routing id has the shape of an act token (ZMQ's own ids start with 0)."""
+    return len(identity) == ACT_TOKEN_BYTES and identity[0] != 0
+
+
+def user_id(frame) -> str | None:
+    """The ZAP User-Id of the peer that sent ``frame`` (its z85 CURVE key), if any."""
+    try:
+        return frame.get("User-Id")
+    except (AttributeError, zmq.ZMQError):
+        return None
+
+
+def drain(sock: zmq.Socket, limit: int = 256):
+    """Up to ``limit`` waiting messages, without blocking (so neither socket starves). Asks
+    the socket whether a message is waiting rather than catching ``zmq.Again``: raising
+    that costs more than the rest of a small request's receive."""
+    for _ in range(limit):
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+
+
+class ActChannel:
+    def __init__(self, service: LearnerService, sock: zmq.Socket):
+        self.service = service
+        self.sock = sock
+        self.port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self._warn = RateLimitedLog(log)
+        self._lock = threading.Lock()
+        self.claimed = False
+        self.closed = False
+        self.owner: int | None = None  # thread id of the claiming server's running thread
+
+    # ---- ownership ------------------------------------------------------------------------
+
+    def claim(self) -> None:
+        """Hand the socket to the (one) inference server; raises if already claimed/closed."""
+        with self._lock:
+            if self.claimed or self.closed:
+                raise RuntimeError("this act socket is already claimed by an inference server "
+                                   "or closed")
+            self.claimed = True
+
+    def attach_thread(self) -> bool:
+        """Called once by the claiming server's thread: from now on only it uses the socket.
+        False when the socket was closed meanwhile."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.owner = threading.get_ident()
+            return True
+
+    def owns_thread(self) -> bool:
+        return self.owner == threading.get_ident()
+
+    def close(self, *, unless_owned: bool = False) -> None:
+        """Close the socket (``unless_owned``: only when no server thread has taken it; that
+        thread closes it when it ends)."""
+        with self._lock:
+            if self.closed or (unless_owned and self.owner is not None):
+                return
+            self.closed = True
+        self.sock.close(0)
+
+    # ---- the inference thread's side ------------------------------------------------------
+
+    def read(self) -> int:
+        """Decode and validate every request waiting, without blocking; valid ones go to the
+        service's ``submit_act`` (the inference server's queue), bad ones get their error
+        reply. Returns how many messages were read."""
+        n = 0
+        for frames in drain(self.sock):
+            n += 1
+            identity = frames[0].bytes
+            try:
+                self._handle(identity, frames[1:])
+            except Exception as exc:  # the same promise as the socket thread: serve on
+                self.service.count_rejection("internal_error", internal=True)
+                self._warn.warning("act message raised %s (counted, serving on)",
+                                   type(exc).__name__, exc_info=exc)
+                try:
+                    self.send(identity, encode("error", {
+                        "code": "internal_error",
+                        "message": f"the learner could not process this message: "
+                                   f"{type(exc).__name__}: {str(exc)[:200]}"}))
+                except Exception:
+                    pass
+        return n
+
+    def send(self, identity: bytes, frames: list) -> None:
+        self.sock.send_multipart([identity, *frames], copy=False)
+
+    def _error(self, identity: bytes, code: str, message: str, who: str = "") -> None:
+        self.service.count_rejection(code)
+        self._warn.warning("rejected act message from %s: %s: %s", who or identity.hex(), code,
+                           message[:500])
+        self.send(identity, encode("error", {"code": code, "message": message}))
+
+    def _handle(self, identity: bytes, frames: list) -> None:
+        svc = self.service
+        peer = svc.act_sessions.get(identity) if frames else None
+        if peer is None:
+            self._error(identity, "handshake_required",
+                        "unknown act session: send hello on the learner's main socket and use "
+                        "the act_token of its welcome as this socket's routing id")
+            return
+        if svc.key_ids is not None and svc.key_ids.get(user_id(frames[0]) or "") != peer.actor_id:
+            self._error(identity, "identity_mismatch",
+                        f"this CURVE key is not actor {peer.actor_id!r}'s", peer.actor_id)
+            return
+        try:
+            msg = decode(frames, max_bytes=svc.max_message_bytes)
+        except CodecError as exc:
+            self._error(identity, "bad_request" if isinstance(exc, FieldRangeError) else "bad_message",
+                        str(exc), peer.actor_id)
+            return
+        if msg.type != "act":
+            self._error(identity, "unexpected_type",
+                        f"{msg.type!r} is not a request of the act socket (only 'act'; the rest "
+                        "go to the main socket)", peer.actor_id)
+            return
+        peer.last_seen = time.monotonic()
+        bad = svc.check_act(msg)
+        if bad is not None:
+            code, message = bad
+            if code == "finished":
+                self.send(identity, encode("error", {"code": code, "message": message}))
+            else:
+                self._error(identity, code, message, peer.actor_id)
+            return
+        svc.submit_act(svc.act_request(identity, msg, peer.actor_id))
