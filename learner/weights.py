@@ -2,7 +2,9 @@
 
 ``publish`` hands a snapshot to the inference thread (its serving copy) and broadcasts it on
 the PUB socket; ``latest`` serves ``get_weights`` requests. Tensors travel as plain numeric
-arrays; bfloat16 (which numpy lacks) travels as its raw uint16 bits with a dtype note.
+arrays; bfloat16 (which numpy lacks) travels as its raw uint16 bits with a dtype note. Each
+snapshot is sealed with its digest (:data:`data.core.weights.DIGEST_KEY`, one more array), so
+an actor verifies what it loads whichever path brought it (broadcast or ``get_weights``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from data.core.codec import encode
-from data.core.weights import to_wire
+from data.core.weights import digest_hex, to_wire
 
 
 class WeightPublisher:
@@ -25,6 +27,7 @@ class WeightPublisher:
         self._latest: tuple[int, dict[str, np.ndarray], list[str]] | None = None
         self._lock = threading.Lock()
         self.last_nbytes = 0
+        self.last_digest = ""
 
     def publish(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
         with self._lock:
@@ -32,6 +35,7 @@ class WeightPublisher:
             arrays, bf16 = to_wire(state)
             self._latest = (self.version, arrays, bf16)
             self.last_nbytes = sum(a.nbytes for a in arrays.values())
+            self.last_digest = digest_hex(arrays)
         self.to_inference(self.version, {k: v.clone() for k, v in state.items()})
         self.to_pub(encode("weights", {"policy_version": self.version, "bf16": bf16}, arrays))
         return self.version

@@ -1,14 +1,15 @@
-"""Fault injection with real processes on loopback: SIGKILL of the learner mid-checkpoint,
-a network partition and a delaying, jittering, lossy link (tools/netproxy.py: this machine
-has no ``sch_netem`` for ``tc netem``), NaN / Inf records. Each test counts what the actors
-produced (their spools' sequence numbers) against what the LeRobot dataset holds
-(``actor_id``, ``actor_seq`` columns): nothing lost, nothing twice.
+"""Fault injection with real processes on loopback: SIGKILL of the learner mid-checkpoint
+and mid-weight-publish, a network partition and a delaying, jittering, lossy link
+(tools/netproxy.py: this machine has no ``sch_netem`` for ``tc netem``), a stalled actor
+receiving weights, NaN / Inf records. Each test counts what the actors produced (their
+spools' sequence numbers) against what the LeRobot dataset holds (``actor_id``, ``actor_seq``
+columns): nothing lost, nothing twice.
 
-Weights under faults (a publisher killed mid-broadcast, a slow actor) have no test yet.
-
-The two process-level runs take ~3.5 min on 2 cores, past the suite's budget: they run with
-``TANDEM_FAULT_TESTS=1 uv run --frozen pytest -q tests/test_faults.py``. The NaN / Inf test
-always runs.
+The checkpoint, partition and mid-publish-kill runs take 1.5 to 3.5 min each on 2 cores, past
+the suite's budget: they run with ``TANDEM_FAULT_TESTS=1 uv run --frozen pytest -q
+tests/test_faults.py``. The NaN / Inf test and the stalled-actor run always run; the
+mid-publish kill's parts also run fast in tests/test_weights.py (a truncated, corrupted or
+partial snapshot refused; a restarted learner's weights taken, the dead one's broadcasts not).
 """
 
 from __future__ import annotations
@@ -174,6 +175,121 @@ def test_partition_then_heal_drains_the_backlog_and_a_lossy_link_keeps_versions_
         assert (np.diff(v) >= 0).all(), f"{a}: policy version went back"
     assert not any(run.status()["dropped_episodes"].values())
     print(f"partition + lossy link: records {counts}, proxy {link.counters}")
+
+
+# a learner that trains without pause and publishes every update, with ~0.3 MB snapshots
+# (policy 256x256: the actors must say the same), checkpointing often
+PUBLISHING = ["algo.publish_every=1", "algo.max_update_ratio=0", "trainer.checkpoint_every=40",
+              "buffer.video=false", "buffer.commit_interval_s=0.3", "policy.hidden_dims=[256,256]"]
+ACTOR_POLICY = "policy.hidden_dims=[256,256]"
+
+
+def loaded_versions(log_text: str) -> list[int]:
+    """The policy versions a local actor loaded, in order (its log)."""
+    return [int(v) for v in re.findall(r"loaded policy version (\d+)", log_text)]
+
+
+# ~8.4 MB snapshots: larger than the kernel's TCP buffers (4 MB), so a sender killed while
+# the link is saturated always dies with part of a snapshot still unsent (a 0.3 MB one fits
+# whole in the kernel's send buffer, which still delivers it after the kill)
+BIG = "policy.hidden_dims=[1448,1448]"
+
+
+@process_faults
+def test_learner_sigkill_mid_weight_publish_never_loads_a_partial_snapshot(run):
+    """The weight link is thin (4 MB/s through tools/netproxy.py) and the learner publishes an
+    8.4 MB snapshot after every update, so a snapshot is always on the wire; SIGKILL lands
+    while one is part way out (the proxy follows the ZMTP framing: the learner's stream ends
+    inside a message). The actor loads no partial or corrupt snapshot (every load verified:
+    nothing refused), takes the restarted learner's complete snapshot (never a broadcast of
+    the dead one after it), and every record arrives exactly once. The actor is held
+    (SIGSTOP) while the learner restarts, so that it is still stepping when it comes back."""
+    from tools.netproxy import NetProxy
+
+    pub = free_port()
+    learner_args = [*PUBLISHING[:-1], BIG, "trainer.checkpoint_every=30"]
+    first = run.learner(*learner_args)
+    link = NetProxy(pub, run.pub, rate_kbps=4000)
+    try:
+        actor = _start_actor(run, "a0", run.port, pub, "mode=local", BIG, "max_episodes=40",
+                             "spool.batch_size=8", "drain_s=120")
+        run.wait(lambda: len(loaded_versions(actor.log.read_text())) >= 2
+                 and (run.dir / "checkpoints" / "latest").exists(), 180, "broadcast weights loaded")
+        run.wait(link.mid_message, 30, "a snapshot part way through the link")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = run.learner(*learner_args, log="learner-restart.log")
+        # what the dead learner's kernel still held drains; then its stream ends, inside a snapshot
+        run.wait(lambda: link.counters["cut_messages"] >= 1, 60, f"the cut ({link.counters})")
+        cut = dict(link.counters)
+        actor.send_signal(signal.SIGSTOP)
+        try:
+            run.wait(lambda: "resumed from" in second.log.read_text(), 180, "resume")
+        finally:
+            actor.send_signal(signal.SIGCONT)
+        resumed_v = int(re.search(r"policy version (\d+)", second.log.read_text().split("resumed from")[1]).group(1))
+        run.wait(lambda: "learner restarted" in actor.log.read_text()
+                 and loaded_versions(actor.log.read_text().split("learner restarted")[-1]), 120,
+                 "the actor to load the restarted learner's weights")
+        finish(run, second, {"a0": actor})
+    finally:
+        link.close()
+    text = actor.log.read_text()
+    assert "refused weights" not in text and "bad weights broadcast" not in text, text[-3000:]
+    old, new = text.split("learner restarted")
+    after = loaded_versions(new)
+    # the restarted learner's weights (from its checkpoint's version on), in order, none of the
+    # dead learner's broadcasts after them
+    assert after[0] >= resumed_v and after == sorted(set(after)), (after, resumed_v)
+    assert loaded_versions(old) == sorted(set(loaded_versions(old)))
+    counts = assert_exactly_once(run, ["a0"])
+    assert counts == {"a0": 40 * 51}
+    print(f"killed with a snapshot part way out ({cut['cut_bytes'] / 1e6:.1f} of 8.4 MB sent, "
+          f"{cut['messages']} whole ones before it); the actor loaded {len(loaded_versions(old))} + "
+          f"{len(after)} versions (broadcast or fetched; restart resumed at {resumed_v}), none "
+          f"refused; records {counts}")
+
+
+def test_a_stalled_actor_gets_the_latest_weights_only_and_its_versions_never_go_back(run):
+    """A local actor is stopped (SIGSTOP) for 4 s while the learner publishes a version per
+    update; after SIGCONT it loads the newest (the learner's current, fetched when the queued
+    broadcasts are older than what the learner reports), not the backlog; the versions it
+    loaded, and those its records carry, never go down."""
+    learner = run.learner(*PUBLISHING)
+    # enough episodes that the actor is still acting (and taking weights) when it is stopped
+    # and resumed; with 8 it could finish all of them first on a quiet machine
+    actor = _start_actor(run, "a0", run.port, run.pub, "mode=local", ACTOR_POLICY, "max_episodes=60",
+                         "spool.batch_size=8")
+    run.wait(lambda: len(loaded_versions(actor.log.read_text())) >= 3, 180, "broadcast weights loaded")
+    assert actor.poll() is None and run.status().get("episodes", 0) < 40, "the actor finished too soon"
+    actor.send_signal(signal.SIGSTOP)
+    try:
+        held = len(actor.log.read_text())
+        time.sleep(1.0)  # status.json is rewritten every 0.5 s
+        v_stop = run.status()["version"]
+        time.sleep(3.0)
+        v_resume = run.status()["version"]
+    finally:
+        actor.send_signal(signal.SIGCONT)
+    assert v_resume - v_stop >= 5, (v_stop, v_resume)  # the learner published on
+    run.wait(lambda: any(v >= v_resume for v in loaded_versions(actor.log.read_text()[held:])), 60,
+             "the actor to catch up")
+    before, after = loaded_versions(actor.log.read_text()[:held]), loaded_versions(actor.log.read_text()[held:])
+    caught = next(i for i, v in enumerate(after) if v >= v_resume)
+    # at most one stale load on the way (the one broadcast ZeroMQ had queued before the stop),
+    # then a jump to the learner's version: the versions in between are skipped, not loaded
+    assert caught <= 1, f"stepped through a backlog: {after[:caught + 1]} to reach {v_resume}"
+    jump = after[caught] - ([before[-1], *after][caught])
+    assert jump >= v_resume - v_stop, f"it skipped only {jump - 1} versions: {before[-1:]} + {after[:caught + 1]}"
+    finish(run, learner, {"a0": actor})
+    versions = loaded_versions(actor.log.read_text())
+    assert all(b > a for a, b in zip(versions, versions[1:])), versions  # never back, never twice
+    counts = assert_exactly_once(run, ["a0"])
+    df = dataset_rows(run).sort_values("actor_seq")
+    v = df.loc[df.actor_id == "a0", "policy_version"].to_numpy()
+    assert (np.diff(v) >= 0).all(), "a record's policy version went back"
+    print(f"stalled at version {before[-1]} while the learner went {v_stop} -> {v_resume}; "
+          f"then loaded {after[:caught + 1]}; {len(versions)} loads in all; records {counts}")
 
 
 def _episode_records(episode: int, n: int, *, bad: str | None = None):
