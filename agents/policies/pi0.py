@@ -114,6 +114,12 @@ class Pi0PolicyConfig:
     #: in eval mode, act with the adapters folded into the base weights (no adapter code in
     #: the forward; keeps a copy of the adapted base weights on the device)
     fold_lora_for_serving: bool = True
+    #: the serving path of eval-mode ``act`` (agents/policies/pi0_fast.py): "auto" (CUDA graphs
+    #: on a GPU, lerobot's sample_actions on a CPU) | "graphs" | "eager" (the fast path without
+    #: graphs) | "off" (lerobot's sample_actions always)
+    fast_serving: str = "auto"
+    #: torch.compile one denoising step inside the fast path's graph (slower start, fused kernels)
+    fast_compile: bool = False
     gradient_checkpointing: bool = False
     #: seed of the random initial weights (both learner copies must agree)
     seed: int = 0
@@ -137,6 +143,8 @@ class Pi0PolicyConfig:
     value_detach: bool = True
 
     def validate(self) -> None:
+        if self.fast_serving not in ("auto", "graphs", "eager", "off"):
+            raise ValueError(f"policy.fast_serving must be auto, graphs, eager or off, got {self.fast_serving!r}")
         if self.variant not in ("pi0", "pi05"):
             raise ValueError(f"variant must be pi0 or pi05, got {self.variant!r}")
         if self.chunk_size < 1 or self.num_inference_steps < 1 or self.lora_rank < 0:
@@ -369,9 +377,33 @@ class Pi0Policy(nn.Module):
         return self._model_inputs(self.lerobot_batch(obs))
 
     def forward_model(self, inputs: tuple, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """The bare model call (lerobot's PI0Pytorch.sample_actions): [B, chunk, max_action_dim]."""
+        """The bare model call: [B, chunk, max_action_dim]. Lerobot's PI0Pytorch.sample_actions,
+        or in eval mode without gradients its fast equivalent (``fast_serving``)."""
         self._serving_weights()
-        return self.inner.model.sample_actions(*inputs, noise=noise)
+        fast = self._fast_sampler()
+        if fast is None:
+            return self.inner.model.sample_actions(*inputs, noise=noise)
+        if noise is None:
+            noise = torch.randn(inputs[2].shape[0], self.chunk_size, int(self.lr_cfg.max_action_dim),
+                                device=self.device)
+        images, img_masks, toks, masks = inputs[:4]
+        state = inputs[4] if len(inputs) > 4 else None
+        return fast.sample(images, img_masks, toks, masks, state, noise.to(self.device, torch.float32),
+                           int(self.lr_cfg.num_inference_steps), key=self.lora.folded)
+
+    def _fast_sampler(self):
+        mode = self.cfg.fast_serving
+        if mode == "off" or self.training or torch.is_grad_enabled():
+            return None
+        cuda = self.device.type == "cuda"
+        if mode == "auto" and not cuda:
+            return None
+        if getattr(self, "_fast", None) is None:
+            from agents.policies.pi0_fast import FastPiSampler
+
+            self._fast = FastPiSampler(self.inner.model, self.variant, graphs=cuda and mode in ("auto", "graphs"),
+                                       compile=bool(self.cfg.fast_compile))
+        return self._fast
 
     def _serving_weights(self) -> None:
         """Adapters folded into the weights in eval mode without gradients, live otherwise."""

@@ -1,0 +1,115 @@
+"""PI0 / PI0.5 fast serving path (agents/policies/pi0_fast.py) against lerobot's own
+``sample_actions`` on the same inputs and noise: on a CPU in float32 (the computation), on a GPU
+in bf16 with CUDA graphs (capture, padding to a bucket, new weights without recapture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
+from data.core.spec import EnvSpec
+from tools.make_tiny_checkpoints import make_pi0
+
+SPEC = EnvSpec(state_dim=8, action_dim=7, cameras={"image": (48, 48, 3), "wrist_image": (48, 48, 3)}, has_task=True)
+CHUNK = 8
+CLASSES = {"pi0": (Pi0Policy, Pi0PolicyConfig), "pi05": (Pi05Policy, Pi05PolicyConfig)}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pi0fast")
+    return {v: make_pi0(root / v, SPEC, variant=v, chunk_size=CHUNK) for v in ("pi0", "pi05")}
+
+
+def obs(b=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tasks = ["pick up the black bowl between the plate and the ramekin", "open the drawer", "x"]
+    o = {"observation.state": torch.randn(b, 8, generator=g), "task": (tasks * b)[:b]}
+    for c in ("image", "wrist_image"):
+        o[f"observation.images.{c}"] = torch.randint(0, 256, (b, 48, 48, 3), dtype=torch.uint8, generator=g)
+    return o
+
+
+def make(ckpt, variant, **kw):
+    cls, cfg_cls = CLASSES[variant]
+    p = cls(cfg_cls(checkpoint=str(ckpt), chunk_size=CHUNK, lora_rank=4, **kw), SPEC)
+    # trained-looking adapters and heads (fresh LoRA B is zero: folding would be a no-op)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for name, prm in p.inner.named_parameters():
+            if prm.requires_grad:
+                prm.add_(0.05 * torch.randn(prm.shape, generator=g).to(prm))
+    return p.eval()
+
+
+def both(p, o, noise):
+    """(fast, lerobot) on the same observation and noise."""
+    inputs = p.model_inputs(o)
+    with torch.no_grad():
+        fast = p.forward_model(inputs, noise)
+        p.cfg.fast_serving, mode = "off", p.cfg.fast_serving
+        try:
+            ref = p.forward_model(inputs, noise)
+        finally:
+            p.cfg.fast_serving = mode
+    return fast, ref
+
+
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
+def test_fast_path_equals_lerobot_on_cpu(ckpts, variant):
+    p = make(ckpts[variant], variant, fast_serving="eager", device="cpu")
+    noise = torch.randn(3, CHUNK, int(p.lr_cfg.max_action_dim), generator=torch.Generator().manual_seed(2))
+    fast, ref = both(p, obs(), noise)
+    assert p._fast is not None and p._fast.captures == 0  # eager: no graphs on a CPU
+    assert fast.shape == ref.shape == (3, CHUNK, int(p.lr_cfg.max_action_dim))
+    assert ref.abs().max() > 0.05  # the comparison is not between two near-zero outputs
+    torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-4)
+    # the noise matters and rows are independent (padding rows of other prompts do not leak)
+    other, _ = both(p, obs(), noise.flip(0))
+    assert not torch.allclose(other, fast, atol=1e-3)
+    one, _ = both(p, {k: v[1:2] for k, v in obs().items()}, noise[1:2])
+    torch.testing.assert_close(one[0], fast[1], atol=2e-5, rtol=1e-4)
+    # act goes through it and gives the policy's actions
+    a = p.act(obs(), noise=noise).actions
+    p.cfg.fast_serving = "off"
+    torch.testing.assert_close(a, p.act(obs(), noise=noise).actions, atol=2e-5, rtol=1e-4)
+
+
+def test_fast_path_is_not_used_for_training(ckpts):
+    p = make(ckpts["pi0"], "pi0", fast_serving="eager", device="cpu").train()
+    p._fast = None
+    inputs = p.model_inputs(obs())
+    with torch.no_grad():
+        p.forward_model(inputs, None)
+    assert p._fast is None
+    with pytest.raises(ValueError, match="fast_serving"):
+        Pi0PolicyConfig(checkpoint=str(ckpts["pi0"]), fast_serving="fastest").validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
+def test_graphs_equal_lerobot_on_gpu(ckpts, variant):
+    p = make(ckpts[variant], variant, device="cuda", dtype="bfloat16", fast_serving="auto")
+    d = int(p.lr_cfg.max_action_dim)
+    noise = torch.randn(3, CHUNK, d, generator=torch.Generator().manual_seed(2)).cuda()
+    fast, ref = both(p, obs(), noise)
+    assert p._fast.captures == 1  # batch 3 -> the bucket of 4
+    torch.testing.assert_close(fast, ref, atol=3e-2, rtol=3e-2)
+    again, _ = both(p, obs(seed=4), noise)  # same bucket: a replay, no new capture
+    assert p._fast.captures == 1 and not torch.allclose(again, fast)
+    # new weights reach the replayed graph (the parameters are read in place): the replay
+    # equals the same computation run without a graph, and lerobot's
+    g = torch.Generator().manual_seed(3)
+    state = {k: v + 0.02 * torch.randn(v.shape, generator=g).to(v) for k, v in p.trainable_state_dict().items()}
+    p.load_trainable_state_dict(state)
+    p.eval()
+    fast2, ref2 = both(p, obs(), noise)
+    assert p._fast.captures == 1
+    p.cfg.fast_serving, p._fast = "eager", None
+    with torch.no_grad():
+        plain = p.forward_model(p.model_inputs(obs()), noise)
+    assert p._fast.captures == 0
+    torch.testing.assert_close(fast2, plain, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(fast2, ref2, atol=3e-2, rtol=3e-2)
+    assert not torch.allclose(fast2, fast, atol=1e-2)
