@@ -100,6 +100,20 @@ def test_build_replay_recovers_refills_and_writes(tmp_path):
     assert build_replay(cfg, SPEC, run_dir=tmp_path / "run", train=False).store is None
 
 
+def test_reopening_removes_temp_files_of_an_interrupted_atomic_write(tmp_path):
+    """A kill inside atomic_write leaves ``.<name>.tmp`` beside the commit record or a meta
+    file; the next open removes them and keeps every committed episode."""
+    root = tmp_path / "dataset"
+    write_episodes(root, 3, video=False)
+    stale = [root / ".tandem" / ".commit.json.tmp", root / "meta" / ".info.json.tmp"]
+    for p in stale:
+        p.write_bytes(b"{half a rec")
+    store = EpisodeStore(root, SPEC, video=False, fps=10)
+    assert store.recovered_files == 2 and store.total_episodes == 3
+    assert not any(p.exists() for p in stale)
+    assert json.loads((root / "meta" / "info.json").read_text())["total_episodes"] == 3
+
+
 def test_another_spec_or_a_foreign_dataset_is_a_clear_error(tmp_path):
     root = tmp_path / "dataset"
     write_episodes(root, 1, video=False)

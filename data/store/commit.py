@@ -77,7 +77,8 @@ def recover(root: Path, rec: dict, kinds: dict[str, Path], *, fsync: bool = True
             if cf is None or last is None or list(cf) > list(last):
                 p.unlink()
                 removed += 1
-    for extra in [root / "images", *root.glob("tmp*")]:
+    stale_tmp = [*(root / COMMIT_DIR).glob(".*.tmp"), *(root / "meta").glob(".*.tmp")]
+    for extra in [root / "images", *root.glob("tmp*"), *stale_tmp]:
         if extra.is_dir():  # frames staged by lerobot's writer for an unfinished episode
             removed += sum(1 for p in extra.rglob("*") if p.is_file())
             shutil.rmtree(extra, ignore_errors=True)
