@@ -316,7 +316,7 @@ class GroupRounds:
         self.counters["rounds_timed_out"] += int(not complete)
         self.counters["groups_incomplete"] += len(rnd.groups) - sum(len(g) == size for g in groups)
         episodes, baselines = self._split(groups)
-        m = episode_metrics(episodes)
+        m = episode_metrics(episodes, current_version=current_version)
         m.update(round_id=float(rnd.round_id), round_groups=float(len(rnd.groups)),
                  round_timed_out=float(not complete))
         if not episodes:

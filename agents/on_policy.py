@@ -181,11 +181,18 @@ def ppo_batch(cb: ChunkBatch, advantages: torch.Tensor, *, returns: torch.Tensor
     return batch
 
 
-def episode_metrics(episodes: list[RolloutEpisode], cb: ChunkBatch | None = None) -> dict[str, float]:
+def episode_metrics(episodes: list[RolloutEpisode], cb: ChunkBatch | None = None, *,
+                    current_version: int | None = None) -> dict[str, float]:
+    """Round figures; with ``current_version``, the policy-version lag of the round's
+    rollouts (versions between the oldest that acted in an episode and the learner's)."""
     out = {"round_episodes": float(len(episodes)),
            "round_success": float(np.mean([e.success for e in episodes])) if episodes else 0.0,
            "round_return": float(np.mean([e.ret for e in episodes])) if episodes else 0.0,
            "round_length": float(np.mean([e.length for e in episodes])) if episodes else 0.0}
+    if current_version is not None and episodes:
+        lags = [int(current_version) - e.min_version for e in episodes]
+        out["round_version_lag_mean"] = float(np.mean(lags))
+        out["round_version_lag_max"] = float(max(lags))
     if cb is not None:
         out["round_chunks"] = float(len(cb))
         out["round_policy_chunks"] = float(cb.policy_mask.sum())
@@ -244,7 +251,7 @@ class EpisodeRounds:
             return None
         episodes, self._carry = self._carry, []
         cb = chunk_batch(episodes, horizon=self.horizon, gamma=self.gamma)
-        m = episode_metrics(episodes, cb)
+        m = episode_metrics(episodes, cb, current_version=current_version)
         if self.estimator == "gae":
             values = batched_values(self.value_fn, cb.obs, len(cb), self.device)
             finals = batched_values(self.value_fn, cb.final_obs, cb.num_episodes, self.device)
@@ -291,7 +298,9 @@ class OnPolicyLearner:
         self.rounds += 1
         metrics = dict(got.metrics)
         if got.batch is not None and bool(torch.as_tensor(got.batch.get("mask", True)).any()):
+            t_up = time.monotonic()
             metrics.update(self.agent.update(got.batch))
+            metrics["update_s"] = time.monotonic() - t_up
             self.updates += 1
             if self.updates % self.publish_every == 0:
                 self._publish = True

@@ -298,6 +298,7 @@ class Learner:
             "return": s.get("return", float("nan")), "success": s.get("success", float("nan")),
             "actors": self.service.active_actors(), "buffer": len(self.data.sink),
             "infer_batch": float(sum(sizes) / len(sizes)) if sizes else 0.0,
+            "served": self.inference.served, "infer_batches": self.inference.batches,
             "rejected": self.service.counters["rejected"],
             "duplicates": self.service.counters["duplicates"],
         }
