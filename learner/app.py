@@ -44,6 +44,7 @@ from learner.distributed import (CTRL_GATHER, CTRL_IDLE, CTRL_STOP, RankError, R
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
+from learner.eval_sweep import EvalSweep
 from learner.jobs import JobQueue
 from learner.metrics import MetricsLogger
 from learner.service import LearnerService
@@ -122,6 +123,10 @@ class Learner:
         self._rates = {"status": RateMeter(), "view": RateMeter()}
         serving = registry.build_trained_policy(self.builder, cfg.policy, env).to(self.device).eval()
         self.jobs = self.builder.jobs() or (JobQueue.from_config(list(cfg.jobs)) if cfg.jobs else None)
+        self.sweep = None  # mode=eval with eval.sweep: every (task, init state) once, as jobs
+        if cfg.mode == "eval" and cfg.eval.get("sweep"):
+            self.sweep = EvalSweep.from_config(OmegaConf.to_container(cfg.eval.sweep, resolve=True))
+            self.jobs = self.sweep
         self.ctx = zmq.Context()
         t = cfg.transport
         self.service = LearnerService(
@@ -279,6 +284,8 @@ class Learner:
         self.actor_stats.on_records(batch, keep)
         if self.eval_videos is not None:
             self.eval_videos.on_records(batch, keep)
+        if self.sweep is not None:
+            self.sweep.on_records(batch, keep)
 
     def close(self) -> None:
         self.data.close()  # writes queued episodes first, while the service can still ack
@@ -309,7 +316,7 @@ class Learner:
         st["version"] = self.weights.version
         st.update(view_status(self, st, self._rates[meter]))
         if self.cfg.mode == "eval":
-            st["eval_target"] = int(self.cfg.eval.episodes)
+            st["eval_target"] = self.sweep.total if self.sweep is not None else int(self.cfg.eval.episodes)
         return st
 
     def write_status(self) -> None:
@@ -370,16 +377,22 @@ class Learner:
         return self._status()
 
     def _eval_loop(self) -> dict:
-        target = int(self.cfg.eval.episodes)
+        target, sweep = int(self.cfg.eval.episodes), self.sweep
         last_log = time.monotonic()
-        while self.ingest.stats.episodes < target and not self._stop.is_set():
+        while not (sweep.done if sweep else self.ingest.stats.episodes >= target) and not self._stop.is_set():
             time.sleep(0.05)
+            if sweep is not None:
+                sweep.reissue_timed_out()
             if time.monotonic() - last_log >= self.cfg.logging.every_s:
                 self.metrics.log(self._status(), step=self.ingest.stats.episodes,
                                  console_keys=["episodes", "return", "success", "actors"])
                 last_log = time.monotonic()
-        report = {"version": self.weights.version, "episodes": self.ingest.stats.episodes,
-                  "overall": self.ingest.stats.summary(), "per_task": self.ingest.stats.per_task()}
+        if sweep is not None:
+            report = {"version": self.weights.version, **sweep.report()}
+            report["episodes"] = report["overall"]["episodes"]
+        else:
+            report = {"version": self.weights.version, "episodes": self.ingest.stats.episodes,
+                      "overall": self.ingest.stats.summary(), "per_task": self.ingest.stats.per_task()}
         (self.run_dir / "eval_report.json").write_text(json.dumps(report, indent=2))
         for path in write_eval_report(self.run_dir, report, videos=self.eval_videos):
             log.info("evaluation report: %s", path)

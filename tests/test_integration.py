@@ -23,9 +23,10 @@ class Run:
         self.dir = tmp / "run"
         self.port, self.pub = free_port(), free_port()
         self.procs: list[subprocess.Popen] = []
+        self.env = "reacher"
 
     def common(self):
-        return ["env=reacher", f"run_dir={self.dir}", f"transport.port={self.port}",
+        return [f"env={self.env}", f"run_dir={self.dir}", f"transport.port={self.port}",
                 f"transport.pub_port={self.pub}",
                 "transport.timeout_s=1.0", "transport.heartbeat_s=0.5"]
 
