@@ -227,6 +227,19 @@ def accelerator_kwargs() -> list:
     return [DistributedDataParallelKwargs(find_unused_parameters=True)]
 
 
+def zero3_gathered(module: Any, accelerator: Any, *, modifier_rank: int | None = None):
+    """A context in which ``module``'s parameters are whole under DeepSpeed ZeRO-3 (every rank
+    must enter it together; ``modifier_rank`` = the rank whose writes are kept), else a no-op."""
+    import contextlib
+
+    plugin = accelerator.state.deepspeed_plugin if uses_deepspeed(accelerator) else None
+    if plugin is None or int(plugin.zero_stage) != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=modifier_rank)
+
+
 def uses_deepspeed(accelerator: Any) -> bool:
     """True when ``accelerator`` prepares models as DeepSpeed engines."""
     from accelerate.utils import DistributedType

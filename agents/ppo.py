@@ -27,6 +27,7 @@ Loss pieces are plain functions (:func:`policy_loss`, :func:`value_loss`,
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,11 @@ from torch import nn
 
 from agents.advantages import ESTIMATORS, masked_mean, masked_whiten
 from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, ValuePolicy,
-                         check_pair, has_capability, uses_deepspeed)
+                         check_pair, has_capability, uses_deepspeed, zero3_gathered)
 from agents.kl import KL_KINDS, kl_penalty
 from data.core.schema import EXTRA_PREFIX, TASK
+
+log = logging.getLogger("tandem.agents.ppo")
 
 
 @dataclass
@@ -205,9 +208,14 @@ class PolicyCalls(nn.Module):
         raise ValueError(f"unknown call {what!r}")
 
     def forward(self, obs: Batch, actions: torch.Tensor | None = None, what="log_prob"):
-        if isinstance(what, str):
-            return self._call(what, obs, actions)
-        return tuple(self._call(w, obs, actions) for w in what)
+        # a DeepSpeed bf16 engine casts this module's weights to bf16 while the batch stays
+        # float32: compute under autocast then (no-op for policies that hold bf16 already)
+        p = next(self.parameters(), None)
+        low = p is not None and p.is_cuda and p.dtype in (torch.bfloat16, torch.float16)
+        with torch.autocast("cuda", dtype=p.dtype if low else torch.bfloat16, enabled=low):
+            if isinstance(what, str):
+                return self._call(what, obs, actions)
+            return tuple(self._call(w, obs, actions) for w in what)
 
 
 def observation_keys(batch: Batch) -> list[str]:
@@ -449,11 +457,14 @@ class PPOAgent:
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Policy, value function (when separate), optimizers and the update counter."""
-        state = {
-            "policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
-            "opt": copy.deepcopy(self.opt.state_dict()),
-            "num_updates": int(self.num_updates),
-        }
+        with zero3_gathered(self.policy, self.accelerator):
+            state = {"policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
+                     "num_updates": int(self.num_updates)}
+        if uses_deepspeed(self.accelerator):  # its optimizer state is sharded over the ranks
+            log.warning("DeepSpeed: the checkpoint holds the weights but not the sharded optimizer "
+                        "state; a resumed run starts its optimizer afresh")
+            return state
+        state["opt"] = copy.deepcopy(self.opt.state_dict())
         if self._value_raw is not None:
             state["value_fn"] = {k: v.detach().clone()
                                  for k, v in self._value_raw.state_dict().items()}
@@ -461,11 +472,14 @@ class PPOAgent:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.policy.load_state_dict(state["policy"])
+        with zero3_gathered(self.policy, self.accelerator, modifier_rank=0):
+            self.policy.load_state_dict(state["policy"])
+        self.num_updates = int(state["num_updates"])
+        if "opt" not in state:  # written under DeepSpeed (see state_dict)
+            return
         # torch optimizers adopt the given tensors: copy so training never mutates ``state``
         self.opt.load_state_dict(copy.deepcopy(state["opt"]))
         if self._value_raw is not None:
             self._value_raw.load_state_dict(state["value_fn"])
             self.value_opt.load_state_dict(copy.deepcopy(state["value_opt"]))
-        self.num_updates = int(state["num_updates"])
 
