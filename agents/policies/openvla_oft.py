@@ -98,6 +98,12 @@ class OpenVLAOFTPolicyConfig:
     #: in eval mode, act with the adapters folded into the base weights (no adapter code in
     #: the forward; keeps a copy of the adapted base weights on the device)
     fold_lora_for_serving: bool = True
+    #: the serving path of eval-mode ``act`` / ``forward_model`` (agents/policies/oft_fast.py):
+    #: "auto" (CUDA graphs on a GPU, the eager path on a CPU) | "graphs" | "eager" (the fast
+    #: computation without graphs) | "off"
+    fast_serving: str = "auto"
+    #: torch.compile the language model's layers inside the fast path's graphs
+    fast_compile: bool = False
     seed: int = 0
 
     def validate(self) -> None:
@@ -107,6 +113,8 @@ class OpenVLAOFTPolicyConfig:
             raise ValueError(f"normalization must be bounds_q99, bounds or none, got {self.normalization!r}")
         if self.temperature <= 0 or self.chunk_size < 1 or self.lora_rank < 0:
             raise ValueError("temperature must be > 0, chunk_size >= 1, lora_rank >= 0")
+        if self.fast_serving not in ("auto", "graphs", "eager", "off"):
+            raise ValueError(f"policy.fast_serving must be auto, graphs, eager or off, got {self.fast_serving!r}")
 
 
 def _torch_load_local(path: Path) -> dict:
@@ -359,10 +367,18 @@ class OpenVLAOFTPolicy(nn.Module):
     def forward_model(self, inputs: tuple) -> torch.Tensor:
         """The bare network on prepared inputs: L1 head -> normalised actions [B, chunk, A];
         discrete head -> tempered action-token logits [B, K, 256]."""
+        if (fast := self.fast_path()) is not None:
+            return fast.forward(inputs)
         h = self.hidden(inputs)
         if self.action_head is None:
             return self.action_logits(h)
         return self.action_head.predict_action(h.to(self.action_head.model.fc1.weight.dtype))
+
+    def fast_path(self):
+        """The fast serving path (agents/policies/oft_fast.py) when this call may use it, else None."""
+        from agents.policies.oft_fast import fast_path
+
+        return fast_path(self)
 
     # -- heads ------------------------------------------------------------------------------------
     def action_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -384,6 +400,8 @@ class OpenVLAOFTPolicy(nn.Module):
     @torch.no_grad()
     def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
         """Actions [B, chunk, A] float32 (L1 head: deterministic either way)."""
+        if (fast := self.fast_path()) is not None:
+            return fast.act(obs, deterministic=deterministic)
         return ActionChunk(self._finish(self.forward_model(self.model_inputs(obs))))
 
     def extras_spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:

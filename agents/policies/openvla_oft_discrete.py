@@ -87,6 +87,8 @@ class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
     def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
         """Actions [B, chunk, A]; log_prob [B] of the returned chunk's tokens (the greedy ones
         when deterministic); ``extras["action_tokens"]`` [B, chunk*A] the classes (0..255)."""
+        if (fast := self.fast_path()) is not None:
+            return fast.act(obs, deterministic=deterministic)
         logits = self.action_logits(self.action_hidden(obs))
         if deterministic:
             cls = logits.argmax(-1)
