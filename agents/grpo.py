@@ -64,6 +64,8 @@ class GRPOConfig:
     clip_low: float = 0.2
     #: the ratio is clipped above at 1 + clip_high (clip higher, DAPO / SimpleVLA-RL)
     clip_high: float = 0.28
+    #: dual-clip cap of the loss of negative-advantage chunks (verl's clip_ratio_c; None: off)
+    dual_clip: float | None = None
     #: KL estimator of the penalty to the reference: "k1", "k2", "k3" or "none"
     kl_kind: str = "k3"
     #: weight of the KL penalty (0: off, as DAPO / SimpleVLA-RL); > 0 needs a ReferencePolicy
@@ -110,7 +112,8 @@ class GRPOConfig:
 
     def ppo_config(self) -> PPOConfig:
         """The PPO update this GRPO runs: no value loss, advantages used as given."""
-        return PPOConfig(clip_low=self.clip_low, clip_high=self.clip_high, value_clip=None,
+        return PPOConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
+                         value_clip=None,
                          value_coef=0.0, entropy_coef=self.entropy_coef, kl_kind=self.kl_kind,
                          kl_coef=self.kl_coef, epochs=self.epochs,
                          minibatch_size=self.minibatch_size,

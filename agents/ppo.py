@@ -55,6 +55,9 @@ class PPOConfig:
     clip_low: float = 0.2
     #: the ratio is clipped above at 1 + clip_high (DAPO / SimpleVLA-RL "clip higher": 0.28)
     clip_high: float = 0.2
+    #: dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): with A < 0 the loss is capped at
+    #: -A * dual_clip, so a chunk whose ratio exploded cannot dominate the update (None: off)
+    dual_clip: float | None = None
     #: value updates are clipped to +-value_clip around the rollout's values (None: no clipping)
     value_clip: float | None = 0.2
     #: weight of the value loss in the total loss
@@ -90,6 +93,8 @@ class PPOConfig:
     publish_every: int = 1
 
     def __post_init__(self) -> None:
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or null), got {self.dual_clip}")
         if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
             raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, "
                              f"{self.clip_high}")
@@ -122,10 +127,11 @@ class PPOConfig:
 # -- losses on known inputs -------------------------------------------------------------------
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                 clip_low: float, clip_high: float, mask: torch.Tensor | None = None,
-                is_weight: torch.Tensor | None = None
+                is_weight: torch.Tensor | None = None, dual_clip: float | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate, all [N]: mean of w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
-    with r = exp(logp - old_logp) and w the importance weight (1 when None).
+    with r = exp(logp - old_logp) and w the importance weight (1 when None); with ``dual_clip``
+    c, a term with A < 0 is capped at -A c.
 
     A ratio above 1 + clip_high with A > 0 (or below 1 - clip_low with A < 0) gets no gradient;
     on the other side the unclipped term is kept. Metrics (detached): ``clip_frac`` (share of
@@ -137,6 +143,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per = torch.maximum(pg1, pg2)
+    capped = None
+    if dual_clip is not None:  # A < 0: at most -A * dual_clip (no gradient beyond it)
+        capped = (adv < 0) & (per > -adv * dual_clip)
+        per = torch.where(capped, -adv * dual_clip, per)
     if is_weight is not None:
         per = per * is_weight
     loss = masked_mean(per, mask)
@@ -144,6 +154,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
         metrics = {"clip_frac": masked_mean((pg2 > pg1).float(), mask),
                    "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask),
                    "ratio_mean": masked_mean(ratio, mask)}
+        if capped is not None:
+            metrics["dual_clip_frac"] = masked_mean(capped.float(), mask)
     return loss, metrics
 
 
@@ -424,7 +436,8 @@ class PPOAgent:
         whats = ("log_prob",) + (("sample",) if sample else ()) + (("value",) if self.has_critic else ())
         outs = dict(zip(whats, self._calls(obs, actions, what=whats)))  # one forward
         logp = outs["log_prob"].float().reshape(-1)
-        loss, metrics = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, mask, is_w)
+        loss, metrics = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, mask, is_w,
+                                    dual_clip=cfg.dual_clip)
         metrics["policy_loss"] = loss.detach()
         if ref is not None:
             kl = masked_mean(kl_penalty(cfg.kl_kind, logp, ref), mask)

@@ -57,6 +57,22 @@ def test_policy_loss_mask_and_importance_weights():
     torch.testing.assert_close(logp.grad, t([-0.25, 0.0, -3.0]))
 
 
+def test_dual_clip_caps_negative_advantage_terms_only():
+    # ratios 5 and 2 with A = -1: the 5 is capped at 3 (no gradient), the 2 is under the cap;
+    # with A = +1 a ratio of 5 is clipped at 1.28 as before (dual clip never touches A > 0)
+    ratio = torch.tensor([5.0, 2.0, 5.0], requires_grad=True)
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    loss, m = policy_loss(ratio.log(), torch.zeros(3), adv, 0.2, 0.28, dual_clip=3.0)
+    assert torch.isclose(loss, torch.tensor((3.0 + 2.0 - 1.28) / 3))
+    loss.backward()
+    assert ratio.grad[0] == 0 and ratio.grad[2] == 0 and ratio.grad[1] > 0
+    assert torch.isclose(m["dual_clip_frac"], torch.tensor(1 / 3))
+    plain, _ = policy_loss(torch.tensor([5.0, 2.0, 5.0]).log(), torch.zeros(3), adv, 0.2, 0.28)
+    assert torch.isclose(plain, torch.tensor((5.0 + 2.0 - 1.28) / 3))
+    with pytest.raises(ValueError, match="dual_clip"):
+        PPOConfig(dual_clip=0.5)
+
+
 def test_value_loss_clipping():
     values = t([1.0, 1.0]).requires_grad_(True)
     old, returns = t([0.0, 0.0]), t([2.0, 0.0])
