@@ -62,41 +62,46 @@ _RECENT = 4096  # ended / dropped episode ids remembered per actor
 
 @dataclass
 class EpisodeStats:
-    """Finished-episode returns and successes, per task."""
+    """Finished-episode returns and successes, per task. Thread-safe: the socket thread adds
+    episodes while the main loop and the status writer read (an unlocked read once met a
+    deque mid-append under load and took the learner down)."""
 
     window: int = 100
     returns: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))
     successes: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))
     lengths: deque = field(default_factory=lambda: deque(maxlen=100))
     episodes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, task: str, ret: float, success: bool, length: int) -> None:
-        for store, val in ((self.returns, ret), (self.successes, float(success))):
-            dq = store[task]
-            dq.append(val)
-            while len(dq) > self.window:
-                dq.popleft()
-        self.lengths.append(length)
-        self.episodes += 1
+        with self._lock:
+            for store, val in ((self.returns, ret), (self.successes, float(success))):
+                dq = store[task]
+                dq.append(val)
+                while len(dq) > self.window:
+                    dq.popleft()
+            self.lengths.append(length)
+            self.episodes += 1
 
     def summary(self) -> dict[str, float]:
-        all_r = [r for dq in self.returns.values() for r in dq]
-        all_s = [s for dq in self.successes.values() for s in dq]
+        with self._lock:
+            all_r = [r for dq in self.returns.values() for r in dq]
+            all_s = [s for dq in self.successes.values() for s in dq]
+            lengths, episodes = list(self.lengths), self.episodes
         if not all_r:
-            return {"episodes": float(self.episodes)}
+            return {"episodes": float(episodes)}
         return {
-            "episodes": float(self.episodes),
+            "episodes": float(episodes),
             "return": float(np.mean(all_r)),
             "success": float(np.mean(all_s)),
-            "length": float(np.mean(self.lengths)) if self.lengths else 0.0,
+            "length": float(np.mean(lengths)) if lengths else 0.0,
         }
 
     def per_task(self) -> dict[str, dict[str, float]]:
-        return {
-            t: {"episodes": len(self.returns[t]), "return": float(np.mean(self.returns[t])),
-                "success": float(np.mean(self.successes[t]))}
-            for t in sorted(self.returns)
-        }
+        with self._lock:
+            rows = {t: (list(self.returns[t]), list(self.successes[t])) for t in sorted(self.returns)}
+        return {t: {"episodes": len(r), "return": float(np.mean(r)), "success": float(np.mean(sv))}
+                for t, (r, sv) in rows.items()}
 
 
 class _Recent:

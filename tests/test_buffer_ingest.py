@@ -2,6 +2,7 @@
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from data.store import EpisodeStore, read_episodes
 from data.replay import ReplayBuffer
 from data.transitions import TransitionError
-from learner.ingest import Ingest
+from learner.ingest import EpisodeStats, Ingest
 from test_buffer_helpers import SPEC, batch, episode_batch, episode_records
 
 
@@ -170,3 +171,34 @@ def test_an_episode_without_end_cannot_hold_the_ack_forever(tmp_path):
         assert ingest.acked["a0"] == 29 and ingest.discarded_records == 18
     finally:
         store.close()
+
+def test_episode_stats_can_be_read_while_another_thread_adds():
+    """The socket thread adds episodes while the main loop reads the summary."""
+    stats = EpisodeStats(window=300_000)
+    for i in range(300_000):  # long deques: one read spans several thread switches
+        stats.add("task 0", float(i), i % 2 == 0, 10)
+    stop = threading.Event()
+    errors = []
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            stats.add("task 0", float(i), i % 2 == 0, 10)
+            i += 1
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 2.0
+    try:
+        while time.monotonic() < deadline:
+            try:
+                stats.summary()
+                stats.per_task()
+            except RuntimeError as exc:
+                errors.append(exc)
+                break
+    finally:
+        stop.set()
+        t.join(5)
+    assert not errors, errors
+    assert stats.summary()["episodes"] == stats.episodes > 1000
