@@ -40,7 +40,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.learning_run import free_port  # noqa: E402
+from tools.learning_run import free_port, stop_processes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,15 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             if t_first is not None and now - t_first >= args.minutes * 60:
                 break
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, 60)
     res = summarize(samples, read_metrics(run_dir / "metrics.jsonl"), status.get("actors_table", []),
                     t_first, time.monotonic() - t0)
     res["startup_s"] = round(t_first, 1) if t_first is not None else None

@@ -32,6 +32,20 @@ def version_success(dataset: Path) -> dict[int, list[bool]]:
     return out
 
 
+def stop_processes(procs: Sequence[subprocess.Popen], wait_s: float) -> None:
+    """SIGINT every process still running (a learner checkpoints, actors flush), then wait up to
+    ``wait_s`` for each and kill what is left."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def free_port() -> int:
     import socket
 
@@ -85,15 +99,7 @@ def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: f
                 if p.poll() not in (None, 0):
                     raise RuntimeError(f"{p.name} exited {p.returncode}; see {out / (p.name + '.log')}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(90)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, 90)
     wall = time.monotonic() - t0
     try:
         status = json.loads((run_dir / "status.json").read_text())
