@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
         procs.append(p)
 
     t0 = time.monotonic()
-    start("learner", "learner", ["logging.wandb=disabled", "logging.every_s=5", *args.learner], env)
+    every = [] if any(o.startswith("logging.every_s=") for o in args.learner) else [
+        f"logging.every_s={min(5.0, args.sample_s)}"]  # status.json as often as it is sampled
+    start("learner", "learner", ["logging.wandb=disabled", *every, *args.learner], env)
     actor_env = {**env, "OMP_NUM_THREADS": "1"}
     for i in range(args.actors):
         start("actor", f"actor{i:02d}", [f"actor_id=a{i:02d}", "log_every_s=30", f"seed={1000 * (i + 1)}",
