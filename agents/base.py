@@ -227,17 +227,24 @@ def accelerator_kwargs() -> list:
     return [DistributedDataParallelKwargs(find_unused_parameters=True)]
 
 
-def zero3_gathered(module: Any, accelerator: Any, *, modifier_rank: int | None = None):
-    """A context in which ``module``'s parameters are whole under DeepSpeed ZeRO-3 (every rank
-    must enter it together; ``modifier_rank`` = the rank whose writes are kept), else a no-op."""
+def is_zero3(accelerator: Any) -> bool:
+    """True when ``accelerator`` shards parameters with DeepSpeed ZeRO-3."""
+    plugin = accelerator.state.deepspeed_plugin if uses_deepspeed(accelerator) else None
+    return plugin is not None and int(plugin.zero_stage) == 3
+
+
+def zero3_gathered(params: Any, accelerator: Any, *, modifier_rank: int | None = None):
+    """A context in which ``params`` (a module's parameters, or a list of them) are whole under
+    DeepSpeed ZeRO-3 (every rank must enter it together; ``modifier_rank`` = the rank whose
+    writes are kept), else a no-op."""
     import contextlib
 
-    plugin = accelerator.state.deepspeed_plugin if uses_deepspeed(accelerator) else None
-    if plugin is None or int(plugin.zero_stage) != 3:
+    if not is_zero3(accelerator):
         return contextlib.nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=modifier_rank)
+    params = list(params.parameters()) if isinstance(params, torch.nn.Module) else list(params)
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
 def uses_deepspeed(accelerator: Any) -> bool:

@@ -474,8 +474,10 @@ class PPOAgent:
             state = {"policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
                      "num_updates": int(self.num_updates)}
         if uses_deepspeed(self.accelerator):  # its optimizer state is sharded over the ranks
-            log.warning("DeepSpeed: the checkpoint holds the weights but not the sharded optimizer "
-                        "state; a resumed run starts its optimizer afresh")
+            if not getattr(self, "_warned_ds_ckpt", False):
+                self._warned_ds_ckpt = True
+                log.warning("DeepSpeed: checkpoints hold the weights but not the sharded optimizer "
+                            "state; a resumed run starts its optimizer afresh")
             return state
         state["opt"] = copy.deepcopy(self.opt.state_dict())
         if self._value_raw is not None:

@@ -228,24 +228,18 @@ def gathered_trainable(policy: Any, accelerator: Any) -> dict[str, torch.Tensor]
     each rank holds a shard: every rank must call this together (rank 0 sends CTRL_GATHER
     first); the parameters are gathered with DeepSpeed's ``GatheredParameters`` for the
     read. Elsewhere the weights are whole already. Ran under ZeRO-3 on one H100 rank."""
-    from agents.base import uses_deepspeed
+    from agents.base import is_zero3, zero3_gathered
 
-    if uses_deepspeed(accelerator):
-        plugin = accelerator.state.deepspeed_plugin
-        if plugin is not None and int(plugin.zero_stage) == 3:
-            import deepspeed
-
-            params = [p for p in policy.parameters() if p.requires_grad]
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return {k: v.detach().clone().cpu() for k, v in policy.trainable_state_dict().items()}
-    return policy.trainable_state_dict()
+    if not is_zero3(accelerator):
+        return policy.trainable_state_dict()
+    with zero3_gathered([p for p in policy.parameters() if p.requires_grad], accelerator):
+        return {k: v.detach().clone().cpu() for k, v in policy.trainable_state_dict().items()}
 
 
 def needs_gather(accelerator: Any) -> bool:
-    from agents.base import uses_deepspeed
+    from agents.base import is_zero3
 
-    plugin = accelerator.state.deepspeed_plugin if uses_deepspeed(accelerator) else None
-    return plugin is not None and int(plugin.zero_stage) == 3
+    return is_zero3(accelerator)
 
 
 def follow(algo: Any, ranks: Ranks, status_path=None, every_s: float = 1.0) -> int:
