@@ -103,7 +103,10 @@ class EnsembleCritic(nn.Module):
 
     def forward(self, obs: Batch, actions: torch.Tensor, prefix: str = "") -> torch.Tensor:
         """Q-values [E, B] for ``actions`` [B, A] / [B, H, A] / [B, H*A]."""
-        feats = self.encoder(obs, prefix)
+        return self.q(self.encoder(obs, prefix), actions)
+
+    def q(self, feats: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """Q-values [E, B] from encoder features [B, D] (the encoder already run)."""
         flat = actions.reshape(actions.shape[0], -1).to(feats.dtype)
         if flat.shape[1] != self.action_dim:
             raise ValueError(f"critic scores actions of {self.action_dim} values, got "

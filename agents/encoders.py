@@ -8,11 +8,23 @@ Shapes (B = batch, S = state dim):
 
 ``ObsEncoder`` reads its sizes from any config object with ``cnn_channels``,
 ``image_embed_dim`` and ``state_embed_dim`` (:class:`agents.policies.mlp.MLPPolicyConfig`,
-:class:`agents.sac.SACConfig`'s critic fields through :class:`EncoderConfig`).
+:class:`agents.sac.SACConfig`'s critic fields through :class:`EncoderConfig`), and optionally
+``image_encoder`` / ``pool_features`` (absent: ``"flatten"``).
+
+Two image encoders (``image_encoder``):
+
+- ``"flatten"`` (:class:`ImageEncoder`, one per camera): 3x3 convs (first stride 2), the
+  conv output flattened into a linear layer. At 128x128 with 32 channels that linear layer
+  alone has ~5.5M parameters per camera.
+- ``"pool"`` (:class:`PooledImageEncoders`): one strided conv backbone shared by all cameras
+  (kernels 7, 5, 3, 3, ..., every stride 2; the cameras go through it as one batch when their
+  shapes match), then per camera a learned spatial embedding (:class:`SpatialLearnedEmbeddings`,
+  SERL / LeRobot HIL-SERL) and linear + LayerNorm + tanh. ~0.1M parameters for two cameras.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +43,14 @@ class EncoderConfig:
     image_embed_dim: int = 50
     #: hidden width of the state MLP used when there are cameras (0: feed the raw state)
     state_embed_dim: int = 64
+    #: "flatten" (per-camera CNN, flattened into a linear layer) or "pool" (shared strided CNN
+    #: + learned spatial pooling per camera)
+    image_encoder: str = "flatten"
+    #: learned spatial features per channel of the "pool" encoder
+    pool_features: int = 8
+
+
+IMAGE_ENCODERS = ("flatten", "pool")
 
 
 ACTIVATIONS = {"relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU, "silu": nn.SiLU}
@@ -62,24 +82,101 @@ class ImageEncoder(nn.Module):
         self.head = nn.Sequential(nn.Linear(flat, embed_dim), nn.LayerNorm(embed_dim), nn.Tanh())
 
     def forward(self, img: torch.Tensor) -> torch.Tensor:
-        x = img.permute(0, 3, 1, 2).float().div(255.0) - 0.5
-        return self.head(self.convs(x))
+        return self.head(self.convs(_to_float(img)))
+
+
+def _to_float(img: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, H, W, 3] -> float32 [B, 3, H, W] in [-0.5, 0.5]."""
+    return img.permute(0, 3, 1, 2).float().div(255.0) - 0.5
+
+
+POOL_KERNELS = (7, 5, 3)
+
+
+def strided_backbone(channels: tuple[int, ...]) -> nn.Sequential:
+    """Convs with kernels 7, 5, 3, 3, ... and stride 2 each, ReLU after each (LeRobot's
+    default HIL-SERL image encoder for ``channels=(32, 32, 32, 32)``)."""
+    layers: list[nn.Module] = []
+    cin = 3
+    for i, cout in enumerate(channels):
+        layers += [nn.Conv2d(cin, cout, POOL_KERNELS[min(i, len(POOL_KERNELS) - 1)], stride=2),
+                   nn.ReLU()]
+        cin = cout
+    return nn.Sequential(*layers)
+
+
+class SpatialLearnedEmbeddings(nn.Module):
+    """[B, C, H, W] -> [B, C * F]: for each channel, F learned weightings of the H x W map."""
+
+    def __init__(self, channels: int, height: int, width: int, num_features: int):
+        super().__init__()
+        # each output is a weighted sum over the H*W positions of one channel: fan-in H*W
+        self.kernel = nn.Parameter(torch.randn(channels, height * width, num_features)
+                                   / math.sqrt(height * width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c = x.shape[:2]
+        # [C, B, HW] @ [C, HW, F] -> [C, B, F]
+        out = torch.bmm(x.reshape(b, c, -1).transpose(0, 1), self.kernel)
+        return out.transpose(0, 1).reshape(b, -1)
+
+
+class PooledImageEncoders(nn.Module):
+    """All cameras: {key: uint8 [B, H, W, 3]} -> [B, n_cams * embed_dim].
+
+    One strided backbone (:func:`strided_backbone`) shared by the cameras; cameras of equal
+    shape are stacked into one backbone call. Per camera: spatial embedding, linear,
+    LayerNorm, tanh."""
+
+    def __init__(self, shapes: list[tuple[int, int, int]], channels: tuple[int, ...],
+                 embed_dim: int, num_features: int):
+        super().__init__()
+        for shape in shapes:
+            if shape[2] != 3:
+                raise ValueError(f"images must be [H, W, 3], got {shape}")
+        if num_features < 1:
+            raise ValueError(f"pool_features must be >= 1, got {num_features}")
+        self.backbone = strided_backbone(channels)
+        self.pools = nn.ModuleList()
+        self.heads = nn.ModuleList()
+        for h, w, _ in shapes:
+            with torch.no_grad():
+                _, c, fh, fw = self.backbone(torch.zeros(1, 3, h, w)).shape
+            self.pools.append(SpatialLearnedEmbeddings(c, fh, fw, num_features))
+            self.heads.append(nn.Sequential(nn.Linear(c * num_features, embed_dim),
+                                            nn.LayerNorm(embed_dim), nn.Tanh()))
+        self.same_shape = len(set(shapes)) == 1
+
+    def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.same_shape and len(images) > 1:
+            maps = self.backbone(_to_float(torch.cat(images, dim=0))).chunk(len(images), dim=0)
+        else:
+            maps = [self.backbone(_to_float(img)) for img in images]
+        return [head(pool(m)) for m, pool, head in zip(maps, self.pools, self.heads)]
 
 
 class ObsEncoder(nn.Module):
     """Observation dict -> flat features [B, out_dim].
 
-    State-only specs: the raw state (identity). With cameras: one :class:`ImageEncoder` per
-    camera (sorted by name) and a state MLP, concatenated.
+    State-only specs: the raw state (identity). With cameras: the image encoder of
+    ``cfg.image_encoder`` (one :class:`ImageEncoder` per camera, sorted by name, or one
+    :class:`PooledImageEncoders` for all) and a state MLP, concatenated.
     """
 
     def __init__(self, spec: EnvSpec, cfg: EncoderConfig):
         super().__init__()
         self.image_keys = spec.image_keys
+        kind = getattr(cfg, "image_encoder", "flatten")
+        if kind not in IMAGE_ENCODERS:
+            raise ValueError(f"image_encoder must be one of {IMAGE_ENCODERS}, got {kind!r}")
+        self.image_encoder = kind
+        shapes = [tuple(spec.cameras[k[len(OBS_IMAGE_PREFIX):]]) for k in self.image_keys]
+        if kind == "pool" and self.image_keys:
+            self.pooled = PooledImageEncoders(shapes, tuple(cfg.cnn_channels), cfg.image_embed_dim,
+                                              int(getattr(cfg, "pool_features", 8)))
         self.cams = nn.ModuleDict({
-            str(i): ImageEncoder(spec.cameras[k[len(OBS_IMAGE_PREFIX):]], cfg.cnn_channels,
-                            cfg.image_embed_dim)
-            for i, k in enumerate(self.image_keys)
+            str(i): ImageEncoder(shape, cfg.cnn_channels, cfg.image_embed_dim)
+            for i, shape in enumerate(shapes) if kind == "flatten"
         })
         if self.image_keys and cfg.state_embed_dim > 0:
             self.state = nn.Sequential(nn.Linear(spec.state_dim, cfg.state_embed_dim),
@@ -92,8 +189,11 @@ class ObsEncoder(nn.Module):
 
     def forward(self, obs: Batch, prefix: str = "") -> torch.Tensor:
         feats = [self.state(obs[prefix + OBS_STATE].float())]
-        for i, k in enumerate(self.image_keys):
-            feats.append(self.cams[str(i)](obs[prefix + k]))
+        if self.image_encoder == "pool" and self.image_keys:
+            feats += self.pooled([obs[prefix + k] for k in self.image_keys])
+        else:
+            for i, k in enumerate(self.image_keys):
+                feats.append(self.cams[str(i)](obs[prefix + k]))
         return feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
 
 

@@ -15,11 +15,9 @@ with ``horizon``) against r_t + g r_{t+1} + ... + g^(k-1) r_{t+k-1} + g^k V(s_{t
 the real steps of the window (fewer than H when the episode ended inside it).
 
 The builder (:mod:`agents.sac_builder`) makes the networks and the data, and drives
-updates; this file is the update itself.
-
-The loss computations are plain functions (:func:`td_target`, :func:`critic_loss`,
-:func:`actor_loss`, :func:`temperature_loss`, :func:`soft_update`) so they can be checked
-on known inputs.
+updates; this file is the update itself. The losses are plain functions (:func:`td_target`,
+:func:`critic_loss`, :func:`actor_loss`, :func:`temperature_loss`, :func:`soft_update`),
+checkable on known inputs.
 """
 
 from __future__ import annotations
@@ -77,8 +75,11 @@ class SACConfig:
     #: activation of the critics' hidden layers: relu, elu, gelu or silu
     critic_activation: str = "relu"
     #: what the critic reads: "own" (its own observation encoder, trained by the critic loss;
-    #: needs nothing from the policy) or "policy" (the policy's frozen ``features``: a small
-    #: head over a VLA's backbone; needs a FeaturePolicy)
+    #: needs nothing from the policy), "policy" (the policy's frozen ``features``: a small
+    #: head over a VLA's backbone; needs a FeaturePolicy) or "shared" (DrQ / SERL: the critic
+    #: trains the policy's ``encoder``, the actor reuses the last critic step's features
+    #: detached: each observation is encoded once per network and update; the target critic
+    #: keeps its own copy; needs ``encoder`` + ``sample_from_features``, e.g. MLPPolicy)
     critic_encoder: str = "own"
     #: the own encoder's per-camera CNN channels (unused without cameras)
     critic_cnn_channels: tuple[int, ...] = (32, 32, 32, 32)
@@ -86,6 +87,8 @@ class SACConfig:
     critic_image_embed_dim: int = 50
     #: the own encoder's state MLP width with cameras (0: raw state)
     critic_state_embed_dim: int = 64
+    #: the own encoder's image encoder: "flatten" or "pool" (:mod:`agents.encoders`)
+    critic_image_encoder: str = "flatten"
     #: subtract alpha * log pi(a'|s') inside the TD target (soft backup)
     backup_entropy: bool = True
     #: how the actor loss reduces the ensemble's Q-values: "mean" (RLPD) or "min" (SAC)
@@ -125,8 +128,8 @@ class SACConfig:
                              f"got {self.num_min_qs}")
         if self.actor_q_reduce not in ("mean", "min"):
             raise ValueError(f"actor_q_reduce must be 'mean' or 'min', got {self.actor_q_reduce!r}")
-        if self.critic_encoder not in ("own", "policy"):
-            raise ValueError(f"critic_encoder must be 'own' or 'policy', got {self.critic_encoder!r}")
+        if self.critic_encoder not in ("own", "policy", "shared"):
+            raise ValueError(f"critic_encoder must be own, policy or shared, got {self.critic_encoder!r}")
         if self.init_temperature <= 0:
             raise ValueError(f"init_temperature must be > 0, got {self.init_temperature}")
         if self.publish_every < 1 or self.learning_starts < 0 or self.max_update_ratio < 0:
@@ -213,10 +216,16 @@ def make_critic(cfg: SACConfig, spec: EnvSpec, policy) -> EnsembleCritic:
     (``cfg.critic_encoder``), scoring whole chunks of ``policy.chunk_size`` actions."""
     if cfg.critic_encoder == "policy":
         encoder: nn.Module = PolicyFeatures(policy)
+    elif cfg.critic_encoder == "shared":
+        encoder = getattr(policy, "encoder", None)
+        if not isinstance(encoder, nn.Module) or not hasattr(policy, "sample_from_features"):
+            raise ValueError(f"critic_encoder=shared needs a policy with an `encoder` module and "
+                             f"`sample_from_features` (e.g. mlp); {type(policy).__name__} has not")
     else:
         encoder = ObsEncoder(spec, EncoderConfig(tuple(cfg.critic_cnn_channels),
                                                  cfg.critic_image_embed_dim,
-                                                 cfg.critic_state_embed_dim))
+                                                 cfg.critic_state_embed_dim,
+                                                 cfg.critic_image_encoder))
     chunk = int(getattr(policy, "chunk_size", 1))
     return EnsembleCritic(encoder, chunk * spec.action_dim, num_critics=cfg.num_critics,
                           hidden_dims=tuple(cfg.critic_hidden_dims),
@@ -263,21 +272,19 @@ class SACModel(nn.Module):
     that every forward that needs a gradient runs through the module ``accelerator.prepare``
     returned (DDP's all-reduce hooks; a DeepSpeed engine) and one ``prepare`` gets one model.
 
-    Why one wrapper and not accelerate's multi-DeepSpeed-plugin support (one engine per
-    part): under DDP the wrapper is exact (each part keeps its own optimizer; the phase's
-    backward all-reduces the gradients of the parts it touched), costs nothing on one process
-    and needs no experimental API; the multi-plugin API is marked experimental by accelerate,
-    keeps the *last* prepared engine for ``accelerator.backward`` and would need a third engine
-    for a scalar temperature. Under DeepSpeed one engine steps one optimizer over *all* its
-    parameters (parts without a gradient get zero ones, which Adam still moves), so SAC's three
-    separate steps per update cannot be expressed on one engine: :class:`SACAgent` refuses
-    DeepSpeed with a clear error and runs multi-GPU under DDP (``deepspeed.stage=0``), which is
-    the right choice anyway for SAC's small trained parts (LoRA, critic heads).
+    Why one wrapper, not accelerate's (experimental) multi-DeepSpeed-plugin API: under DDP
+    it is exact (each part keeps its optimizer; a phase's backward all-reduces the gradients
+    of the parts it touched) and free on one process. One DeepSpeed engine steps one optimizer
+    over *all* its parameters (Adam moves zero-gradient ones too), so SAC's three separate
+    steps cannot run on one engine: :class:`SACAgent` refuses DeepSpeed and runs multi-GPU
+    under DDP (``deepspeed.stage=0``), right anyway for SAC's small trained parts.
 
     Phases (``what``), each one forward:
 
     - ``"critic"``: Q(s, a) of ``actions`` [E, B] (``prefix="next."`` reads the next obs)
     - ``"next"``: (a' [B, H, A], log pi(a'|s') [B], alpha []) at ``prefix`` (no-grad target)
+    - ``"critic_features"`` / ``"actor_features"`` (``critic_encoder=shared``): ``"critic"``
+      also returning the features [B, D] detached / ``"actor"`` from such features
     - ``"actor"``: (a, log pi(a|s), Q(s, a) [E, B], log_alpha []) for the actor and
       temperature losses (the caller freezes the critic's parameters around it)
 
@@ -301,6 +308,12 @@ class SACModel(nn.Module):
         if what == "next":
             a, logp = self.sample(batch, prefix)
             return a, logp, self.temperature()
+        if what == "critic_features":
+            feats = self.critic.encoder(batch, prefix)
+            return self.critic.q(feats, actions), feats.detach()
+        if what == "actor_features":  # ``batch`` is the detached features here
+            a, logp = self.actor.sample_from_features(batch)
+            return a, logp, self.critic.q(batch, a), self.temperature.log_alpha.view(())
         if what == "actor":
             a, logp = self.sample(batch)
             # a view, not the leaf: DDP finds used parameters through the outputs' graph
@@ -348,7 +361,11 @@ def sac_critic_step(agent, batch: Batch, actions: torch.Tensor) -> dict[str, tor
                                         batch.get("step_mask"), batch.get("n_steps"))
         target = td_target(reward, batch["terminated"], next_q, next_logp, alpha=alpha,
                            gamma=discount, backup_entropy=agent.cfg.backup_entropy)
-    q = agent.model(batch, "critic", actions)
+    if getattr(agent, "shared_encoder", False):
+        q, feats = agent.model(batch, "critic_features", actions)
+        agent._features = (batch, feats)  # the actor step on this batch reuses them
+    else:
+        q = agent.model(batch, "critic", actions)
     loss = critic_loss(q, target)
     agent.critic_opt.zero_grad(set_to_none=True)
     agent.accelerator.backward(loss)
@@ -366,7 +383,13 @@ def sac_actor_step(agent, batch: Batch) -> tuple[dict[str, torch.Tensor], torch.
     critic = agent._critic_raw
     critic.requires_grad_(False)
     try:
-        a, logp, q, log_alpha = agent.model(batch, "actor")
+        if getattr(agent, "shared_encoder", False):
+            hit = agent._features is not None and agent._features[0] is batch
+            feats = agent._features[1] if hit else critic.encoder(batch).detach()
+            agent._features = None
+            a, logp, q, log_alpha = agent.model(feats, "actor_features")
+        else:
+            a, logp, q, log_alpha = agent.model(batch, "actor")
         alpha = log_alpha.exp().detach()
         a_loss = actor_loss(q, logp, alpha, agent.cfg.actor_q_reduce)
         t_loss = temperature_loss(log_alpha, logp.detach(), agent.target_entropy)
@@ -409,8 +432,13 @@ class SACAgent:
         self.num_min_qs = cfg.num_min_qs or cfg.num_critics
         critic = critic if critic is not None else make_critic(cfg, spec, policy)
         temperature = Temperature(cfg.init_temperature)
+        #: the critic trains the policy's encoder; the actor reads its features detached
+        self.shared_encoder = cfg.critic_encoder == "shared"
+        self._features = None
+        critic_params = {id(p) for p in critic.parameters()} if self.shared_encoder else set()
         prepare_sac(self, SACModel(policy, critic, temperature),
-                    [p for p in policy.parameters() if p.requires_grad], critic, temperature)
+                    [p for p in policy.parameters() if p.requires_grad and id(p) not in critic_params],
+                    critic, temperature)
         self.device = accelerator.device
         self.num_updates = 0
 

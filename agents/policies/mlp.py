@@ -47,6 +47,11 @@ class MLPPolicyConfig:
     #: hidden width of the state MLP used when there are cameras (0: feed the raw state);
     #: without cameras the raw state goes straight to the actor/critic MLP
     state_embed_dim: int = 64
+    #: image encoder: "flatten" (per-camera CNN flattened into a linear layer) or "pool"
+    #: (one strided CNN for all cameras + learned spatial pooling; ~100x fewer parameters)
+    image_encoder: str = "flatten"
+    #: learned spatial features per channel of the "pool" encoder
+    pool_features: int = 8
     #: lower bound of the Gaussian's log standard deviation (pre-tanh)
     log_std_min: float = -5.0
     #: upper bound of the Gaussian's log standard deviation (pre-tanh)
@@ -104,7 +109,11 @@ class MLPPolicy(nn.Module):
     # -- distribution ---------------------------------------------------------------------
     def dist_params(self, obs: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-tanh mean and log-std, each [B, H*A]. ``prefix="next."`` reads next obs."""
-        h = self.trunk(self.encoder(obs, prefix))
+        return self.dist_params_from_features(self.encoder(obs, prefix))
+
+    def dist_params_from_features(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-tanh mean and log-std [B, H*A] from encoder features [B, feature_dim]."""
+        h = self.trunk(feats)
         mean, log_std = self.head(h).chunk(2, dim=-1)
         lo, hi = self.cfg.log_std_min, self.cfg.log_std_max
         log_std = lo + 0.5 * (hi - lo) * (torch.tanh(log_std) + 1.0)
@@ -112,7 +121,10 @@ class MLPPolicy(nn.Module):
 
     def _draw(self, obs: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(actions [B, H*A], log_prob [B], the standard-normal draw [B, H*A])."""
-        mean, log_std = self.dist_params(obs, prefix)
+        return self._draw_params(*self.dist_params(obs, prefix))
+
+    def _draw_params(self, mean: torch.Tensor, log_std: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         eps = torch.randn_like(mean)
         u = mean + log_std.exp() * eps
         logp = (-0.5 * eps.pow(2) - log_std - 0.5 * math.log(2 * math.pi) - tanh_log_det(u)).sum(-1)
@@ -126,6 +138,13 @@ class MLPPolicy(nn.Module):
     def sample(self, obs: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
         """Reparameterised sample: (actions [B, H, A], log_prob [B])."""
         a, logp = self.sample_flat(obs, prefix)
+        return a.view(a.shape[0], self.chunk_size, self.action_dim), logp
+
+    def sample_from_features(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reparameterised sample from encoder features [B, feature_dim] (e.g. a critic's
+        detached features of the same encoder, SAC's ``critic_encoder=shared``):
+        (actions [B, H, A], log_prob [B])."""
+        a, logp, _ = self._draw_params(*self.dist_params_from_features(feats))
         return a.view(a.shape[0], self.chunk_size, self.action_dim), logp
 
     @property
