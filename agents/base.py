@@ -84,6 +84,14 @@ class LogProbPolicy(Protocol):
 
 
 @runtime_checkable
+class TokenLogProbPolicy(Protocol):
+    def token_log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
+        """The factors of :meth:`LogProbPolicy.log_prob` [B, T] (they sum to it): per action
+        token, or per denoising step and action of a flow chain; token-level PPO ratios."""
+        ...
+
+
+@runtime_checkable
 class ReparamSampler(Protocol):
     def sample(self, obs: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
         """Reparameterised sample: (actions [B, H, A], log_prob [B]), differentiable in the

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from agents.advantages import dynamic_sampling_mask, grpo, remax, rloo
-from agents.base import LogProbPolicy, ReferencePolicy
 from agents.kl import KL_KINDS
 from agents.ppo import PPOAgent, PPOConfig
 
@@ -84,6 +83,9 @@ class GRPOConfig:
     max_staleness: int = 1
     #: cap on the importance weights of stale rollouts (None: ratio against the behaviour)
     is_truncation: float | None = 2.0
+    #: importance ratio per "token" (each factor of the chunk's likelihood: SimpleVLA-RL / verl),
+    #: per "chunk", or "auto" (token when the policy has per-token log-probs)
+    ratio_level: str = "auto"
     #: update rounds between published weight versions
     publish_every: int = 1
 
@@ -108,7 +110,7 @@ class GRPOConfig:
     @property
     def requires(self) -> tuple[type, ...]:
         """The policy capabilities this configuration needs."""
-        return (LogProbPolicy, ReferencePolicy) if self.kl_active else (LogProbPolicy,)
+        return self.ppo_config().requires
 
     def ppo_config(self) -> PPOConfig:
         """The PPO update this GRPO runs: no value loss, advantages used as given."""
@@ -120,7 +122,8 @@ class GRPOConfig:
                          batch_episodes=self.group_size * self.batch_groups, lr=self.lr,
                          max_grad_norm=self.max_grad_norm, max_staleness=self.max_staleness,
                          is_truncation=self.is_truncation, estimator=self.estimator,
-                         normalize_advantages=False, publish_every=self.publish_every)
+                         normalize_advantages=False, publish_every=self.publish_every,
+                         ratio_level=self.ratio_level)
 
 
 def group_advantages(cfg: GRPOConfig, scores: torch.Tensor, group_ids: torch.Tensor,

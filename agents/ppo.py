@@ -20,8 +20,11 @@ weights once per batch ("proximal" policy), clips the ratio against those, and r
 sample by min(pi_prox / pi_behaviour, is_truncation). Without it, the ratio is taken against
 the behaviour log-prob directly (classic PPO).
 
-Loss pieces are plain functions (:func:`policy_loss`, :func:`value_loss`,
-:func:`entropy_bonus`, :func:`truncated_is_weights`) checked on known inputs.
+Ratios per chunk or per token (``ratio_level``): with a :class:`agents.base.TokenLogProbPolicy`
+(``token_log_prob(obs, actions) -> [B, T]``, the factors of the chunk's likelihood) each token
+gets its own clipped ratio against the proximal policy's, and the behaviour log-prob of the
+records (per chunk) enters through the truncated importance weight only. Loss pieces are plain
+functions in :mod:`agents.ppo_losses` (re-exported here), checked on known inputs.
 """
 
 from __future__ import annotations
@@ -35,12 +38,17 @@ import torch
 from torch import nn
 
 from agents.advantages import ESTIMATORS, masked_mean, masked_whiten
-from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, ValuePolicy,
-                         check_pair, has_capability, uses_deepspeed, zero3_gathered)
+from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, TokenLogProbPolicy,
+                         ValuePolicy, check_pair, has_capability, uses_deepspeed, zero3_gathered)
 from agents.kl import KL_KINDS, kl_penalty
+from agents.ppo_losses import (entropy_bonus, per_token, policy_loss,  # noqa: F401 (re-exported)
+                               truncated_is_weights, value_loss)
 from data.core.schema import EXTRA_PREFIX, TASK
 
 log = logging.getLogger("tandem.agents.ppo")
+
+#: where the importance ratio is taken (PPOConfig.ratio_level)
+RATIO_LEVELS = ("auto", "token", "chunk")
 
 
 @dataclass
@@ -85,6 +93,10 @@ class PPOConfig:
     #: cap on the importance weights pi_prox / pi_behaviour of stale rollouts (None: take the
     #: ratio against the behaviour log-prob, no reweighting)
     is_truncation: float | None = 2.0
+    #: "token": one clipped ratio per factor of the chunk's likelihood (needs a
+    #: TokenLogProbPolicy and is_truncation); "chunk": one per chunk; "auto": token when the
+    #: policy has per-token log-probs, else chunk
+    ratio_level: str = "auto"
     #: advantage estimator, a key of :data:`agents.advantages.ESTIMATORS`
     estimator: str = "gae"
     #: whiten the advantages of each batch (mean 0, std 1 over the real chunks)
@@ -112,6 +124,11 @@ class PPOConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.is_truncation is not None and self.is_truncation <= 0:
             raise ValueError(f"is_truncation must be > 0 or None, got {self.is_truncation}")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
+        if self.ratio_level == "token" and self.is_truncation is None:
+            raise ValueError("ratio_level=token needs is_truncation (the records carry the behaviour "
+                             "log-prob per chunk, so token ratios are taken against the proximal policy)")
 
     @property
     def kl_active(self) -> bool:
@@ -121,76 +138,8 @@ class PPOConfig:
     def requires(self) -> tuple[type, ...]:
         """The policy capabilities this configuration needs (a value net is made by the
         builder when the policy has none, so ValuePolicy is not required)."""
-        return (LogProbPolicy, ReferencePolicy) if self.kl_active else (LogProbPolicy,)
-
-
-# -- losses on known inputs -------------------------------------------------------------------
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-                clip_low: float, clip_high: float, mask: torch.Tensor | None = None,
-                is_weight: torch.Tensor | None = None, dual_clip: float | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate, all [N]: mean of w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
-    with r = exp(logp - old_logp) and w the importance weight (1 when None); with ``dual_clip``
-    c, a term with A < 0 is capped at -A c.
-
-    A ratio above 1 + clip_high with A > 0 (or below 1 - clip_low with A < 0) gets no gradient;
-    on the other side the unclipped term is kept. Metrics (detached): ``clip_frac`` (share of
-    samples where the clipped term is active), ``approx_kl`` (k3 estimate of KL(old || new)),
-    ``ratio_mean``.
-    """
-    log_ratio = logp - old_logp
-    ratio = log_ratio.exp()
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per = torch.maximum(pg1, pg2)
-    capped = None
-    if dual_clip is not None:  # A < 0: at most -A * dual_clip (no gradient beyond it)
-        capped = (adv < 0) & (per > -adv * dual_clip)
-        per = torch.where(capped, -adv * dual_clip, per)
-    if is_weight is not None:
-        per = per * is_weight
-    loss = masked_mean(per, mask)
-    with torch.no_grad():
-        metrics = {"clip_frac": masked_mean((pg2 > pg1).float(), mask),
-                   "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask),
-                   "ratio_mean": masked_mean(ratio, mask)}
-        if capped is not None:
-            metrics["dual_clip_frac"] = masked_mean(capped.float(), mask)
-    return loss, metrics
-
-
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               value_clip: float | None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """0.5 * mean of max((v - R)^2, (v_old + clip(v - v_old, -c, c) - R)^2), all [N]; plain
-    0.5 * mean (v - R)^2 when ``value_clip`` is None."""
-    err = (values - returns).pow(2)
-    if value_clip is not None:
-        clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
-        err = torch.maximum(err, (clipped - returns).pow(2))
-    return 0.5 * masked_mean(err, mask)
-
-
-def entropy_bonus(log_prob: torch.Tensor, mask: torch.Tensor | None = None, *,
-                  score_function: bool = False) -> torch.Tensor:
-    """Monte-Carlo entropy estimate -mean(log pi(a)) over actions a drawn from the policy [N].
-
-    With reparameterised samples (``log_prob`` differentiable through the action) its gradient
-    is the entropy's. For fixed actions (rollout data) pass ``score_function=True``: same
-    value, gradient -mean((log pi - mean log pi) * grad log pi), the score-function estimate.
-    """
-    est = -masked_mean(log_prob, mask)
-    if not score_function:
-        return est
-    lp = log_prob.detach()
-    surrogate = masked_mean((lp + est.detach()) * (log_prob - lp), mask)
-    return est.detach() - surrogate
-
-
-def truncated_is_weights(behaviour_logp: torch.Tensor, old_logp: torch.Tensor,
-                         cap: float | None) -> torch.Tensor:
-    """Staleness correction [N]: min(exp(old_logp - behaviour_logp), cap), detached."""
-    w = (old_logp - behaviour_logp).detach().exp()
-    return w if cap is None else w.clamp(max=cap)
+        need = (LogProbPolicy, ReferencePolicy) if self.kl_active else (LogProbPolicy,)
+        return need + ((TokenLogProbPolicy,) if self.ratio_level == "token" else ())
 
 
 # -- the agent ----------------------------------------------------------------------------------
@@ -199,7 +148,7 @@ class PolicyCalls(nn.Module):
     so that they run through the one module ``accelerator.prepare`` returns (DDP hooks,
     DeepSpeed engine). ``what`` names one call or a tuple of calls made in that order in
     *one* forward (DDP reduces once per forward/backward pair):
-    ``"log_prob"`` (obs, actions) -> [B]; ``"sample"`` -> (actions, log_prob);
+    ``"log_prob"`` (obs, actions) -> [B]; ``"token_log_prob"`` -> [B, T]; ``"sample"`` -> (actions, log_prob);
     ``"value"`` -> value [B] (the value net's when there is one, else the policy's).
 
     Why one wrapper for policy and value net: accelerate prepares one model per DeepSpeed
@@ -213,6 +162,8 @@ class PolicyCalls(nn.Module):
     def _call(self, what: str, obs: Batch, actions: torch.Tensor | None):
         if what == "log_prob":
             return self.policy.log_prob(obs, actions)
+        if what == "token_log_prob":
+            return self.policy.token_log_prob(obs, actions)
         if what == "sample":
             return self.policy.sample(obs)
         if what == "value":
@@ -291,6 +242,12 @@ class PPOAgent:
         self.has_critic = value_fn is not None
         self._sampler = has_capability(policy, ReparamSampler)
         self._reference = has_capability(policy, ReferencePolicy)
+        #: token-level ratios (PPOConfig.ratio_level)
+        self.token_level = cfg.ratio_level == "token" or (
+            cfg.ratio_level == "auto" and cfg.is_truncation is not None
+            and has_capability(policy, TokenLogProbPolicy))
+        self._lp_call = "token_log_prob" if self.token_level else "log_prob"
+        log.info("%s: importance ratios per %s", self.name, "token" if self.token_level else "chunk")
         separate = self.has_critic and not self._value_in_policy
         calls = PolicyCalls(policy, value_fn if separate else None).to(self.device)
         self.value_opt = self._value_raw = None
@@ -315,7 +272,13 @@ class PPOAgent:
 
     # -- forwards ---------------------------------------------------------------------------
     def _log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
-        return self._calls(obs, actions).float().reshape(-1)
+        """[B] per chunk, or [B, T] per token (``token_level``)."""
+        lp = self._calls(obs, actions, what=self._lp_call).float()
+        return lp.reshape(lp.shape[0], -1) if self.token_level else lp.reshape(-1)
+
+    @staticmethod
+    def _chunk_sum(logp: torch.Tensor) -> torch.Tensor:
+        return logp.sum(-1) if logp.ndim == 2 else logp
 
     def _value(self, obs: Batch) -> torch.Tensor:
         return self._calls(obs, what="value").float().reshape(-1)
@@ -365,7 +328,7 @@ class PPOAgent:
     def _entropy(self, sampled, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if sampled is not None:
             return entropy_bonus(sampled[1].float().reshape(-1), mask)
-        return entropy_bonus(logp, mask, score_function=True)
+        return entropy_bonus(self._chunk_sum(logp), mask, score_function=True)
 
     def _clip(self, module) -> torch.Tensor | None:
         if self.cfg.max_grad_norm is None:
@@ -388,7 +351,7 @@ class PPOAgent:
             behaviour = batch["old_log_prob"].float().reshape(-1)
             if cfg.is_truncation is not None:
                 old = self._in_chunks(self._log_prob, obs, actions, n)
-                is_w = truncated_is_weights(behaviour, old, cfg.is_truncation)
+                is_w = truncated_is_weights(behaviour, self._chunk_sum(old), cfg.is_truncation)
             else:
                 old, is_w = behaviour, None
             for key in ("is_weight", "chunk_weight"):  # importance / aggregation weights
@@ -433,14 +396,15 @@ class PPOAgent:
                         old_values) -> dict[str, torch.Tensor]:
         cfg = self.cfg
         sample = cfg.entropy_coef > 0 and self._sampler
-        whats = ("log_prob",) + (("sample",) if sample else ()) + (("value",) if self.has_critic else ())
+        whats = (self._lp_call,) + (("sample",) if sample else ()) + (("value",) if self.has_critic else ())
         outs = dict(zip(whats, self._calls(obs, actions, what=whats)))  # one forward
-        logp = outs["log_prob"].float().reshape(-1)
+        logp = outs[self._lp_call].float()
+        logp = logp.reshape(logp.shape[0], -1) if self.token_level else logp.reshape(-1)
         loss, metrics = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, mask, is_w,
                                     dual_clip=cfg.dual_clip)
         metrics["policy_loss"] = loss.detach()
         if ref is not None:
-            kl = masked_mean(kl_penalty(cfg.kl_kind, logp, ref), mask)
+            kl = masked_mean(kl_penalty(cfg.kl_kind, logp, ref), per_token(mask, logp))
             loss = loss + cfg.kl_coef * kl
             metrics["kl"] = kl.detach()
         if cfg.entropy_coef > 0:

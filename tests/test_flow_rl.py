@@ -79,6 +79,9 @@ def test_act_log_prob_matches_the_update_recomputation(ckpts, variant, mode):
     lp = p.log_prob(batch, c.actions)
     assert lp.requires_grad
     torch.testing.assert_close(lp.detach(), c.log_prob, rtol=0, atol=1e-2)
+    tok = p.token_log_prob(batch, c.actions)  # the factors of the chain's density
+    assert tok.shape == (3, STEPS * CHUNK if mode == "noise" else CHUNK)
+    torch.testing.assert_close(tok.sum(-1), lp, rtol=0, atol=1e-5)
     lp.sum().backward()
     lora_grads = [q.grad for n, q in p.named_parameters() if ".lora_B" in n and "gemma_expert" in n]
     assert lora_grads and any(g is not None and g.abs().sum() > 0 for g in lora_grads)

@@ -51,6 +51,10 @@ def test_act_and_update_log_probs_agree_through_the_records(ckpt):
     lp = p.log_prob(batch, c.actions)
     assert lp.requires_grad
     assert torch.allclose(lp.detach(), c.log_prob, atol=1e-4), (lp, c.log_prob)
+    # the per-token factors sum to the chunk's log-prob (token-level PPO ratios)
+    tok = p.token_log_prob(batch, c.actions)
+    assert tok.shape == (c.actions.shape[0], p.chunk_size * p.action_dim) and tok.requires_grad
+    torch.testing.assert_close(tok.sum(-1), lp, rtol=0, atol=1e-5)
     # the executed actions alone re-discretise to the same tokens (bin centres)
     assert torch.allclose(p.log_prob(obs(), c.actions).detach(), c.log_prob, atol=1e-4)
     # bad tokens are named
@@ -128,6 +132,7 @@ def test_ppo_update_with_gae_on_the_policy_value_head(ckpt):
         c = p.act(o)
     cfg = PPOConfig(lr=1e-3, value_lr=1e-3, epochs=2, minibatch_size=4, kl_coef=0.05, kl_kind="k3")
     agent = PPOAgent(cfg, p, p, Accelerator(cpu=True))
+    assert agent.token_level  # auto: OFT-discrete has per-token log-probs
     adv = torch.tensor([1.0, -1.0] * 4)
     batch = dict(o, action=c.actions, old_log_prob=c.log_prob, advantages=adv,
                  returns=torch.ones(8), **{"extra.action_tokens": c.extras["action_tokens"]})

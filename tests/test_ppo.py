@@ -57,6 +57,43 @@ def test_policy_loss_mask_and_importance_weights():
     torch.testing.assert_close(logp.grad, t([-0.25, 0.0, -3.0]))
 
 
+def test_token_level_ratios_clip_each_token_where_the_chunk_ratio_would_clip_everything():
+    # 2 chunks of 8 tokens, each token's ratio 1.1: within the clip range one by one, while the
+    # chunk's ratio 1.1^8 = 2.14 is far outside it (A > 0: no gradient at chunk level)
+    tok = torch.full((2, 8), math.log(1.1), requires_grad=True)
+    adv = t([1.0, -1.0])
+    loss, m = policy_loss(tok, torch.zeros(2, 8), adv, 0.2, 0.28)
+    # per token max(-A r, -A clip(r)): chunk 0 -> -1.1, chunk 1 -> +1.1; mean over 16 tokens = 0
+    assert float(loss.detach()) == pytest.approx(0.0, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(tok.grad, torch.stack([torch.full((8,), -1.1 / 16), torch.full((8,), 1.1 / 16)]))
+    assert float(m["clip_frac"]) == 0.0
+    chunk = tok.detach().sum(-1).requires_grad_(True)
+    closs, cm = policy_loss(chunk, torch.zeros(2), adv, 0.2, 0.28)
+    closs.backward()
+    assert chunk.grad[0] == 0.0 and float(cm["clip_frac"]) == pytest.approx(0.5)
+    # a chunk's mask, advantage and weight reach all of its tokens; the mean is over real tokens
+    tok2 = torch.zeros(3, 4, requires_grad=True)
+    loss2, _ = policy_loss(tok2, torch.zeros(3, 4), t([1.0, 2.0, 3.0]), 0.2, 0.2,
+                           mask=t([1, 0, 1], torch.bool), is_weight=t([0.5, 1.0, 2.0]))
+    assert float(loss2.detach()) == pytest.approx(-(0.5 * 1 + 2.0 * 3) / 2)
+    loss2.backward()
+    torch.testing.assert_close(tok2.grad[1], torch.zeros(4))
+    torch.testing.assert_close(tok2.grad[2], torch.full((4,), -6.0 / 8))
+
+
+def test_ratio_level_config_and_auto_choice():
+    with pytest.raises(ValueError, match="ratio_level"):
+        PPOConfig(ratio_level="episode")
+    with pytest.raises(ValueError, match="is_truncation"):
+        PPOConfig(ratio_level="token", is_truncation=None)
+    pol = MLPPolicy(SMALL, SPEC)  # per-chunk log-probs only: auto -> chunk, token -> refused
+    assert not PPOAgent(PPOConfig(), pol, None, Accelerator(cpu=True)).token_level
+    with pytest.raises(ValueError, match="TokenLogProbPolicy"):
+        PPOAgent(PPOConfig(ratio_level="token"), pol, None, Accelerator(cpu=True))
+    assert GRPOConfig(ratio_level="chunk").ppo_config().ratio_level == "chunk"
+
+
 def test_dual_clip_caps_negative_advantage_terms_only():
     # ratios 5 and 2 with A = -1: the 5 is capped at 3 (no gradient), the 2 is under the cap;
     # with A = +1 a ratio of 5 is clipped at 1.28 as before (dual clip never touches A > 0)

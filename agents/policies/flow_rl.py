@@ -192,10 +192,15 @@ class _FlowRL:
         return mean, (sigma * math.sqrt(-dt)).expand_as(mean)
 
     @staticmethod
-    def _log_normal(y, mean, std) -> torch.Tensor:
-        """Sum over tokens and dims of log N(y; mean, std^2) -> [B]."""
+    def _log_normal_terms(y, mean, std) -> torch.Tensor:
+        """log N(y; mean, std^2) summed over each action's dims -> [B, H]."""
         z = (y - mean) / std
-        return (-0.5 * z.pow(2) - std.log() - 0.5 * _LOG_2PI).sum((-2, -1))
+        return (-0.5 * z.pow(2) - std.log() - 0.5 * _LOG_2PI).sum(-1)
+
+    @classmethod
+    def _log_normal(cls, y, mean, std) -> torch.Tensor:
+        """Sum over tokens and dims of log N(y; mean, std^2) -> [B]."""
+        return cls._log_normal_terms(y, mean, std).sum(-1)
 
     def _time(self, k, b: int) -> torch.Tensor:
         k = torch.as_tensor(k, device=self.device, dtype=torch.float32)
@@ -255,9 +260,9 @@ class _FlowRL:
             raise ValueError(f"{self.who}: {key!r} has {v.shape[0]} rows, the batch {b}")
         return v
 
-    def log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
-        """log pi [B] of each chunk's stored chain (``obs["extra.chain"]`` [B, K+1, H, D]) under
-        the current weights; differentiable in them. ``actions`` [B, H, A]: batch size only."""
+    def token_log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
+        """The factors of :meth:`log_prob`: log N of each action of each stochastic step,
+        [B, K * H] with Flow-Noise (step-major), [B, H] with Flow-SDE (its one step)."""
         b = int(actions.shape[0])
         chain = self._extra(obs, "chain", b).float()
         want = (b, self.num_steps + 1, self.chunk_size, self.max_dim)
@@ -267,13 +272,13 @@ class _FlowRL:
         ctx = self._context(self.model_inputs(obs))
         a = self.action_dim
         if self.mode == "noise":
-            logp = chain.new_zeros(b)
+            terms = []
             for k in range(self.num_steps):
                 t = self._time(k, b)
                 v, feat = self._velocity(ctx, chain[:, k], t)
                 mean, std = self._gaussian(chain[:, k], v, feat, t)
-                logp = logp + self._log_normal(chain[:, k + 1, ..., :a], mean, std)
-            return logp
+                terms.append(self._log_normal_terms(chain[:, k + 1, ..., :a], mean, std))
+            return torch.cat(terms, 1)
         k = self._extra(obs, "sde_step", b).long().reshape(b)
         if bool(((k < 0) | (k >= self.num_steps)).any()):
             raise ValueError(f"{self.who}: extra.sde_step outside 0..{self.num_steps - 1}")
@@ -281,7 +286,12 @@ class _FlowRL:
         x, t = chain[rows, k], self._time(k, b)
         v, feat = self._velocity(ctx, x, t)
         mean, std = self._gaussian(x, v, feat, t)
-        return self._log_normal(chain[rows, k + 1, ..., :a], mean, std)
+        return self._log_normal_terms(chain[rows, k + 1, ..., :a], mean, std)
+
+    def log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
+        """log pi [B] of each chunk's stored chain (``obs["extra.chain"]`` [B, K+1, H, D]) under
+        the current weights; differentiable in them. ``actions`` [B, H, A]: batch size only."""
+        return self.token_log_prob(obs, actions).sum(-1)
 
     def value(self, obs: Batch) -> torch.Tensor:
         """V(obs) [B] from the value head on pooled features (``value_features``)."""

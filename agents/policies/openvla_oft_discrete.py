@@ -17,7 +17,8 @@
   reference of :class:`agents.ppo.PPOAgent` without a second copy of the weights.
 - ``bc_loss``: the cross-entropy of the demonstrated actions' tokens.
 
-Capabilities: BCPolicy, LogProbPolicy, ReferencePolicy and (with the head) ValuePolicy.
+Capabilities: BCPolicy, LogProbPolicy, TokenLogProbPolicy (per action token), ReferencePolicy and
+(with the head) ValuePolicy.
 """
 
 from __future__ import annotations
@@ -117,13 +118,18 @@ class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
             raise ValueError(f"{self.who}: log_prob needs actions or {TOKENS}")
         return self.action_classes(actions)
 
+    def token_log_prob(self, obs: Batch, actions: torch.Tensor | None = None,
+                       tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """log pi of each action token [B, chunk*A] (:meth:`log_prob` is their sum)."""
+        cls = self._classes(obs, actions, tokens)
+        logits = self.action_logits(self.action_hidden(obs))
+        return logits.log_softmax(-1).gather(-1, cls[..., None]).squeeze(-1)
+
     def log_prob(self, obs: Batch, actions: torch.Tensor | None = None,
                  tokens: torch.Tensor | None = None) -> torch.Tensor:
         """log pi(chunk | obs) [B] of env actions [B, chunk, A], or of the chunk's tokens
         (``tokens`` or ``obs["extra.action_tokens"]``, which win: they are what was sampled)."""
-        cls = self._classes(obs, actions, tokens)
-        logits = self.action_logits(self.action_hidden(obs))
-        return logits.log_softmax(-1).gather(-1, cls[..., None]).squeeze(-1).sum(-1)
+        return self.token_log_prob(obs, actions, tokens).sum(-1)
 
     def value(self, obs: Batch) -> torch.Tensor:
         """V(obs) [B] from the action positions' hidden states (module docstring)."""
