@@ -85,9 +85,14 @@ class FastPiSampler:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and the bench read it)
-        # torch.compile of one denoising step (fuses the norms, rotary, residuals: the
-        # elementwise kernels that remain once launches are gone); captured inside the graph
+        # torch.compile of one denoising step and of the prefix's two stages (SigLIP per camera,
+        # the VLM layer stack): fuses the norms, rotary, residuals, the elementwise kernels
+        # that remain once launches are gone; captured inside the graph like the eager code
         self._velocity = torch.compile(self.velocity, dynamic=False) if compile else self.velocity
+        self._embed_image = (torch.compile(pwe.embed_image, dynamic=False) if compile
+                             else pwe.embed_image)
+        self._prefix_kv = (torch.compile(self.prefix_kv, dynamic=False) if compile
+                           else self.prefix_kv)
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
     def _layers(self, lm: nn.Module, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor,
@@ -106,20 +111,26 @@ class FastPiSampler:
         pwe = self.model.paligemma_with_expert
         embs, pads = [], []
         for img, m in zip(images, img_masks, strict=True):
-            e = pwe.embed_image(img)
+            e = self._embed_image(img)
             embs.append(e)
             pads.append(m[:, None].expand(e.shape[0], e.shape[1]))
         embs.append(pwe.embed_language_tokens(tokens))
         pads.append(lang_masks)
         embs, pad = torch.cat(embs, dim=1), torch.cat(pads, dim=1)
         # every prefix token has ar-mask 0: full attention among the valid tokens
+        self._set_attn("sdpa")
+        cache = _PrefixKV(len(self.vlm.layers))
+        cache.k, cache.v = self._prefix_kv(embs, pad)
+        cache.recording = False
+        return cache, pad
+
+    def prefix_kv(self, embs: torch.Tensor, pad: torch.Tensor) -> tuple[list, list]:
+        """The VLM layer stack over the prefix embeddings: each layer's keys and values."""
         mask2d = pad[:, None, :] & pad[:, :, None]
         pos = torch.cumsum(pad, dim=1) - 1
         cache = _PrefixKV(len(self.vlm.layers))
-        self._set_attn("sdpa")
         self._layers(self.vlm, embs, mask2d, pos, cache, None)
-        cache.recording = False
-        return cache, pad
+        return cache.k, cache.v
 
     def _suffix(self, state, x_t, t) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Suffix embeddings, AdaRMS condition and the suffix's ar-mask (lerobot's embed_suffix,
