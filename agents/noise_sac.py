@@ -145,21 +145,27 @@ class NoiseSACAgent:
     frozen base does not (it has no trainable parameter and no optimizer)."""
 
     name = "sac"
+    #: what it trains (a subclass reuses the update: :mod:`agents.residual_sac`): the served
+    #: policy's type, the attribute of its SAC actor, the tag its checkpoints carry
+    policy_type: type = NoiseSpacePolicy
+    actor_attr = "noise_actor"
+    action_space = "noise"
 
     def __init__(self, cfg: SACConfig, policy: NoiseSpacePolicy, spec: EnvSpec, accelerator: Any,
                  critic: EnsembleCritic | None = None):
-        if not isinstance(policy, NoiseSpacePolicy):
-            raise TypeError(f"noise-space SAC trains a NoiseSpacePolicy, got {type(policy).__name__}")
+        if not isinstance(policy, self.policy_type):
+            raise TypeError(f"{self.action_space}-space SAC trains a {self.policy_type.__name__}, "
+                            f"got {type(policy).__name__}")
         self.cfg, self.spec, self.accelerator = cfg, spec, accelerator
         self.policy = policy
+        actor = getattr(policy, self.actor_attr)
         self.target_entropy = (float(cfg.target_entropy) if cfg.target_entropy is not None
-                               else -float(policy.noise_actor.flat_dim))
+                               else -float(actor.flat_dim))
         self.num_min_qs = cfg.num_min_qs or cfg.num_critics
         critic = critic if critic is not None else make_noise_critic(cfg, policy)
         temperature = Temperature(cfg.init_temperature)
         self.device = accelerator.device
         policy.to(self.device)  # the frozen base too (not part of the prepared model)
-        actor = policy.noise_actor
         prepare_sac(self, NoiseSACModel(actor, critic, temperature), list(actor.parameters()),
                     critic, temperature)
         self.num_updates = 0
@@ -198,11 +204,12 @@ class NoiseSACAgent:
                 "actor_opt": copy.deepcopy(self.actor_opt.state_dict()),
                 "critic_opt": copy.deepcopy(self.critic_opt.state_dict()),
                 "temp_opt": copy.deepcopy(self.temp_opt.state_dict()),
-                "num_updates": int(self.num_updates), "action_space": "noise"}
+                "num_updates": int(self.num_updates), "action_space": self.action_space}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("action_space") != "noise":
-            raise ValueError("checkpoint is not of noise-space SAC (algo.action_space=noise)")
+        if state.get("action_space") != self.action_space:
+            raise ValueError(f"checkpoint is not of {self.action_space}-space SAC "
+                             f"(algo.action_space={self.action_space})")
         self.policy.load_trainable_state_dict(state["policy"])
         self._critic_raw.load_state_dict(state["critic"])
         self.target_critic.load_state_dict(state["target_critic"])

@@ -31,6 +31,13 @@ ALGOS: dict[str, tuple[str, str, str, str]] = {
     "ppo": ("agents.ppo_builder", "PPOBuilder", "agents.ppo_builder", "PPOBuilderConfig"),
     "grpo": ("agents.grpo_builder", "GRPOBuilder", "agents.grpo_builder", "GRPOBuilderConfig"),
 }
+# (algorithm, config key, value) -> an entry as in ALGOS: the variant that value selects, with
+# its own builder and config dataclass (which may add keys; the algorithm's yaml lists them,
+# and the other variants drop them)
+VARIANTS: dict[tuple[str, str, str], tuple[str, str, str, str]] = {
+    ("sac", "action_space", "residual"): ("agents.residual_sac_builder", "ResidualSACBuilder",
+                                          "agents.residual_sac", "ResidualSACConfig"),
+}
 
 
 def _load(table: dict, kind: str, name: str):
@@ -84,9 +91,24 @@ def build_builder(algo_cfg: Mapping[str, Any]):
     name = algo_cfg["name"]
     if name not in ALGOS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGOS)}")
-    bmod, bcls, cmod, ccls = ALGOS[name]
-    cfg = make_config(getattr(importlib.import_module(cmod), ccls), algo_cfg, f"algo={name}")
+    values = _plain(algo_cfg)
+    entry, drop = ALGOS[name], set()
+    for (algo, key, value), variant in VARIANTS.items():
+        if algo != name:
+            continue
+        if values.get(key) == value:
+            entry = variant
+        else:  # keys only that variant's config has
+            own = _fields(variant[2], variant[3]) - _fields(ALGOS[name][2], ALGOS[name][3])
+            drop |= own
+    bmod, bcls, cmod, ccls = entry
+    values = {k: v for k, v in values.items() if k not in drop}
+    cfg = make_config(getattr(importlib.import_module(cmod), ccls), values, f"algo={name}")
     return getattr(importlib.import_module(bmod), bcls)(cfg)
+
+
+def _fields(module: str, cls: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), cls))}
 
 
 def check_algo_policy(algo_cfg: Mapping[str, Any] | str, policy: Mapping[str, Any] | str) -> None:
@@ -97,7 +119,11 @@ def check_algo_policy(algo_cfg: Mapping[str, Any] | str, policy: Mapping[str, An
         algo_cfg = {"name": algo_cfg}
     values = _plain({"name": policy} if isinstance(policy, str) else policy)
     builder = build_builder(algo_cfg)
-    check_pair(algo_cfg["name"], builder.requires, values["name"], policy_class(values["name"], values))
+    cls = policy_class(values["name"], values)
+    check_pair(algo_cfg["name"], builder.requires, values["name"], cls)
+    more = getattr(builder, "check_policy_class", None)  # a builder's check beyond capabilities
+    if callable(more):
+        more(values["name"], cls)
 
 
 def _plain(values: Mapping[str, Any]) -> dict:

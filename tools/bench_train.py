@@ -13,6 +13,9 @@ Per case, one update of ``--batch`` action chunks through the algorithm's own up
 - ``pi0_noise_sac``: noise-space SAC (DSRL) with PI0 frozen: one update (frozen features of
   obs + next obs, one critic and one actor step), the feature pass and the cached-feature
   critic step apart, updates/s (:mod:`tools.bench.noise_sac`; not in the default ``--cases``);
+- ``oft_residual_sac``: residual SAC (PLD) with OpenVLA-OFT (L1 head) frozen: one update (one
+  frozen VLA pass over obs + next obs for features and base chunks, one critic and one actor
+  step), the pieces apart (:mod:`tools.bench.residual_sac`; not in the default ``--cases``);
 - ``pi0_sft`` / ``oft_sft``: the policy's own BC loss (flow matching / L1) as the rejection
   sampling learner runs it, one step over ``--batch`` samples in minibatches;
 
@@ -169,6 +172,10 @@ def main(argv=None) -> dict:
                     from tools.bench.noise_sac import bench_noise_sac
 
                     r = bench_noise_sac(args, spec, Path(tmp))
+                elif case == "oft_residual_sac":  # residual SAC (PLD) on OFT's L1 head: tools/bench/residual_sac.py
+                    from tools.bench.residual_sac import bench_residual_sac
+
+                    r = bench_residual_sac(args, spec, Path(tmp))
                 else:
                     r = bench_case(case, args, spec, Path(tmp))
             except torch.OutOfMemoryError as exc:  # report it and go on with the next case

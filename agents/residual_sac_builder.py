@@ -1,0 +1,74 @@
+"""Residual SAC's builder (``algo=sac algo.action_space=residual policy=openvla_oft``, see
+:mod:`agents.residual_sac`).
+
+- the policy the learner trains and serves is :class:`agents.residual_actor.ResidualPolicy`
+  around the configured OFT (L1 head) (:meth:`ResidualSACBuilder.wrap_policy`; the registry
+  calls it for the trained copy and the serving copy alike): what is served is
+  clip(OFT(obs) + residual_scale * r), what is published is the residual actor alone;
+- the data and cadence are noise-space SAC's (:class:`agents.noise_sac_builder.NoiseSACBuilder`):
+  chunk windows that start at a chunk start, ``extra.residual`` the stored action.
+  Demonstrations (``buffer.demos``) are not mixed in (their residual is unknown without the
+  base's chunk at each of their chunk starts); they are ignored, with a warning.
+
+Actors run whole chunks (``chunk.execute`` = 0 or ``algo.execute_steps``) in remote mode: a
+local-mode actor builds a plain OFT and cannot load the residual actor's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from agents.noise_sac_builder import ChunkStartView, NoiseSACBuilder, NoiseSACNetworks
+from agents.off_policy import OffPolicyLearner
+from agents.residual_actor import ResidualPolicy, check_residual_base
+from agents.residual_sac import ResidualSACAgent, ResidualSACConfig, make_residual_critic
+from data.core.spec import EnvSpec
+from data.sampler import Replay, build_replay
+
+log = logging.getLogger("tandem.agents.residual_sac")
+
+
+class ResidualSACBuilder(NoiseSACBuilder):
+    name = "sac"
+
+    def __init__(self, cfg: ResidualSACConfig):
+        if cfg.action_space != "residual" or not isinstance(cfg, ResidualSACConfig):
+            raise ValueError("ResidualSACBuilder needs a ResidualSACConfig (algo.action_space=residual)")
+        self.cfg = cfg
+
+    def check_policy_class(self, policy_name: str, cls) -> None:
+        """Start-up check beyond the capability protocol: an L1 (continuous) head."""
+        check_residual_base(policy_name, cls)
+
+    def wrap_policy(self, policy) -> ResidualPolicy:
+        """The residual policy around a freshly built OFT L1 policy (idempotent)."""
+        if isinstance(policy, ResidualPolicy):
+            return policy
+        c = self.cfg
+        return ResidualPolicy(policy, residual_scale=c.residual_scale, hidden_dims=tuple(c.residual_actor_hidden_dims),
+                              activation_name=c.critic_activation, init_std=c.residual_init_std)
+
+    def make_networks(self, spec: EnvSpec, policy, device: torch.device) -> NoiseSACNetworks:
+        policy = self.wrap_policy(policy)
+        if self.horizon(policy) > policy.chunk_size:
+            raise ValueError(f"algo.execute_steps={self.cfg.execute_steps} > policy.chunk_size={policy.chunk_size}")
+        return NoiseSACNetworks(spec, policy, make_residual_critic(self.cfg, policy))
+
+    def make_data(self, spec: EnvSpec, replay_cfg, *, run_dir, seed: int, device: str,
+                  train: bool) -> Replay:
+        rep = build_replay(replay_cfg, spec, run_dir=run_dir, seed=seed, device=device, train=train)
+        if rep.demo is not None:
+            log.warning("residual SAC ignores buffer.demos: their residual to the base is unknown")
+        rep.sampler = ChunkStartView(rep.buffer)
+        return rep
+
+    def make_learner(self, networks: NoiseSACNetworks, data: Replay, accelerator,
+                     *, env_steps: Callable[[], int]) -> OffPolicyLearner:
+        agent = ResidualSACAgent(self.cfg, networks.policy, networks.spec, accelerator, critic=networks.critic)
+        return OffPolicyLearner(agent, data.sampler, batch_size=self.cfg.batch_size, env_steps=env_steps,
+                                learning_starts=self.cfg.learning_starts,
+                                max_update_ratio=self.cfg.max_update_ratio,
+                                publish_every=self.cfg.publish_every, horizon=self.horizon(networks.policy))
