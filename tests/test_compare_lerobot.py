@@ -1,0 +1,126 @@
+"""tools/compare_lerobot: the rows computed from captured LeRobot event lines and Tandem status
+samples, the ratios' orientation, and LeRobot's pipeline config built and validated with the
+``dataset: null`` patch (no process is started)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tools.compare_lerobot.analyze import (lerobot_rows, parse_events, ratios, tandem_rows,
+                                           windowed_success_time)
+
+# as lerobot_entry prints them, interleaved with LeRobot's own log lines
+LEROBOT_LINES = """\
+INFO 2026-11-25 23:01:02 ils/utils.py:64 [LEARNER] gRPC server started
+CMPEVENT {"ev": "start", "t": 1000.0, "role": "learner"}
+CMPEVENT {"ev": "push", "t": 1001.0, "step": 0}
+CMPEVENT {"ev": "step", "t": 1010.0, "r": 0.0, "done": false}
+CMPEVENT {"ev": "step", "t": 1011.0, "r": 1.0, "done": true}
+CMPEVENT {"ev": "step", "t": 1012.0, "r": 0.0, "done": false}
+CMPEVENT {"ev": "ingest", "t": 1012.5, "n": 2}
+CMPEVENT {"ev": "update", "t": 1013.0}
+CMPEVENT {"ev": "push", "t": 1013.1, "step": 1}
+CMPEVENT {"ev": "update", "t": 1015.0}
+CMPEVENT {"ev": "step", "t": 1016.0, "r": 0.0, "done": true}
+CMPEVENT {"ev": "load", "t": 1016.1}
+CMPEVENT {"ev": "update", "t": 1017.0}
+CMPEVENT {"ev": "ingest", "t": 1017.5, "n": 4}
+CMPEVENT {"ev": "push", "t": 1018.0, "step": 3}
+CMPEVENT {"ev": "update", "t": 1019.0}
+CMPEVENT {"ev": "step", "t": 1019.5, "r": 0.0, "done": true}
+CMPEVENT {"ev": "load", "t": 1020.0}
+CMPEVENT {"ev": broken
+INFO 2026-11-25 23:01:30 actor.py:385 [ACTOR] Global step 4: Episode reward: 0.0
+"""
+
+
+def test_parse_events_keeps_only_event_lines():
+    events = parse_events(LEROBOT_LINES.splitlines())
+    assert len(events) == 17
+    assert {e["ev"] for e in events} == {"start", "push", "step", "ingest", "update", "load"}
+
+
+def test_lerobot_rows_from_captured_events():
+    events = parse_events(LEROBOT_LINES.splitlines())
+    rows = lerobot_rows(events, 1020.0, threshold=0.5, window=2)
+    assert rows["env_steps"] == 5
+    assert rows["env_steps_per_s"] == pytest.approx(5 / 10.0)  # first step at 1010, end 1020
+    assert rows["updates"] == 4
+    assert rows["updates_per_s"] == pytest.approx(4 / 7.0)  # first update at 1013
+    assert rows["transitions"] == 4 and rows["transitions_per_s"] == pytest.approx(0.4)
+    # loads at 1016.1 (newest push 1013.1, version 1) and 1020.0 (push 1018.0, version 2)
+    assert rows["update_to_act_s"] == {"median": 2.5, "mean": 2.5, "n": 2}
+    # episodes end at 1011 (success), 1016, 1019.5: window 2 reaches 0.5 at the second end
+    assert rows["episodes"] == 3 and rows["successes"] == 1
+    assert rows["time_to_success_s"] == 6.0
+    assert rows["first_trained_weights_acted_s"] == pytest.approx(6.1)
+
+
+def test_windowed_success_needs_a_full_window():
+    outcomes = [(1.0, True), (2.0, False), (3.0, True), (4.0, True)]
+    assert windowed_success_time(outcomes, 0.0, threshold=1.0, window=2) == 4.0
+    assert windowed_success_time(outcomes, 0.0, threshold=1.0, window=5) is None
+
+
+def status(env_steps, updates, version, actor_version, episodes=0, success=None):
+    return {"env_steps": env_steps, "updates": updates, "version": version, "episodes": episodes,
+            "success": success, "actors_table": [{"actor": "a0", "version": actor_version}]}
+
+
+def test_tandem_rows_from_status_samples_and_actor_log():
+    samples = [
+        {"t": 100.0, "status": status(0, 0, 0, -1)},
+        {"t": 101.0, "status": status(5, 0, 0, 0)},
+        {"t": 103.0, "status": status(15, 2, 2, 0)},
+        {"t": 104.0, "status": status(20, 4, 4, 2)},
+        {"t": 106.0, "status": status(30, 8, 8, 8, episodes=3, success=0.67)},
+        {"t": 111.0, "status": status(55, 18, 18, 18, episodes=5, success=0.4)},
+    ]
+    lines = [(101.5, "INFO steps 6 | 5 steps/s | episodes 0 | return nan"),
+             (109.5, "INFO steps 46 | 5 steps/s | episodes 4 | return 0.1"),
+             (110.0, "unrelated line")]
+    rows = tandem_rows(samples, lines, 111.0, threshold=0.5, window=3)
+    assert rows["env_steps_per_s"] == pytest.approx(40 / 8.0)
+    assert rows["transitions_per_s"] == pytest.approx(50 / 10.0)
+    assert rows["updates_per_s"] == pytest.approx(16 / 8.0)  # from the first sample with updates
+    # version 2 published at 103, acted at 104; version 8 at 106 and acted at 106; 18 at 111/111
+    assert rows["update_to_act_s"]["median"] == 0.0 and rows["update_to_act_s"]["n"] == 3
+    assert rows["update_to_act_s"]["mean"] == pytest.approx(0.33, abs=0.01)
+    assert rows["time_to_success_s"] == 5.0
+    assert rows["first_trained_weights_acted_s"] == 3.0
+
+
+def test_ratios_are_oriented_so_that_above_one_means_tandem_ahead():
+    t = {"env_steps_per_s": 5.0, "updates_per_s": 1.0, "transitions_per_s": 5.0,
+         "update_to_act_s": {"median": 0.5}, "time_to_success_s": None}
+    lr = {"env_steps_per_s": 1.0, "updates_per_s": 2.0, "transitions_per_s": 1.0,
+          "update_to_act_s": {"median": 5.0}, "time_to_success_s": 100.0}
+    r = ratios(t, lr)
+    assert r == {"env_steps_per_s": 5.0, "updates_per_s": 0.5, "transitions_per_s": 5.0,
+                 "update_to_act_s": 10.0, "time_to_success_s": None}
+
+
+def test_lerobot_config_builds_and_validates_with_no_dataset(tmp_path):
+    pytest.importorskip("lerobot.rl.train_rl")
+    from tools.compare_lerobot.lerobot_entry import build_config, patch_validation
+
+    patch_validation()
+    args = argparse.Namespace(latent_dim=64, channels=8, pool_features=4, freeze_vision_encoder=1,
+                              buffer=100, learning_starts=10, hidden=[32, 32], port=50000, push_s=4.0,
+                              utd=2, out=str(tmp_path), role="learner", batch=16, seed=0)
+    cfg = build_config(args)
+    cfg.validate()
+    assert cfg.dataset is None
+    assert cfg.policy.actor_learner_config.learner_host == "127.0.0.1"
+    assert cfg.algorithm.utd_ratio == 2 and cfg.batch_size == 16
+    assert cfg.algorithm.critic_network_kwargs.hidden_dims == [32, 32]
+    assert cfg.env.name == "gym_hil" and cfg.policy.type == "gaussian_actor"
+    # the learner logs the whole config through draccus at start: it must encode
+    assert cfg.to_dict()["env"]["name"] == "gym_hil"
+    # make_policy reads the action feature from the env config
+    from lerobot.envs.utils import env_to_policy_features
+
+    feats = env_to_policy_features(cfg.env)
+    assert feats["action"].shape == (4,) and feats["observation.images.front"].shape == (3, 128, 128)

@@ -1,0 +1,228 @@
+"""LeRobot's HIL-SERL and Tandem on the same gym-hil task, one after the other, on this machine.
+
+    python -m tools.compare_lerobot --out runs/cmp --seconds 420
+
+Each system runs its own learner and one actor as separate processes on 127.0.0.1 (LeRobot:
+:mod:`tools.compare_lerobot.lerobot_entry` around ``lerobot.rl.learner`` / ``lerobot.rl.actor``
+over gRPC; Tandem: ``python -m learner`` / ``python -m actor`` over ZMQ), with the same task
+(gym-hil PandaPickCube, front + wrist 128x128 cameras + 18-D state, 4-D action, 100-step
+episodes), the same sizes (a 4-layer stride-2 conv encoder with ``--channels`` channels
+and learned spatial pooling, ``--latent-dim`` embeddings, actor and critic MLPs ``--hidden``,
+2 critics), batch ``--batch``, UTD ``--utd``, the same SAC hyperparameters (lr 3e-4, tau 0.005,
+initial temperature 1, gradient clip 40) and 100 env steps before learning. Each runs for
+``--seconds`` after its first env step (start-up excluded, capped by ``--startup-timeout-s``),
+then is stopped. ``uptime`` is recorded before each. Every child runs with OMP_NUM_THREADS=1.
+
+Writes ``<out>/compare.json`` (and prints it): per system the five rows (see
+:mod:`tools.compare_lerobot.analyze`), extra figures, load averages, and the ratios (> 1:
+Tandem ahead). Logs: ``<out>/<system>/*.log``, each line prefixed with the time it was read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.compare_lerobot.analyze import lerobot_rows, parse_events, ratios, tandem_rows  # noqa: E402
+from tools.learning_run import free_port, stop_processes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Proc:
+    """A child process whose merged output is read by a thread, stamped and logged."""
+
+    def __init__(self, args: list[str], log: Path, env: dict):
+        self.lines: list[tuple[float, str]] = []
+        self.log = open(log, "w")
+        self.p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:  # type: ignore[union-attr]
+            t = time.time()
+            self.lines.append((t, line.rstrip("\n")))
+            self.log.write(f"{t:.3f} {line}")
+            self.log.flush()
+
+    def close(self) -> None:
+        self.thread.join(timeout=10)
+        self.log.close()
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def child_env() -> dict:
+    """One thread per process; the same headless GL for both systems' MuJoCo rendering
+    (OSMesa where installed, else EGL; Tandem's ``env.gl=auto`` keeps an exported choice)."""
+    gl = os.environ.get("MUJOCO_GL") or ("osmesa" if _has_osmesa() else "egl")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "MUJOCO_GL": gl, "PYOPENGL_PLATFORM": gl}
+
+
+def _has_osmesa() -> bool:
+    import ctypes.util
+
+    return ctypes.util.find_library("OSMesa") is not None
+
+
+def wait_first_step(started: float, timeout_s: float, has_step, procs: list[Proc]) -> float:
+    while not has_step():
+        if time.time() - started > timeout_s:
+            raise RuntimeError(f"no env step within {timeout_s:.0f} s")
+        dead = [p for p in procs if p.p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"a process exited before the first env step: {dead[0].p.args[:4]}")
+        time.sleep(0.5)
+    return time.time()
+
+
+def run_lerobot(args, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    common = ["--out", str(out), "--port", str(port), "--seconds", str(args.seconds + args.startup_timeout_s + 120),
+              "--batch", str(args.batch), "--utd", str(args.utd), "--hidden", *map(str, args.hidden),
+              "--latent-dim", str(args.latent_dim), "--channels", str(args.channels),
+              "--freeze-vision-encoder", str(int(args.lerobot_freeze_encoder))]
+    mod = [sys.executable, "-m", "tools.compare_lerobot.lerobot_entry"]
+    load = uptime()
+    t_start = time.time()
+    learner = Proc([*mod, "learner", *common], out / "learner.log", child_env())
+    actor = Proc([*mod, "actor", *common], out / "actor.log", child_env())
+    try:
+        t0 = wait_first_step(t_start, args.startup_timeout_s,
+                             lambda: any("CMPEVENT" in ln and '"step"' in ln for _, ln in actor.lines),
+                             [learner, actor])
+        deadline = t0 + args.seconds
+        while time.time() < deadline and learner.p.poll() is None and actor.p.poll() is None:
+            time.sleep(1.0)
+        t_end = time.time()
+    finally:
+        stop_processes([actor.p, learner.p], 20)
+        actor.close()
+        learner.close()
+    events = sorted(parse_events(ln for _, ln in learner.lines + actor.lines), key=lambda e: e["t"])
+    events = [e for e in events if e["t"] <= t_end]
+    rows = lerobot_rows(events, t_end, threshold=args.success_threshold, window=args.success_window)
+    return {**rows, "startup_s": round(t0 - t_start, 1), "uptime_before": load}
+
+
+def tandem_overrides(args, out: Path) -> tuple[list[str], list[str], list[str]]:
+    h = "[" + ",".join(map(str, args.hidden)) + "]"
+    ch = "[" + ",".join([str(args.channels)] * 4) + "]"
+    # ++: set whether or not config/policy/mlp.yaml lists the key (MLPPolicyConfig has them all)
+    common = ["env=gym_hil_pick_cube", f"env.render_quality={args.tandem_render}", "policy=mlp",
+              "policy.image_encoder=pool", f"++policy.cnn_channels={ch}", "policy.pool_features=8",
+              f"++policy.image_embed_dim={args.latent_dim}", f"++policy.state_embed_dim={args.latent_dim}",
+              f"policy.hidden_dims={h}", "++policy.actor_layer_norm=true", f"run_dir={out / 'run'}"]
+    learner = ["algo=sac", "algo.critic_encoder=shared", f"algo.critic_hidden_dims={h}",
+               f"algo.batch_size={args.batch}", f"algo.utd_ratio={args.utd}", "algo.learning_starts=100",
+               "algo.max_update_ratio=0", f"algo.publish_every={args.tandem_publish_every}",
+               "algo.actor_lr=3e-4", "algo.critic_lr=3e-4", "algo.temp_lr=3e-4", "algo.tau=0.005",
+               "algo.init_temperature=1.0", "algo.max_grad_norm=40", "device=cpu",
+               "trainer.num_threads=1", "logging.every_s=1", "logging.wandb=disabled", "logging.live=false",
+               "buffer.video=false", "trainer.checkpoint_every=0", "trainer.checkpoint_every_s=0",
+               f"logging.stats_window={args.success_window}"]
+    actor = ["actor_id=a0", "log_every_s=2", "seed=1000", "spool.batch_size=1", "spool.fsync=false"]
+    return common, learner, actor
+
+
+def run_tandem(args, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    port, pub, act = free_port(), free_port(), free_port()
+    common, lo, ao = tandem_overrides(args, out)
+    common += [f"transport.port={port}", f"transport.pub_port={pub}", f"transport.act_port={act}"]
+    load = uptime()
+    t_start = time.time()
+    learner = Proc([sys.executable, "-m", "learner", *common, *lo], out / "learner.log", child_env())
+    actor = Proc([sys.executable, "-m", "actor", *common, *ao], out / "actor.log", child_env())
+    status_path = out / "run" / "status.json"
+    samples: list[dict] = []
+
+    def sample() -> None:
+        try:
+            st = json.loads(status_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return
+        if not samples or samples[-1]["status"] != st:
+            samples.append({"t": time.time(), "status": st})
+
+    try:
+        def has_step() -> bool:
+            sample()
+            return bool(samples) and samples[-1]["status"].get("env_steps", 0) > 0
+
+        t0 = wait_first_step(t_start, args.startup_timeout_s, has_step, [learner, actor])
+        deadline = t0 + args.seconds
+        while time.time() < deadline and learner.p.poll() is None and actor.p.poll() is None:
+            sample()
+            time.sleep(0.25)
+        t_end = time.time()
+    finally:
+        stop_processes([actor.p, learner.p], 60)
+        actor.close()
+        learner.close()
+    (out / "status_samples.jsonl").write_text("\n".join(json.dumps(s) for s in samples))
+    rows = tandem_rows([s for s in samples if s["t"] <= t_end], actor.lines, t_end,
+                       threshold=args.success_threshold, window=args.success_window)
+    return {**rows, "startup_s": round(t0 - t_start, 1), "uptime_before": load,
+            "overrides": {"common": common, "learner": lo, "actor": ao}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="a new folder")
+    ap.add_argument("--seconds", type=float, default=420.0, help="steady run per system")
+    ap.add_argument("--startup-timeout-s", type=float, default=400.0)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--utd", type=int, default=2)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[256, 256])
+    ap.add_argument("--latent-dim", type=int, default=256)
+    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--lerobot-freeze-encoder", type=int, default=1,
+                    help="LeRobot's default (1) keeps its conv backbone frozen at its random init")
+    ap.add_argument("--tandem-render", default="fast", help="fast | faithful (gym-hil's look)")
+    ap.add_argument("--tandem-publish-every", type=int, default=1)
+    ap.add_argument("--success-threshold", type=float, default=0.5)
+    ap.add_argument("--success-window", type=int, default=10)
+    ap.add_argument("--order", default="lerobot,tandem")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=False)
+    res: dict = {"task": "gym_hil PandaPickCube, front+wrist 128x128 + 18-D state, 4-D action",
+                 "args": vars(args), "nproc": os.cpu_count()}
+    for name in args.order.split(","):
+        print(f"== {name} ({uptime()})", flush=True)
+        try:
+            res[name] = (run_lerobot if name == "lerobot" else run_tandem)(args, out / name)
+        except Exception as e:  # noqa: BLE001 - reported, the other system still runs
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(res[name], indent=1), flush=True)
+        (out / "compare.json").write_text(json.dumps(res, indent=1))
+    if "lerobot" in res and "tandem" in res:
+        res["ratios_tandem_ahead_if_gt_1"] = ratios(res["tandem"], res["lerobot"])
+    (out / "compare.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: res.get(k) for k in ("ratios_tandem_ahead_if_gt_1",)}, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()

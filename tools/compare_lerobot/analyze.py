@@ -1,0 +1,189 @@
+"""The comparison's five rows, computed from what each system shows from outside.
+
+Inputs are timestamped facts, never the systems' own summaries:
+
+- LeRobot: ``CMPEVENT`` lines of :mod:`tools.compare_lerobot.lerobot_entry` (``step`` with
+  reward/done at the actor, ``load`` when the actor loads new weights, ``update`` and ``push``
+  at the learner, ``ingest`` with the learner's replay size).
+- Tandem: ``status.json`` samples (learner: ``updates``, ``version``, ingested ``env_steps``,
+  windowed ``success``/``episodes``; per actor: the newest policy version in its records) and
+  the actor's log lines (``steps N | ...``), each stamped with the time it was read.
+
+Rows (each over the steady window: from the first env step to the end of the run):
+
+- ``env_steps_per_s``: env steps the actor ran per second;
+- ``updates_per_s``: learner optimisation steps per second (one = ``utd_ratio`` critic updates
+  + one actor update, in both systems), from the first update to the end;
+- ``transitions_per_s``: transitions in the learner's replay per second;
+- ``update_to_act_s``: seconds from a learner update to the actor acting with weights that
+  include it (median over weight versions; LeRobot: actor ``load`` minus the newest ``push``
+  before it, the push following its update at once; Tandem: first status sample where the
+  actor's records carry version v minus the first sample where the learner had published v,
+  an upper bound by one sampling period and one env step);
+- ``time_to_success_s``: seconds from the first env step until the success rate over the last
+  ``window`` finished episodes reaches ``threshold`` (None: not reached).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from statistics import median
+from typing import Iterable
+
+EVENT = re.compile(r"CMPEVENT (\{.*\})")
+TANDEM_ACTOR_STEPS = re.compile(r"steps (\d+) \| [\d.]+ steps/s \| episodes (\d+)")
+
+
+def parse_events(lines: Iterable[str]) -> list[dict]:
+    """The ``CMPEVENT`` json objects in ``lines`` (other lines and broken json skipped)."""
+    out = []
+    for line in lines:
+        m = EVENT.search(line)
+        if m:
+            try:
+                out.append(json.loads(m.group(1)))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _rate(points: list[tuple[float, float]]) -> float | None:
+    """(t, cumulative count) points -> count per second between the first and last point."""
+    if len(points) < 2 or points[-1][0] <= points[0][0]:
+        return None
+    return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+
+
+def windowed_success_time(outcomes: list[tuple[float, bool]], t0: float, *, threshold: float,
+                          window: int) -> float | None:
+    """Seconds after ``t0`` when the last ``window`` episodes' success rate first reaches
+    ``threshold`` (``outcomes``: (end time, success) in order); None if never."""
+    for i in range(window, len(outcomes) + 1):
+        last = outcomes[i - window:i]
+        if sum(ok for _, ok in last) / window >= threshold:
+            return round(last[-1][0] - t0, 1)
+    return None
+
+
+def _latency(publish: list[tuple[float, int]], acted: list[tuple[float, int]]) -> dict | None:
+    """Median/mean seconds from version v published (first time seen) to v first acted with,
+    over the versions acted with (an actor may skip versions; each acted one counts)."""
+    first_pub: dict[int, float] = {}
+    for t, v in publish:
+        first_pub.setdefault(v, t)
+    lat = []
+    seen = -1
+    for t, v in acted:
+        if v > seen and v in first_pub and v > 0:
+            lat.append(max(0.0, t - first_pub[v]))
+            seen = v
+    if not lat:
+        return None
+    return {"median": round(median(lat), 2), "mean": round(sum(lat) / len(lat), 2), "n": len(lat)}
+
+
+def lerobot_rows(events: list[dict], t_end: float, *, threshold: float, window: int) -> dict:
+    steps = [e for e in events if e["ev"] == "step"]
+    if not steps:
+        return {"error": "no env step"}
+    t0 = steps[0]["t"]
+    step_pts = [(e["t"], i + 1) for i, e in enumerate(steps)] + [(t_end, len(steps))]
+    ups = [e["t"] for e in events if e["ev"] == "update"]
+    up_pts = [(t, i + 1) for i, t in enumerate(ups)] + ([(t_end, len(ups))] if ups else [])
+    ing = [(e["t"], e["n"]) for e in events if e["ev"] == "ingest"]
+    # versions: the k-th push is version k (the first push, before any update, is version 0)
+    pushes = [e for e in events if e["ev"] == "push"]
+    publish = [(e["t"], k) for k, e in enumerate(pushes)]
+    acted = []
+    for e in events:
+        if e["ev"] == "load":
+            before = [k for t, k in publish if t <= e["t"]]
+            if before:
+                acted.append((e["t"], before[-1]))
+    outcomes, ok = [], False
+    for e in steps:
+        ok = ok or e.get("r", 0.0) >= 1.0
+        if e.get("done"):
+            outcomes.append((e["t"], ok))
+            ok = False
+    trained_loads = [t for t, k in acted if pushes[k].get("step", 0) > 0]
+    return {
+        "env_steps": len(steps),
+        "env_steps_per_s": _rate([(t0, 0)] + step_pts),
+        "updates": len(ups),
+        "updates_per_s": _rate([(ups[0], 0)] + up_pts) if ups else 0.0,
+        "transitions": ing[-1][1] if ing else 0,
+        "transitions_per_s": (ing[-1][1] / (t_end - t0)) if ing and t_end > t0 else 0.0,
+        "update_to_act_s": _latency(publish, acted),
+        "episodes": len(outcomes),
+        "successes": sum(ok for _, ok in outcomes),
+        "time_to_success_s": windowed_success_time(outcomes, t0, threshold=threshold, window=window),
+        "first_trained_weights_acted_s": round(trained_loads[0] - t0, 1) if trained_loads else None,
+        "steady_s": round(t_end - t0, 1),
+    }
+
+
+def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end: float, *,
+                threshold: float, window: int) -> dict:
+    """``samples``: {"t", "status"} in time order; ``actor_lines``: (time read, line)."""
+    steps = [(t, int(m.group(1)), int(m.group(2))) for t, line in actor_lines
+             if (m := TANDEM_ACTOR_STEPS.search(line))]
+    ingested = [(s["t"], s["status"].get("env_steps", 0)) for s in samples]
+    t0 = next((t for t, n in ingested if n > 0), None)
+    if t0 is None:
+        return {"error": "no env step reached the learner"}
+    win = [s for s in samples if s["t"] >= t0]
+    ups = [(s["t"], s["status"].get("updates", 0)) for s in win]
+    up_start = next(((t, n) for t, n in ups if n > 0), None)
+    publish = [(s["t"], int(s["status"].get("version", 0))) for s in win]
+    acted = []
+    for s in win:
+        vs = [r.get("version", -1) for r in s["status"].get("actors_table", []) if r.get("version") is not None]
+        if vs and max(vs) >= 0:
+            acted.append((s["t"], max(vs)))
+    success_t = None
+    for s in win:
+        st = s["status"]
+        if (st.get("episodes", 0) >= window and st.get("success") is not None
+                and st["success"] == st["success"] and st["success"] >= threshold):
+            success_t = round(s["t"] - t0, 1)
+            break
+    last = win[-1]["status"] if win else {}
+    first_trained = next((t for t, v in acted if v >= 1), None)
+    return {
+        "env_steps": steps[-1][1] if steps else last.get("env_steps"),
+        "env_steps_per_s": _rate([(t, n) for t, n, _ in steps if t >= t0 - 10]) if len(steps) > 1
+        else _rate([(t, n) for t, n in ingested if t >= t0]),
+        "updates": last.get("updates", 0),
+        "updates_per_s": _rate([up_start] + [p for p in ups if p[0] > up_start[0]]) if up_start else 0.0,
+        "transitions": last.get("env_steps", 0),
+        "transitions_per_s": _rate([(t, n) for t, n in ingested if t >= t0]),
+        "update_to_act_s": _latency(publish, acted),
+        "episodes": last.get("episodes", 0),
+        "success_window": last.get("success"),
+        "time_to_success_s": success_t,
+        "first_trained_weights_acted_s": round(first_trained - t0, 1) if first_trained else None,
+        "steady_s": round(t_end - t0, 1),
+    }
+
+
+ROWS = ("env_steps_per_s", "updates_per_s", "transitions_per_s", "update_to_act_s", "time_to_success_s")
+LOWER_IS_BETTER = ("update_to_act_s", "time_to_success_s")
+
+
+def _num(v):
+    return v["median"] if isinstance(v, dict) else v
+
+
+def ratios(tandem: dict, lerobot: dict) -> dict:
+    """Tandem / LeRobot per row, oriented so that > 1 means Tandem is ahead (for the
+    lower-is-better rows: LeRobot / Tandem). None where a side has no number."""
+    out = {}
+    for row in ROWS:
+        a, b = _num(tandem.get(row)), _num(lerobot.get(row))
+        if a is None or b is None or a <= 0 or b <= 0:
+            out[row] = None
+        else:
+            out[row] = round((b / a) if row in LOWER_IS_BETTER else (a / b), 2)
+    return out

@@ -1,0 +1,202 @@
+"""LeRobot 0.6.1's own HIL-SERL learner or actor (``lerobot.rl.learner.train_cli`` /
+``lerobot.rl.actor.actor_cli``), configured in Python and observed from outside.
+
+    python -m tools.compare_lerobot.lerobot_entry learner|actor --out DIR --port P [--seconds S] ...
+
+Nothing of LeRobot's is edited on disk. At run time this process:
+
+- fills the ``dataset: null`` gap of LeRobot 0.6.1's validation (``TrainPipelineConfig.validate``
+  reads ``self.dataset.repo_id`` although the RL pipeline's dataset is optional): a stand-in
+  with no repo id is set during the call and removed after;
+- wraps four functions to print one ``CMPEVENT {json}`` line each time they run, with the
+  wall time: the learner's ``RLTrainer.training_step`` (``update``, one optimisation step =
+  ``utd_ratio`` critic updates + the actor update), ``push_actor_policy_to_queue`` (``push``,
+  weights handed to the gRPC server), ``process_transitions`` (``ingest``, the replay size
+  when it grew); the actor's ``step_env_and_process_transition`` (``step``, reward, done)
+  and ``bytes_to_state_dict`` (``load``: new weights loaded, acted with from the next step);
+- stops itself after ``--seconds`` (SIGINT-like shutdown event, then exit).
+
+gRPC binds 127.0.0.1 only. The gym-hil env is LeRobot's (``make_robot_env``: ``image_obs=True``,
+its full-quality rendering; LeRobot has no state-only mode for gym-hil).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+
+def emit(kind: str, **kw) -> None:
+    print("CMPEVENT " + json.dumps({"ev": kind, "t": round(time.time(), 3), **kw}), flush=True)
+
+
+def patch_validation() -> None:
+    from lerobot.configs.train import TrainPipelineConfig
+
+    orig = TrainPipelineConfig.validate
+    if getattr(orig, "_cmp_patched", False):
+        return
+
+    def validate(self):
+        if getattr(self, "dataset", None) is not None:
+            return orig(self)
+        self.dataset = SimpleNamespace(repo_id=None, eval_split=0.0)
+        try:
+            return orig(self)
+        finally:
+            self.dataset = None
+
+    validate._cmp_patched = True  # type: ignore[attr-defined]
+    TrainPipelineConfig.validate = validate
+
+
+def build_config(args):
+    """The pipeline config: gym-hil PandaPickCube (two 128x128 cameras + 18-D state, 4-D
+    continuous action), gaussian_actor + SAC with the given sizes, gRPC on 127.0.0.1."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from lerobot.envs.configs import HILSerlProcessorConfig, HILSerlRobotEnvConfig
+    from lerobot.policies.gaussian_actor.configuration_gaussian_actor import GaussianActorConfig
+    from lerobot.rl.algorithms.sac.configuration_sac import SACAlgorithmConfig
+    from lerobot.rl.train_rl import TrainRLServerPipelineConfig
+
+    img = PolicyFeature(type=FeatureType.VISUAL, shape=(3, 128, 128))
+    policy = GaussianActorConfig(
+        device="cpu", storage_device="cpu",
+        input_features={"observation.images.front": img, "observation.images.wrist": img,
+                        "observation.state": PolicyFeature(type=FeatureType.STATE, shape=(18,))},
+        output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(4,))},
+        dataset_stats={"observation.image": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
+                       "observation.state": {"min": [-1.0] * 18, "max": [1.0] * 18},
+                       "action": {"min": [-1.0] * 4, "max": [1.0] * 4}},
+        latent_dim=args.latent_dim, image_encoder_hidden_dim=args.channels,
+        image_embedding_pooling_dim=args.pool_features,
+        freeze_vision_encoder=args.freeze_vision_encoder,
+        online_steps=10_000_000, online_buffer_capacity=args.buffer,
+        online_step_before_learning=args.learning_starts, push_to_hub=False,
+    )
+    policy.actor_network_kwargs.hidden_dims = list(args.hidden)
+    policy.actor_learner_config.learner_host = "127.0.0.1"
+    policy.actor_learner_config.learner_port = args.port
+    policy.actor_learner_config.policy_parameters_push_frequency = args.push_s
+    algo = SACAlgorithmConfig.from_policy_config(policy)
+    algo.utd_ratio = args.utd
+    algo.critic_network_kwargs.hidden_dims = list(args.hidden)
+    # no ``processor.reset``: its ``fixed_reset_joint_positions: Any`` breaks draccus' encoding of
+    # the config that the learner logs; gym-hil's own 100-step limit ends episodes instead
+    # make_policy takes the output (action) features from the env config's features
+    features = {"observation.images.front": PolicyFeature(type=FeatureType.VISUAL, shape=(128, 128, 3)),
+                "observation.images.wrist": PolicyFeature(type=FeatureType.VISUAL, shape=(128, 128, 3)),
+                "observation.state": PolicyFeature(type=FeatureType.STATE, shape=(18,)),
+                "action": PolicyFeature(type=FeatureType.ACTION, shape=(4,))}
+    env = HILSerlRobotEnvConfig(name="gym_hil", task="PandaPickCube-v0", fps=10,
+                                processor=HILSerlProcessorConfig(), features=features,
+                                features_map={k: k for k in features})
+    return TrainRLServerPipelineConfig(
+        env=env, policy=policy, algorithm=algo, output_dir=Path(args.out) / args.role,
+        job_name=f"cmp_{args.role}", batch_size=args.batch, seed=args.seed, log_freq=1,
+        save_checkpoint=False,
+    )
+
+
+def instrument_learner() -> None:
+    import lerobot.rl.learner as L
+    from lerobot.rl.trainer import RLTrainer
+
+    step, push, ingest = RLTrainer.training_step, L.push_actor_policy_to_queue, L.process_transitions
+
+    def training_step(self, *a, **k):
+        out = step(self, *a, **k)
+        emit("update")
+        return out
+
+    def push_policy(parameters_queue, algorithm):
+        push(parameters_queue=parameters_queue, algorithm=algorithm)
+        emit("push", step=int(getattr(algorithm, "optimization_step", -1)))
+
+    def process_transitions(*a, **k):
+        buf = k.get("replay_buffer", a[1] if len(a) > 1 else None)
+        before = len(buf) if buf is not None else 0
+        out = ingest(*a, **k)
+        if buf is not None and len(buf) != before:
+            emit("ingest", n=len(buf))
+        return out
+
+    RLTrainer.training_step = training_step
+    L.push_actor_policy_to_queue = push_policy
+    L.process_transitions = process_transitions
+
+
+def instrument_actor() -> None:
+    import lerobot.rl.actor as A
+    from lerobot.processor import TransitionKey
+
+    step, load = A.step_env_and_process_transition, A.bytes_to_state_dict
+
+    def step_env(*a, **k):
+        tr = step(*a, **k)
+        done = bool(tr.get(TransitionKey.DONE, False)) or bool(tr.get(TransitionKey.TRUNCATED, False))
+        emit("step", r=float(tr[TransitionKey.REWARD]), done=done)
+        return tr
+
+    def bytes_to_state_dict(*a, **k):
+        out = load(*a, **k)
+        emit("load")
+        return out
+
+    A.step_env_and_process_transition = step_env
+    A.bytes_to_state_dict = bytes_to_state_dict
+
+
+def stop_after(seconds: float) -> None:
+    """Exit the whole process after ``seconds`` (LeRobot's loops run until interrupted)."""
+    def run():
+        time.sleep(seconds)
+        emit("stop")
+        os._exit(0)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("role", choices=("learner", "actor"))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--seconds", type=float, default=600.0)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--utd", type=int, default=2)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[256, 256])
+    ap.add_argument("--latent-dim", type=int, default=256)
+    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--pool-features", type=int, default=8)
+    ap.add_argument("--freeze-vision-encoder", type=int, default=1)
+    ap.add_argument("--learning-starts", type=int, default=100)
+    ap.add_argument("--buffer", type=int, default=100_000)
+    ap.add_argument("--push-s", type=float, default=4.0)
+    ap.add_argument("--seed", type=int, default=1000)
+    args = ap.parse_args(argv)
+    stop_after(args.seconds)
+    patch_validation()
+    cfg = build_config(args)
+    emit("start", role=args.role)
+    if args.role == "learner":
+        instrument_learner()
+        import lerobot.rl.learner as L
+
+        L.train_cli(cfg)
+    else:
+        instrument_actor()
+        import lerobot.rl.actor as A
+
+        A.actor_cli(cfg)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
