@@ -52,8 +52,10 @@ def parse(argv=None):
     ap.add_argument("--no-autocast", action="store_true",
                     help="the plain BCLoss forward (default: under PolicyCalls' bf16 autocast when the "
                          "weights are bf16, which a DeepSpeed bf16 engine makes them)")
-    ap.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
+    ap.add_argument("--timeout-s", type=float, default=180.0,
+                    help="collective timeout (a rank stuck after its peer's out-of-memory ends after it)")
     ap.add_argument("--verbose", action="store_true", help="rank 0 prints every step's time")
+    ap.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # tests: that rank fails
     ap.add_argument("--json", default=None, help="rank 0 writes the result here")
     # the matrix
     ap.add_argument("--matrix", action="store_true", help="run the launches of --cases x --configs and tabulate")

@@ -217,6 +217,8 @@ def run(args, spec) -> dict | None:
         state["params"] = params
         state["mbs"] = micro_batches(pol, spec, per_rank, args.micro_batch, dev, seed=rank + 1)
         res["zero3"] = is_zero3(acc)
+        if args.fail_rank == rank:  # tests: the error path
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated by --fail-rank)")
 
     def one_step():
         model, opt = state["model"], state["opt"]
@@ -260,9 +262,12 @@ def run(args, spec) -> dict | None:
             if cuda:
                 state.clear()
                 torch.cuda.empty_cache()
-        if err and rank == 0:  # rank 0 records its own error first (a peer may hang in a collective)
-            res["error"] = err
-            write_json(res, args.json)
+        if err:  # recorded before the ranks agree on it: a peer may be stuck in a collective
+            if rank == 0:
+                res["error"] = err
+                write_json(res, args.json)
+            elif args.json:
+                Path(f"{args.json}.rank{rank}.error").write_text(err)
         errs = _gather(err, world)
         if any(errs):
             res["error"] = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errs) if e)

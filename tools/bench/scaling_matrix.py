@@ -39,6 +39,8 @@ def command(args, case: str, config: str, port: int, out_json: Path) -> list[str
              "--lr", str(args.lr), "--image-size", str(args.image_size), "--timeout-s", str(args.timeout_s),
              "--json", str(out_json), "--verbose"]
     bench += ["--no-autocast"] * args.no_autocast
+    if args.fail_rank is not None:
+        bench += ["--fail-rank", str(args.fail_rank)]
     if args.tiny:
         bench += ["--tiny", "--tiny-dir", str(Path(args.tiny_dir or Path(args.out_dir) / "tiny_ckpt").resolve())]
     py = args.python
@@ -62,6 +64,8 @@ def command(args, case: str, config: str, port: int, out_json: Path) -> list[str
 def launch_one(args, case: str, config: str, port: int, out: Path) -> dict:
     out_json, log = out / f"{case}__{config}.json", out / f"{case}__{config}.log"
     out_json.unlink(missing_ok=True)
+    for stale in out.glob(f"{out_json.name}.rank*.error"):
+        stale.unlink()
     cmd = command(args, case, config, port, out_json)
     env = {**os.environ, **LAUNCH_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
@@ -85,9 +89,14 @@ def launch_one(args, case: str, config: str, port: int, out: Path) -> dict:
     wall = time.monotonic() - t0
     res = json.loads(out_json.read_text()) if out_json.exists() else {}
     res.update(config=config, case=case, launch_rc=rc, launch_wall_s=wall, log=str(log), command=" ".join(cmd))
+    peers = {p.name.rsplit(".", 2)[-2]: p.read_text() for p in sorted(out.glob(f"{out_json.name}.rank*.error"))}
+    missed = [f"{k}: {v}" for k, v in peers.items() if v not in (res.get("error") or "")]
+    if missed:  # a rank > 0 failed and rank 0 never heard of it (stuck in a collective)
+        res["error"] = "; ".join(filter(None, [res.get("error"), *missed]))
     if rc != 0 and not res.get("error"):
-        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-3:]
-        res["error"] = f"launch exited {rc} ({'; '.join(t[:200] for t in tail)})"
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        oom = [ln for ln in lines if "out of memory" in ln.lower()][:1]
+        res["error"] = f"launch exited {rc} ({'; '.join(t[:200] for t in oom + lines[-3:])})"
     return res
 
 
@@ -122,7 +131,7 @@ def table(rows: list[dict]) -> str:
         mb = f"{r.get('micro_batch', '-')} x {r.get('accum_steps', '-')}"
         lines.append(f"| {r['case']} | {r['config']} | {r.get('world', CONFIGS[r['config']][0])} | {mb} "
                      f"| {f('step_s_p50', '%.3f')} | {f('samples_per_s', '%.2f')} | {ratio} "
-                     f"| {f('efficiency', '%.2f')} | {f('vs_1gpu_same_stage', '%.2f')} | {peaks} | {f('trainable_params_m', '%.1f')} "
+                     f"| {f('efficiency', '%.2f')} | {f('vs_1gpu_same_stage', '%.2f')} | {peaks} | {f('trainable_params_m', '%.2f')} "
                      f"| {f('launch_wall_s', '%.0f')} | {(r.get('error') or '')[:160]} |")
     return "\n".join(lines)
 
