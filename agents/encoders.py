@@ -48,6 +48,9 @@ class EncoderConfig:
     image_encoder: str = "flatten"
     #: learned spatial features per channel of the "pool" encoder
     pool_features: int = 8
+    #: "pool": keep the conv backbone at its (seeded) initialisation, train pooling and heads
+    #: only (LeRobot HIL-SERL's default); its outputs are memoised per input batch
+    freeze_backbone: bool = False
 
 
 IMAGE_ENCODERS = ("flatten", "pool")
@@ -121,6 +124,25 @@ class SpatialLearnedEmbeddings(nn.Module):
         return out.transpose(0, 1).reshape(b, -1)
 
 
+class _SharedMemo:
+    """The last (inputs, outputs) of a frozen backbone. ``copy.deepcopy`` returns it as is, so
+    a target network copied from the online one shares it: equal frozen weights (a soft update
+    of equal tensors keeps them equal), so the target reads the online pass on the same batch.
+    Inputs are held by reference and compared with ``is``: they stay alive while memoised."""
+
+    def __init__(self):
+        self.last: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def get(self, images: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        last = self.last
+        if last is not None and len(last[0]) == len(images) and all(a is b for a, b in zip(last[0], images)):
+            return last[1]
+        return None
+
+
 class PooledImageEncoders(nn.Module):
     """All cameras: {key: uint8 [B, H, W, 3]} -> [B, n_cams * embed_dim].
 
@@ -129,7 +151,7 @@ class PooledImageEncoders(nn.Module):
     LayerNorm, tanh."""
 
     def __init__(self, shapes: list[tuple[int, int, int]], channels: tuple[int, ...],
-                 embed_dim: int, num_features: int):
+                 embed_dim: int, num_features: int, freeze_backbone: bool = False):
         super().__init__()
         for shape in shapes:
             if shape[2] != 3:
@@ -146,12 +168,25 @@ class PooledImageEncoders(nn.Module):
             self.heads.append(nn.Sequential(nn.Linear(c * num_features, embed_dim),
                                             nn.LayerNorm(embed_dim), nn.Tanh()))
         self.same_shape = len(set(shapes)) == 1
+        self.freeze_backbone = bool(freeze_backbone)
+        if self.freeze_backbone:
+            self.backbone.requires_grad_(False)
+            self._memo = _SharedMemo()
+
+    def _maps(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.same_shape and len(images) > 1:
+            return list(self.backbone(_to_float(torch.cat(images, dim=0))).chunk(len(images), dim=0))
+        return [self.backbone(_to_float(img)) for img in images]
 
     def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.same_shape and len(images) > 1:
-            maps = self.backbone(_to_float(torch.cat(images, dim=0))).chunk(len(images), dim=0)
+        if self.freeze_backbone:
+            maps = self._memo.get(images)
+            if maps is None:
+                with torch.no_grad():
+                    maps = self._maps(images)
+                self._memo.last = (list(images), maps)
         else:
-            maps = [self.backbone(_to_float(img)) for img in images]
+            maps = self._maps(images)
         return [head(pool(m)) for m, pool, head in zip(maps, self.pools, self.heads)]
 
 
@@ -173,7 +208,8 @@ class ObsEncoder(nn.Module):
         shapes = [tuple(spec.cameras[k[len(OBS_IMAGE_PREFIX):]]) for k in self.image_keys]
         if kind == "pool" and self.image_keys:
             self.pooled = PooledImageEncoders(shapes, tuple(cfg.cnn_channels), cfg.image_embed_dim,
-                                              int(getattr(cfg, "pool_features", 8)))
+                                              int(getattr(cfg, "pool_features", 8)),
+                                              bool(getattr(cfg, "freeze_backbone", False)))
         self.cams = nn.ModuleDict({
             str(i): ImageEncoder(shape, cfg.cnn_channels, cfg.image_embed_dim)
             for i, shape in enumerate(shapes) if kind == "flatten"

@@ -5,11 +5,17 @@ samples, the ratios' orientation, and LeRobot's pipeline config built and valida
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tools.compare_lerobot.analyze import (lerobot_rows, parse_events, ratios, tandem_rows,
                                            windowed_success_time)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # as lerobot_entry prints them, interleaved with LeRobot's own log lines
 LEROBOT_LINES = """\
@@ -78,18 +84,23 @@ def test_tandem_rows_from_status_samples_and_actor_log():
         {"t": 106.0, "status": status(30, 8, 8, 8, episodes=3, success=0.67)},
         {"t": 111.0, "status": status(55, 18, 18, 18, episodes=5, success=0.4)},
     ]
-    lines = [(101.5, "INFO steps 6 | 5 steps/s | episodes 0 | return nan"),
-             (109.5, "INFO steps 46 | 5 steps/s | episodes 4 | return 0.1"),
+    lines = [(101.5, "INFO steps 6 | 5 steps/s | episodes 0 | return nan | version 0"),
+             (104.5, "INFO steps 21 | 5 steps/s | episodes 0 | return nan | version 2 | unacked 0"),
+             (106.0, "INFO steps 30 | 5 steps/s | episodes 3 | return nan | version 8 | unacked 0"),
+             (109.5, "INFO steps 46 | 5 steps/s | episodes 4 | return 0.1 | version 8"),
              (110.0, "unrelated line")]
     rows = tandem_rows(samples, lines, 111.0, threshold=0.5, window=3)
     assert rows["env_steps_per_s"] == pytest.approx(40 / 8.0)
     assert rows["transitions_per_s"] == pytest.approx(50 / 10.0)
     assert rows["updates_per_s"] == pytest.approx(16 / 8.0)  # from the first sample with updates
-    # version 2 published at 103, acted at 104; version 8 at 106 and acted at 106; 18 at 111/111
-    assert rows["update_to_act_s"]["median"] == 0.0 and rows["update_to_act_s"]["n"] == 3
-    assert rows["update_to_act_s"]["mean"] == pytest.approx(0.33, abs=0.01)
+    # from the actor's log: version 2 published at 103, acted by 104.5; version 8 at 106 / 106
+    assert rows["update_to_act_s"] == {"median": 0.75, "mean": 0.75, "n": 2}
     assert rows["time_to_success_s"] == 5.0
-    assert rows["first_trained_weights_acted_s"] == 3.0
+    assert rows["first_trained_weights_acted_s"] == 3.5
+    # without versions in the actor's lines: the status samples' per-actor versions
+    bare = [(t, line.split(" | version")[0]) for t, line in lines]
+    rows = tandem_rows(samples, bare, 111.0, threshold=0.5, window=3)
+    assert rows["update_to_act_s"]["n"] == 3 and rows["update_to_act_s"]["median"] == 0.0
 
 
 def test_ratios_are_oriented_so_that_above_one_means_tandem_ahead():
@@ -124,3 +135,32 @@ def test_lerobot_config_builds_and_validates_with_no_dataset(tmp_path):
 
     feats = env_to_policy_features(cfg.env)
     assert feats["action"].shape == (4,) and feats["observation.images.front"].shape == (3, 128, 128)
+
+
+FAST_RENDER_SCRIPT = """
+import argparse, sys
+import lerobot.rl.actor as A
+from tools.compare_lerobot.lerobot_entry import build_config, fast_render
+args = argparse.Namespace(latent_dim=64, channels=8, pool_features=4, freeze_vision_encoder=1,
+                          buffer=100, learning_starts=10, hidden=[32, 32], port=50000, push_s=4.0,
+                          utd=2, out=sys.argv[1], role="actor", batch=16, seed=0)
+fast_render()
+env, _ = A.make_robot_env(cfg=build_config(args).env)
+q = env.unwrapped.model.vis.quality
+obs, _ = env.reset(seed=0)
+img = obs["pixels"]["front"]
+print("RESULT", q.shadowsize, q.offsamples, img.shape, float(img.std()) > 0)
+env.close()
+"""
+
+
+def test_lerobot_fast_render_patch_renders_without_shadows(tmp_path):
+    """In a fresh process (MuJoCo fixes its GL backend at import): LeRobot's own gym-hil env,
+    patched, has no shadow map or multisampling and still renders the 128x128 cameras."""
+    pytest.importorskip("gym_hil")
+    env = {**os.environ, "MUJOCO_GL": "osmesa", "PYOPENGL_PLATFORM": "osmesa", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", FAST_RENDER_SCRIPT, str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line is not None, out.stderr[-3000:]
+    assert line == "RESULT 0 0 (128, 128, 3) True"

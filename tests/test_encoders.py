@@ -152,3 +152,28 @@ def test_shared_encoder_needs_a_policy_with_an_encoder():
 
     with pytest.raises(ValueError, match="critic_encoder=shared"):
         make_critic(SACConfig(critic_encoder="shared"), SMALL_SPEC, Bare())
+
+
+def test_frozen_backbone_is_not_trained_and_runs_once_per_batch_for_online_and_target():
+    pcfg = MLPPolicyConfig(**{**POOL.__dict__, "freeze_backbone": True})
+    agent = shared_agent(pcfg=pcfg, utd_ratio=2)
+    calls = []
+    for enc in (agent.policy.encoder, agent.target_critic.encoder):
+        enc.pooled.backbone.register_forward_hook(lambda *a: calls.append(1))
+    backbone = [p.detach().clone() for p in agent.policy.encoder.pooled.backbone.parameters()]
+    pools = [p.detach().clone() for p in agent.policy.encoder.pooled.pools.parameters()]
+    agent.update(repeat(train_batch(SMALL_SPEC, 8)))
+    # per critic step: the obs once, the next obs once (the target reads the online pass)
+    assert len(calls) == 2 * 2
+    assert all(torch.equal(a, b) for a, b in zip(backbone, agent.policy.encoder.pooled.backbone.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(backbone, agent.target_critic.encoder.pooled.backbone.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(pools, agent.policy.encoder.pooled.pools.parameters()))
+    # the memo answers only for the very same input tensors: a new batch is encoded afresh
+    obs = obs_batch(SMALL_SPEC, 3)
+    first = agent.policy.encoder(obs)
+    other = {k: v.clone() for k, v in obs.items()}
+    other["observation.images.front"] = torch.flip(obs["observation.images.front"], dims=[1])
+    assert not torch.allclose(agent.policy.encoder(other), first)
+    torch.testing.assert_close(agent.policy.encoder(obs), first)
+    # the frozen backbone is in the state dict (actors get the same weights)
+    assert any(k.startswith("encoder.pooled.backbone") for k in agent.policy.trainable_state_dict())

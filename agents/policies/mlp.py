@@ -52,6 +52,8 @@ class MLPPolicyConfig:
     image_encoder: str = "flatten"
     #: learned spatial features per channel of the "pool" encoder
     pool_features: int = 8
+    #: "pool": conv backbone frozen at its seeded init (LeRobot HIL-SERL's default), memoised
+    freeze_backbone: bool = False
     #: lower bound of the Gaussian's log standard deviation (pre-tanh)
     log_std_min: float = -5.0
     #: upper bound of the Gaussian's log standard deviation (pre-tanh)

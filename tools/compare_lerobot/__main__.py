@@ -7,9 +7,12 @@ Each system runs its own learner and one actor as separate processes on 127.0.0.
 over gRPC; Tandem: ``python -m learner`` / ``python -m actor`` over ZMQ), with the same task
 (gym-hil PandaPickCube, front + wrist 128x128 cameras + 18-D state, 4-D action, 100-step
 episodes), the same sizes (a 4-layer stride-2 conv encoder with ``--channels`` channels
-and learned spatial pooling, ``--latent-dim`` embeddings, actor and critic MLPs ``--hidden``,
+and learned spatial pooling, frozen at its random init or trained: ``--freeze-backbone``;
+``--latent-dim`` embeddings, actor and critic MLPs ``--hidden``,
 2 critics), batch ``--batch``, UTD ``--utd``, the same SAC hyperparameters (lr 3e-4, tau 0.005,
-initial temperature 1, gradient clip 40) and 100 env steps before learning. Each runs for
+initial temperature 1, gradient clip 40), 100 env steps before learning and the same rendering
+(``--render``: gym-hil's scene without shadow map and multisampling, or gym-hil's own full
+quality, LeRobot's default; OSMesa for both where installed). Each runs for
 ``--seconds`` after its first env step (start-up excluded, capped by ``--startup-timeout-s``),
 then is stopped. ``uptime`` is recorded before each. Every child runs with OMP_NUM_THREADS=1.
 
@@ -101,7 +104,7 @@ def run_lerobot(args, out: Path) -> dict:
     common = ["--out", str(out), "--port", str(port), "--seconds", str(args.seconds + args.startup_timeout_s + 120),
               "--batch", str(args.batch), "--utd", str(args.utd), "--hidden", *map(str, args.hidden),
               "--latent-dim", str(args.latent_dim), "--channels", str(args.channels),
-              "--freeze-vision-encoder", str(int(args.lerobot_freeze_encoder))]
+              "--freeze-vision-encoder", str(int(args.freeze_backbone)), "--render", args.render]
     mod = [sys.executable, "-m", "tools.compare_lerobot.lerobot_entry"]
     load = uptime()
     t_start = time.time()
@@ -129,10 +132,11 @@ def tandem_overrides(args, out: Path) -> tuple[list[str], list[str], list[str]]:
     h = "[" + ",".join(map(str, args.hidden)) + "]"
     ch = "[" + ",".join([str(args.channels)] * 4) + "]"
     # ++: set whether or not config/policy/mlp.yaml lists the key (MLPPolicyConfig has them all)
-    common = ["env=gym_hil_pick_cube", f"env.render_quality={args.tandem_render}", "policy=mlp",
+    common = ["env=gym_hil_pick_cube", f"env.render_quality={args.render}", "policy=mlp",
               "policy.image_encoder=pool", f"++policy.cnn_channels={ch}", "policy.pool_features=8",
               f"++policy.image_embed_dim={args.latent_dim}", f"++policy.state_embed_dim={args.latent_dim}",
-              f"policy.hidden_dims={h}", "++policy.actor_layer_norm=true", f"run_dir={out / 'run'}"]
+              f"policy.hidden_dims={h}", "++policy.actor_layer_norm=true",
+              f"policy.freeze_backbone={str(bool(args.freeze_backbone)).lower()}", f"run_dir={out / 'run'}"]
     learner = ["algo=sac", "algo.critic_encoder=shared", f"algo.critic_hidden_dims={h}",
                f"algo.batch_size={args.batch}", f"algo.utd_ratio={args.utd}", "algo.learning_starts=100",
                "algo.max_update_ratio=0", f"algo.publish_every={args.tandem_publish_every}",
@@ -141,7 +145,7 @@ def tandem_overrides(args, out: Path) -> tuple[list[str], list[str], list[str]]:
                "trainer.num_threads=1", "logging.every_s=1", "logging.wandb=disabled", "logging.live=false",
                "buffer.video=false", "trainer.checkpoint_every=0", "trainer.checkpoint_every_s=0",
                f"logging.stats_window={args.success_window}"]
-    actor = ["actor_id=a0", "log_every_s=2", "seed=1000", "spool.batch_size=1", "spool.fsync=false"]
+    actor = ["actor_id=a0", "log_every_s=1", "seed=1000", "spool.batch_size=1", "spool.fsync=false"]
     return common, learner, actor
 
 
@@ -187,6 +191,43 @@ def run_tandem(args, out: Path) -> dict:
             "overrides": {"common": common, "learner": lo, "actor": ao}}
 
 
+def _logged_lines(path: Path) -> list[tuple[float, str]]:
+    """``Proc``'s log lines back as (time read, line)."""
+    out = []
+    for raw in path.read_text(errors="replace").splitlines():
+        t, _, line = raw.partition(" ")
+        try:
+            out.append((float(t), line))
+        except ValueError:
+            continue
+    return out
+
+
+def reanalyze(out: Path) -> dict:
+    """The rows again from a finished run's logs and status samples (``--reanalyze``)."""
+    res = json.loads((out / "compare.json").read_text())
+    a = argparse.Namespace(**res["args"])
+    lr = res.get("lerobot", {})
+    if "steady_s" in lr:
+        lines = _logged_lines(out / "lerobot" / "learner.log") + _logged_lines(out / "lerobot" / "actor.log")
+        events = sorted(parse_events(ln for _, ln in lines), key=lambda e: e["t"])
+        t0 = next(e["t"] for e in events if e["ev"] == "step")
+        t_end = t0 + lr["steady_s"]
+        lr.update(lerobot_rows([e for e in events if e["t"] <= t_end], t_end,
+                               threshold=a.success_threshold, window=a.success_window))
+    td = res.get("tandem", {})
+    if "steady_s" in td:
+        samples = [json.loads(x) for x in (out / "tandem" / "status_samples.jsonl").read_text().splitlines() if x]
+        t0 = next(s["t"] for s in samples if s["status"].get("env_steps", 0) > 0)
+        t_end = t0 + td["steady_s"]
+        td.update(tandem_rows([s for s in samples if s["t"] <= t_end], _logged_lines(out / "tandem" / "actor.log"),
+                              t_end, threshold=a.success_threshold, window=a.success_window))
+    if "lerobot" in res and "tandem" in res:
+        res["ratios_tandem_ahead_if_gt_1"] = ratios(td, lr)
+    (out / "compare.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="a new folder")
@@ -197,14 +238,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hidden", type=int, nargs="+", default=[256, 256])
     ap.add_argument("--latent-dim", type=int, default=256)
     ap.add_argument("--channels", type=int, default=32)
-    ap.add_argument("--lerobot-freeze-encoder", type=int, default=1,
-                    help="LeRobot's default (1) keeps its conv backbone frozen at its random init")
-    ap.add_argument("--tandem-render", default="fast", help="fast | faithful (gym-hil's look)")
+    ap.add_argument("--freeze-backbone", type=int, default=1,
+                    help="both systems: 1 keeps the conv backbone at its random init and trains the "
+                         "spatial pooling and heads (LeRobot's default), 0 trains it (critic loss)")
+    ap.add_argument("--render", default="fast", choices=("fast", "faithful"),
+                    help="both systems: fast (no shadow map / multisampling) or faithful (gym-hil's "
+                         "own, LeRobot's default; ~10x slower on a software renderer)")
     ap.add_argument("--tandem-publish-every", type=int, default=1)
     ap.add_argument("--success-threshold", type=float, default=0.5)
     ap.add_argument("--success-window", type=int, default=10)
     ap.add_argument("--order", default="lerobot,tandem")
+    ap.add_argument("--reanalyze", action="store_true",
+                    help="recompute <out>/compare.json from its logs instead of running")
     args = ap.parse_args(argv)
+    if args.reanalyze:
+        res = reanalyze(Path(args.out))
+        print(json.dumps(res.get("ratios_tandem_ahead_if_gt_1"), indent=1))
+        return res
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=False)
     res: dict = {"task": "gym_hil PandaPickCube, front+wrist 128x128 + 18-D state, 4-D action",

@@ -17,9 +17,9 @@ Rows (each over the steady window: from the first env step to the end of the run
 - ``transitions_per_s``: transitions in the learner's replay per second;
 - ``update_to_act_s``: seconds from a learner update to the actor acting with weights that
   include it (median over weight versions; LeRobot: actor ``load`` minus the newest ``push``
-  before it, the push following its update at once; Tandem: first status sample where the
-  actor's records carry version v minus the first sample where the learner had published v,
-  an upper bound by one sampling period and one env step);
+  before it, the push following its update at once; Tandem: the actor's first log line
+  (every second) showing version v minus the first status sample with the learner at v;
+  resolution about one second either way);
 - ``time_to_success_s``: seconds from the first env step until the success rate over the last
   ``window`` finished episodes reaches ``threshold`` (None: not reached).
 """
@@ -33,6 +33,7 @@ from typing import Iterable
 
 EVENT = re.compile(r"CMPEVENT (\{.*\})")
 TANDEM_ACTOR_STEPS = re.compile(r"steps (\d+) \| [\d.]+ steps/s \| episodes (\d+)")
+TANDEM_ACTOR_VERSION = re.compile(r"\| version (-?\d+)")
 
 
 def parse_events(lines: Iterable[str]) -> list[dict]:
@@ -137,11 +138,14 @@ def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end
     ups = [(s["t"], s["status"].get("updates", 0)) for s in win]
     up_start = next(((t, n) for t, n in ups if n > 0), None)
     publish = [(s["t"], int(s["status"].get("version", 0))) for s in win]
-    acted = []
-    for s in win:
-        vs = [r.get("version", -1) for r in s["status"].get("actors_table", []) if r.get("version") is not None]
-        if vs and max(vs) >= 0:
-            acted.append((s["t"], max(vs)))
+    # acted: the version in the actor's own log lines (the learner writes status.json between
+    # updates, so its per-actor versions are as old as one update); status as a fallback
+    acted = [(t, int(m.group(1))) for t, line in actor_lines if (m := TANDEM_ACTOR_VERSION.search(line))]
+    if not acted:
+        for s in win:
+            vs = [r["version"] for r in s["status"].get("actors_table", []) if r.get("version") is not None]
+            if vs and max(vs) >= 0:
+                acted.append((s["t"], max(vs)))
     success_t = None
     for s in win:
         st = s["status"]

@@ -14,7 +14,9 @@ Nothing of LeRobot's is edited on disk. At run time this process:
   weights handed to the gRPC server), ``process_transitions`` (``ingest``, the replay size
   when it grew); the actor's ``step_env_and_process_transition`` (``step``, reward, done)
   and ``bytes_to_state_dict`` (``load``: new weights loaded, acted with from the next step);
-- stops itself after ``--seconds`` (SIGINT-like shutdown event, then exit).
+- with ``--render fast``, renders gym-hil without shadow map and multisampling, as Tandem's
+  ``env.render_quality=fast`` does (LeRobot's default is gym-hil's full quality);
+- stops itself after ``--seconds``.
 
 gRPC binds 127.0.0.1 only. The gym-hil env is LeRobot's (``make_robot_env``: ``image_obs=True``,
 its full-quality rendering; LeRobot has no state-only mode for gym-hil).
@@ -153,6 +155,29 @@ def instrument_actor() -> None:
     A.bytes_to_state_dict = bytes_to_state_dict
 
 
+def fast_render() -> None:
+    """Render gym-hil like Tandem's ``env.render_quality=fast``: no shadow map, no multisampling
+    (the renderer rebuilt, as those are sized with its GL context); same scene and cameras."""
+    import mujoco
+
+    import lerobot.rl.actor as A
+
+    make = A.make_robot_env
+
+    def make_robot_env(cfg):
+        env, teleop = make(cfg)
+        base = env.unwrapped
+        spec = base._render_specs
+        base._viewer.close()
+        base.model.vis.quality.shadowsize = 0
+        base.model.vis.quality.offsamples = 0
+        base._viewer = mujoco.Renderer(base.model, height=spec.height, width=spec.width)
+        emit("fast_render")
+        return env, teleop
+
+    A.make_robot_env = make_robot_env
+
+
 def stop_after(seconds: float) -> None:
     """Exit the whole process after ``seconds`` (LeRobot's loops run until interrupted)."""
     def run():
@@ -180,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--buffer", type=int, default=100_000)
     ap.add_argument("--push-s", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument("--render", choices=("faithful", "fast"), default="faithful",
+                    help="faithful: gym-hil's own rendering (LeRobot's); fast: as Tandem's fast")
     args = ap.parse_args(argv)
     stop_after(args.seconds)
     patch_validation()
@@ -192,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         L.train_cli(cfg)
     else:
         instrument_actor()
+        if args.render == "fast":
+            fast_render()
         import lerobot.rl.actor as A
 
         A.actor_cli(cfg)
