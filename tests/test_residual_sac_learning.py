@@ -17,7 +17,9 @@ stops at a number of online episodes, not at a time (the 900 s cap only bounds a
 Figures are printed (``pytest -s``). Measured, 2-core CPU shared with other helpers' runs
 (load 13-15): base 0.34, untrained residual (mean) 0.34 -> trained residual (mean) 0.70 (z 3.6
 vs each), 626 online episodes, 217 updates, 11,167 env steps, 262 s of training, 444 s in all;
-the online success window 0.3-0.45 over the first ~200 episodes, 0.55-0.85 after ~290. More
+the online success window 0.3-0.45 over the first ~200 episodes, 0.55-0.85 after ~290. A
+second run (load 12-13.5): 0.34 -> 0.68 (z 3.4), 607 episodes, 230 updates, 206 s of
+training, 357 s in all. More
 figures: the tool's docstring (tools/residual_sac_learning.py).
 """
 

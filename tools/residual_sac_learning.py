@@ -40,6 +40,8 @@ Measured (shared 2-core CPU, other helpers' runs beside it; defaults of this fil
   window 0.15-0.4 up to ~120 updates, 0.6-0.75 from ~130 updates on;
 - the gated test (tests/test_residual_sac_learning.py, the same settings, load 13-15):
   0.34 -> 0.70 (mean), 626 episodes, 217 updates, 262 s of training, 444 s in all;
+- ``--reward sparse`` (trained on the 0/1 reward alone), stop at 600 episodes (load 12-14):
+  0.34 -> 0.64 (mean) / 0.64 (sampled); 633 episodes, 253 updates, 262 s of training;
 - an earlier run (stop at 300 episodes, but the processes ignored SIGINT, so they ran on:
   fixed since by resetting SIGINT in the children; load 8-12): 0.34 -> 0.72 (mean) / 0.68
   (sampled) with the periodic checkpoint at 476 updates.
