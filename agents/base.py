@@ -260,3 +260,30 @@ def uses_deepspeed(accelerator: Any) -> bool:
     from accelerate.utils import DistributedType
 
     return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED
+
+
+@contextlib.contextmanager
+def whole_weights():
+    """Build modules whole inside, also under DeepSpeed ZeRO-3.
+
+    accelerate registers its ZeRO-3 config with transformers, which then constructs every
+    model inside ``deepspeed.zero.Init``: parameters are partitioned as they are made, so the
+    policies' own initialisation (lerobot's and OFT's heads, LoRA) meets empty shards ("Fan in
+    and fan out can not be computed ...", seen on 2 H200s). Policies are built whole on each
+    rank instead (bf16 PI0 6.6 GB, OFT 15 GB) and ``accelerator.prepare`` partitions them.
+    Without a ZeRO-3 config this does nothing."""
+    try:
+        from transformers.integrations import deepspeed as hf_ds
+    except ImportError:  # no transformers: nothing registers a ZeRO-3 config
+        yield
+        return
+    ref = hf_ds._hf_deepspeed_config_weak_ref  # noqa: SLF001 - the registered config, to restore
+    held = ref() if ref is not None else None
+    if held is None or not hf_ds.is_deepspeed_zero3_enabled():
+        yield
+        return
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds.set_hf_deepspeed_config(held)

@@ -148,7 +148,10 @@ def build_policy(policy_cfg: Mapping[str, Any], spec):
     values = _plain(policy_cfg)
     init = values.pop(INIT_TRAINABLE, None)
     cls = policy_class(name, values)
-    policy = cls(make_config(cfg_cls, values, f"policy={name}"), spec)
+    from agents.base import whole_weights
+
+    with whole_weights():  # ZeRO-3: built whole, partitioned by accelerator.prepare
+        policy = cls(make_config(cfg_cls, values, f"policy={name}"), spec)
     if init:
         load_init_trainable(policy, init, f"policy={name}")
     return policy

@@ -67,6 +67,13 @@ def tiny_checkpoint(case: str, spec, root: Path) -> Path:
 def build_policy(case: str, tiny: bool, device: str, tmp: Path, spec, tiny_dir: Path | None = None):
     """The policy of ``case``: OpenVLA-OFT (L1 head) with LoRA, PI0 with LoRA, or PI0 with every
     parameter trainable and no LoRA (``pi0_full``); built as tools/bench/policy.build does."""
+    from agents.base import whole_weights
+
+    with whole_weights():  # ZeRO-3: built whole on each rank, partitioned by prepare (as the learner)
+        return _build_policy(case, tiny, device, tmp, spec, tiny_dir)
+
+
+def _build_policy(case: str, tiny: bool, device: str, tmp: Path, spec, tiny_dir: Path | None = None):
     from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
     from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
     from tools.make_tiny_checkpoints import build_tokenizer
