@@ -176,7 +176,10 @@ def test_graphs_equal_eager_on_gpu_l1(ckpt):
     p.cfg.fold_lora_for_serving = False
     unfolded = p.act(obs()).actions
     assert p._fast.captures == 3 and not p.lora.folded
-    torch.testing.assert_close(unfolded, fast2, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(unfolded, _no_graph(p, obs())["actions"], atol=1e-2, rtol=1e-2)
+    # folded (W0 + BA rounded to bf16) vs unfolded (W0 x + B A x): the same function up to
+    # bf16 rounding of adapters perturbed by 0.2 sigma (H100: at most 0.056, 1 of 24 values)
+    torch.testing.assert_close(unfolded, fast2, atol=0.1, rtol=0.1)
 
 
 @gpu
