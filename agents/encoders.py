@@ -24,7 +24,9 @@ Two image encoders (``image_encoder``):
 
 from __future__ import annotations
 
+import hashlib
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +53,9 @@ class EncoderConfig:
     #: "pool": keep the conv backbone at its (seeded) initialisation, train pooling and heads
     #: only (LeRobot HIL-SERL's default); its outputs are memoised per input batch
     freeze_backbone: bool = False
+    #: frozen backbone: its outputs kept per distinct image (by content), at most this many
+    #: (first in, first out; 0: none), so a stored observation is encoded once, not per batch
+    backbone_cache: int = 50_000
 
 
 IMAGE_ENCODERS = ("flatten", "pool")
@@ -143,6 +148,43 @@ class _SharedMemo:
         return None
 
 
+class _MapCache:
+    """A frozen backbone's output per distinct image: key a 16-byte BLAKE2 digest of the
+    image's bytes, at most ``max_rows`` entries (first in, first out). Exact while the backbone
+    is frozen. Shared by deep copies (target, serving copy), like :class:`_SharedMemo`."""
+
+    def __init__(self, max_rows: int):
+        self.max_rows = int(max_rows)
+        self._rows: dict[bytes, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def maps(self, backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """uint8 [N, H, W, 3] -> backbone output [N, C, h, w], computing only unseen images."""
+        flat = x.detach().cpu().contiguous().numpy().reshape(x.shape[0], -1)
+        keys = [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in flat]
+        with self._lock:
+            rows = [self._rows.get(k) for k in keys]
+        missing = [i for i, r in enumerate(rows) if r is None]
+        self.misses += len(missing)
+        self.hits += len(keys) - len(missing)
+        if missing:
+            idx = torch.tensor(missing, device=x.device)
+            out = backbone(_to_float(x.index_select(0, idx)))
+            with self._lock:
+                for j, i in enumerate(missing):
+                    rows[i] = self._rows[keys[i]] = out[j]
+                while len(self._rows) > self.max_rows:
+                    self._rows.pop(next(iter(self._rows)))
+        return torch.stack(rows)
+
+
 class PooledImageEncoders(nn.Module):
     """All cameras: {key: uint8 [B, H, W, 3]} -> [B, n_cams * embed_dim].
 
@@ -151,7 +193,8 @@ class PooledImageEncoders(nn.Module):
     LayerNorm, tanh."""
 
     def __init__(self, shapes: list[tuple[int, int, int]], channels: tuple[int, ...],
-                 embed_dim: int, num_features: int, freeze_backbone: bool = False):
+                 embed_dim: int, num_features: int, freeze_backbone: bool = False,
+                 backbone_cache: int = 0):
         super().__init__()
         for shape in shapes:
             if shape[2] != 3:
@@ -172,11 +215,15 @@ class PooledImageEncoders(nn.Module):
         if self.freeze_backbone:
             self.backbone.requires_grad_(False)
             self._memo = _SharedMemo()
+        self._cache = _MapCache(backbone_cache) if self.freeze_backbone and backbone_cache > 0 else None
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return self._cache.maps(self.backbone, x) if self._cache is not None else self.backbone(_to_float(x))
 
     def _maps(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.same_shape and len(images) > 1:
-            return list(self.backbone(_to_float(torch.cat(images, dim=0))).chunk(len(images), dim=0))
-        return [self.backbone(_to_float(img)) for img in images]
+            return list(self._run(torch.cat(images, dim=0)).chunk(len(images), dim=0))
+        return [self._run(img) for img in images]
 
     def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.freeze_backbone:
@@ -209,7 +256,8 @@ class ObsEncoder(nn.Module):
         if kind == "pool" and self.image_keys:
             self.pooled = PooledImageEncoders(shapes, tuple(cfg.cnn_channels), cfg.image_embed_dim,
                                               int(getattr(cfg, "pool_features", 8)),
-                                              bool(getattr(cfg, "freeze_backbone", False)))
+                                              bool(getattr(cfg, "freeze_backbone", False)),
+                                              int(getattr(cfg, "backbone_cache", 0)))
         self.cams = nn.ModuleDict({
             str(i): ImageEncoder(shape, cfg.cnn_channels, cfg.image_embed_dim)
             for i, shape in enumerate(shapes) if kind == "flatten"

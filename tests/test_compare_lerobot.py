@@ -56,8 +56,9 @@ def test_lerobot_rows_from_captured_events():
     assert rows["updates"] == 4
     assert rows["updates_per_s"] == pytest.approx(4 / 7.0)  # first update at 1013
     assert rows["transitions"] == 4 and rows["transitions_per_s"] == pytest.approx(0.4)
-    # loads at 1016.1 (newest push 1013.1, version 1) and 1020.0 (push 1018.0, version 2)
-    assert rows["update_to_act_s"] == {"median": 2.5, "mean": 2.5, "n": 2}
+    # updates 1013 -> push 1013.1 (v1) -> load 1016.1: 3.1; 1015 and 1017 -> push 1018 (v2) ->
+    # load 1020: 5 and 3; 1019: no push after it, not acted on by the end
+    assert rows["update_to_act_s"] == {"median": 3.1, "mean": 3.7, "n": 3, "censored": 1}
     # episodes end at 1011 (success), 1016, 1019.5: window 2 reaches 0.5 at the second end
     assert rows["episodes"] == 3 and rows["successes"] == 1
     assert rows["time_to_success_s"] == 6.0
@@ -93,14 +94,15 @@ def test_tandem_rows_from_status_samples_and_actor_log():
     assert rows["env_steps_per_s"] == pytest.approx(40 / 8.0)
     assert rows["transitions_per_s"] == pytest.approx(50 / 10.0)
     assert rows["updates_per_s"] == pytest.approx(16 / 8.0)  # from the first sample with updates
-    # from the actor's log: version 2 published at 103, acted by 104.5; version 8 at 106 / 106
-    assert rows["update_to_act_s"] == {"median": 0.75, "mean": 0.75, "n": 2}
+    # versions first seen 103 (v2), 104 (v4), 106 (v8), 111 (v18); the actor's log shows v2 at
+    # 104.5, v8 at 106: 1.5, 2.0 (v4 acted first as v8), 0.0; v18 never acted on
+    assert rows["update_to_act_s"] == {"median": 1.5, "mean": 1.17, "n": 3, "censored": 1}
     assert rows["time_to_success_s"] == 5.0
     assert rows["first_trained_weights_acted_s"] == 3.5
     # without versions in the actor's lines: the status samples' per-actor versions
     bare = [(t, line.split(" | version")[0]) for t, line in lines]
     rows = tandem_rows(samples, bare, 111.0, threshold=0.5, window=3)
-    assert rows["update_to_act_s"]["n"] == 3 and rows["update_to_act_s"]["median"] == 0.0
+    assert rows["update_to_act_s"] == {"median": 0.5, "mean": 0.75, "n": 4, "censored": 0}
 
 
 def test_ratios_are_oriented_so_that_above_one_means_tandem_ahead():

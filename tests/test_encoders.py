@@ -155,7 +155,7 @@ def test_shared_encoder_needs_a_policy_with_an_encoder():
 
 
 def test_frozen_backbone_is_not_trained_and_runs_once_per_batch_for_online_and_target():
-    pcfg = MLPPolicyConfig(**{**POOL.__dict__, "freeze_backbone": True})
+    pcfg = MLPPolicyConfig(**{**POOL.__dict__, "freeze_backbone": True, "backbone_cache": 0})
     agent = shared_agent(pcfg=pcfg, utd_ratio=2)
     calls = []
     for enc in (agent.policy.encoder, agent.target_critic.encoder):
@@ -177,3 +177,26 @@ def test_frozen_backbone_is_not_trained_and_runs_once_per_batch_for_online_and_t
     torch.testing.assert_close(agent.policy.encoder(obs), first)
     # the frozen backbone is in the state dict (actors get the same weights)
     assert any(k.startswith("encoder.pooled.backbone") for k in agent.policy.trainable_state_dict())
+
+
+def test_frozen_backbone_cache_encodes_each_distinct_image_once_and_exactly():
+    pcfg = MLPPolicyConfig(**{**POOL.__dict__, "freeze_backbone": True, "backbone_cache": 100})
+    enc = ObsEncoder(SMALL_SPEC, pcfg)
+    plain = ObsEncoder(SMALL_SPEC, MLPPolicyConfig(**{**pcfg.__dict__, "backbone_cache": 0}))
+    plain.load_state_dict(enc.state_dict())
+    seen = []
+    enc.pooled.backbone.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+    obs = obs_batch(SMALL_SPEC, 4)
+    first = enc(obs)
+    # the same images in new tensors (another replay batch): no backbone call, same features
+    again = enc({k: v.clone() for k, v in obs.items()})
+    assert seen == [8]
+    torch.testing.assert_close(again, first)
+    torch.testing.assert_close(plain(obs), first)
+    # two rows swapped with new images: only those two (per camera) are encoded
+    mixed = {k: v.clone() for k, v in obs.items()}
+    fresh = obs_batch(SMALL_SPEC, 2)
+    for key in SMALL_SPEC.image_keys:
+        mixed[key][:2] = fresh[key]
+    torch.testing.assert_close(enc(mixed), plain(mixed))
+    assert seen == [8, 4] and len(enc.pooled._cache) == 12

@@ -54,6 +54,8 @@ class MLPPolicyConfig:
     pool_features: int = 8
     #: "pool": conv backbone frozen at its seeded init (LeRobot HIL-SERL's default), memoised
     freeze_backbone: bool = False
+    #: frozen backbone: outputs kept per distinct image (content digest), at most this many
+    backbone_cache: int = 50_000
     #: lower bound of the Gaussian's log standard deviation (pre-tanh)
     log_std_min: float = -5.0
     #: upper bound of the Gaussian's log standard deviation (pre-tanh)

@@ -145,7 +145,7 @@ def tandem_overrides(args, out: Path) -> tuple[list[str], list[str], list[str]]:
                "trainer.num_threads=1", "logging.every_s=1", "logging.wandb=disabled", "logging.live=false",
                "buffer.video=false", "trainer.checkpoint_every=0", "trainer.checkpoint_every_s=0",
                f"logging.stats_window={args.success_window}"]
-    actor = ["actor_id=a0", "log_every_s=1", "seed=1000", "spool.batch_size=1", "spool.fsync=false"]
+    actor = ["actor_id=a0", "mode=local", "log_every_s=1", "seed=1000", "spool.batch_size=1", "spool.fsync=false"]
     return common, learner, actor
 
 

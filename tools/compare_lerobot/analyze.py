@@ -15,11 +15,12 @@ Rows (each over the steady window: from the first env step to the end of the run
 - ``updates_per_s``: learner optimisation steps per second (one = ``utd_ratio`` critic updates
   + one actor update, in both systems), from the first update to the end;
 - ``transitions_per_s``: transitions in the learner's replay per second;
-- ``update_to_act_s``: seconds from a learner update to the actor acting with weights that
-  include it (median over weight versions; LeRobot: actor ``load`` minus the newest ``push``
-  before it, the push following its update at once; Tandem: the actor's first log line
-  (every second) showing version v minus the first status sample with the learner at v;
-  resolution about one second either way);
+- ``update_to_act_s``: for every learner update, seconds until the actor first acts with
+  weights that include it (median over updates). LeRobot: the update's time to the actor's
+  first ``load`` of a push made at or after it (pushes every 4 s; the actor loads at episode
+  ends); Tandem: the first status sample showing the update's version (publish_every=1) to the
+  actor's first log line (every second) showing that version or a newer one; resolution about
+  one second;
 - ``time_to_success_s``: seconds from the first env step until the success rate over the last
   ``window`` finished episodes reaches ``threshold`` (None: not reached).
 """
@@ -67,21 +68,32 @@ def windowed_success_time(outcomes: list[tuple[float, bool]], t0: float, *, thre
     return None
 
 
-def _latency(publish: list[tuple[float, int]], acted: list[tuple[float, int]]) -> dict | None:
-    """Median/mean seconds from version v published (first time seen) to v first acted with,
-    over the versions acted with (an actor may skip versions; each acted one counts)."""
-    first_pub: dict[int, float] = {}
-    for t, v in publish:
-        first_pub.setdefault(v, t)
-    lat = []
-    seen = -1
-    for t, v in acted:
-        if v > seen and v in first_pub and v > 0:
-            lat.append(max(0.0, t - first_pub[v]))
-            seen = v
+def _latency(updates: list[float], publish: list[tuple[float, int]],
+             acted: list[tuple[float, int]]) -> dict | None:
+    """Seconds from each update (time) to the actor's first acting with a weight version that
+    includes it: the first version published at or after the update, or any newer one.
+    Updates the actor had not acted on by the end are left out (``censored`` counts them)."""
+    lat, censored = [], 0
+    for tu in updates:
+        v = next((k for t, k in publish if t >= tu), None)
+        ta = next((t for t, w in acted if w >= v), None) if v is not None else None
+        if ta is None:
+            censored += 1
+            continue
+        lat.append(max(0.0, ta - tu))
     if not lat:
         return None
-    return {"median": round(median(lat), 2), "mean": round(sum(lat) / len(lat), 2), "n": len(lat)}
+    return {"median": round(median(lat), 2), "mean": round(sum(lat) / len(lat), 2), "n": len(lat),
+            "censored": censored}
+
+
+def _first_seen(publish: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    out, last = [], None
+    for t, v in publish:
+        if v != last:
+            out.append((t, v))
+            last = v
+    return out
 
 
 def lerobot_rows(events: list[dict], t_end: float, *, threshold: float, window: int) -> dict:
@@ -116,7 +128,7 @@ def lerobot_rows(events: list[dict], t_end: float, *, threshold: float, window: 
         "updates_per_s": _rate([(ups[0], 0)] + up_pts) if ups else 0.0,
         "transitions": ing[-1][1] if ing else 0,
         "transitions_per_s": (ing[-1][1] / (t_end - t0)) if ing and t_end > t0 else 0.0,
-        "update_to_act_s": _latency(publish, acted),
+        "update_to_act_s": _latency(ups, publish, acted),
         "episodes": len(outcomes),
         "successes": sum(ok for _, ok in outcomes),
         "time_to_success_s": windowed_success_time(outcomes, t0, threshold=threshold, window=window),
@@ -163,7 +175,8 @@ def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end
         "updates_per_s": _rate([up_start] + [p for p in ups if p[0] > up_start[0]]) if up_start else 0.0,
         "transitions": last.get("env_steps", 0),
         "transitions_per_s": _rate([(t, n) for t, n in ingested if t >= t0]),
-        "update_to_act_s": _latency(publish, acted),
+        # an update is dated by the first status sample showing its version (publish_every=1)
+        "update_to_act_s": _latency([t for t, v in _first_seen(publish) if v > 0], publish, acted),
         "episodes": last.get("episodes", 0),
         "success_window": last.get("success"),
         "time_to_success_s": success_t,
