@@ -34,7 +34,10 @@ the deterministic evaluation jobs, baseline = the pretrained version):
   1e-3 and 50% demos it reached only the demos-only level, 0.25, on CI.)
 - tiny PI0 (tools/make_tiny_checkpoints.make_pi0, chunk 4, LoRA 4; camera + state), 100
   pretrain steps, 100 BC steps per 300 env steps, 10 evaluation episodes: 0.0 -> 0.7 after
-  7 cycles (250 s, 477 online episodes); demos-only control stays at 0.0-0.1.
+  7 cycles (250 s, 477 online episodes); demos-only control stays at 0.0-0.1. The gated test
+  tests/test_rs_pi0_learning.py (python -m tools.rs_pi0_learning; 30 evaluation episodes, 5
+  Euler steps): 0.13 -> best 0.63 after 4 cycles (565 episodes); with the scripted expert
+  correcting the first 50 episodes 0.07 -> 0.63 after one cycle, 0.83 after 4 (load 8-13).
 """
 
 from __future__ import annotations
