@@ -19,6 +19,7 @@ built or imported here, so ``env=libero_spatial`` starts on a GPU box without LI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -59,6 +60,18 @@ def pick_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} but no CUDA device is available")
+    return dev
+
+
+def serving_device(cfg: DictConfig, learner_device: torch.device) -> torch.device:
+    """Where the serving copy runs: ``inference.device`` (e.g. ``cuda:1``, a GPU of its own so
+    that acts do not queue behind training kernels), else the learner's device."""
+    name = cfg.inference.get("device")
+    if not name:
+        return learner_device
+    dev = pick_device(str(name))
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"inference.device={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 
@@ -121,7 +134,10 @@ class Learner:
         self.eval_videos = EvalVideos(self.spec) if cfg.mode == "eval" else None
         self.ingest.on_records = self._on_records
         self._rates = {"status": RateMeter(), "view": RateMeter()}
-        serving = registry.build_trained_policy(self.builder, cfg.policy, env).to(self.device).eval()
+        self.serving_device = serving_device(cfg, self.device)
+        # built with that GPU current: policies that say "cuda" (lerobot's PI0) land on it too
+        with torch.cuda.device(self.serving_device) if self.serving_device.type == "cuda" else _nothing():
+            serving = registry.build_trained_policy(self.builder, cfg.policy, env).to(self.serving_device).eval()
         self.jobs = self.builder.jobs() or (JobQueue.from_config(list(cfg.jobs)) if cfg.jobs else None)
         self.sweep = None  # mode=eval with eval.sweep: every (task, init state) once, as jobs
         if cfg.mode == "eval" and cfg.eval.get("sweep"):
@@ -140,7 +156,7 @@ class Learner:
         )
         self.inference = InferenceServer(
             serving, reply=self._reply_act, active_actors=self.service.active_actors,
-            device=self.device, max_batch=cfg.inference.max_batch,
+            device=self.serving_device, max_batch=cfg.inference.max_batch,
             batch_window_ms=cfg.inference.batch_window_ms,
             act_channel=self.service.act_channel,  # acts on their own socket (learner/act_channel.py)
         )
@@ -403,6 +419,10 @@ class Learner:
         self.service.finished = True
         time.sleep(min(3.0, 2 * self.cfg.transport.heartbeat_s + 0.5))  # let actors hear it
         return report
+
+
+def _nothing():
+    return contextlib.nullcontext()
 
 
 def _raise_interrupt(signum, frame):

@@ -153,6 +153,8 @@ class InferenceServer(threading.Thread):
 
     def run(self) -> None:
         self._ident = threading.get_ident()
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # "cuda" inside the policy means the serving GPU
         if self.channel is not None:
             if self.channel.attach_thread():
                 self._poller.register(self.channel.sock, zmq.POLLIN)
