@@ -218,8 +218,8 @@ class Learner:
         self._fatal_rank: RankError | None = None
         self.service.start()
         self.inference.start()
-        log.info("learner %s serving %s on %s:%d (pub %d), mode=%s, algo=%s, policy=%s, env=%s, "
-                 "config hash %s", self.service.learner_id, self.device, cfg.transport.host,
+        log.info("learner %s training on %s, serving on %s at %s:%d (pub %d), mode=%s, algo=%s, policy=%s, "
+                 "env=%s, config hash %s", self.service.learner_id, self.device, self.serving_device, cfg.transport.host,
                  self.service.port, self.service.pub_port, cfg.mode, cfg.algo.name,
                  cfg.policy.name, cfg.env.name, self.config_hash)
         prev = signal.getsignal(signal.SIGTERM)
