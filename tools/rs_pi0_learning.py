@@ -24,7 +24,8 @@ Prints and writes ``<out>/summary.json``: success before (the pretrained version
 Measured (tests/test_rs_pi0_learning.py, both runs at once, 2 cores at load 8-13): 0.13 ->
 best 0.63 after 4 cycles (565 online episodes, 1,245 s); with 50 corrected episodes 0.07 ->
 0.63 after one cycle, 0.83 after 4 (216 corrected steps, all in the success store). More
-figures: that test's docstring.
+figures: that test's docstring. ``--cycles 4`` alone (defaults, load 4.9-9.9): 0.07 -> 0.43,
+0.53, 0.60, 0.60; 556 online episodes, 502 updates, 662 s of the run, 708 s in all.
 """
 
 from __future__ import annotations
