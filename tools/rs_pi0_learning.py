@@ -18,8 +18,8 @@ scripted person taking over when the policy drifts); evaluation jobs are never t
 Prints and writes ``<out>/summary.json``: success before (the pretrained version) and after
 (last and best evaluated version), online episodes, cycles, seconds, the success store::
 
-    python -m tools.rs_pi0_learning --out /tmp/rs_pi0 --cycles 6
-    python -m tools.rs_pi0_learning --out /tmp/rs_pi0_expert --cycles 6 --expert 25
+    python -m tools.rs_pi0_learning --out /tmp/rs_pi0 --cycles 4
+    python -m tools.rs_pi0_learning --out /tmp/rs_pi0_expert --cycles 4 --expert 50
 
 Measured (tests/test_rs_pi0_learning.py, both runs at once, 2 cores at load 8-13): 0.13 ->
 best 0.63 after 4 cycles (565 online episodes, 1,245 s); with 50 corrected episodes 0.07 ->
@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--demos", type=int, default=5, help="scripted demo episodes (seeds 1000...)")
-    ap.add_argument("--cycles", type=int, default=6, help="stop after this many evaluated cycles")
+    ap.add_argument("--cycles", type=int, default=4, help="stop after this many evaluated cycles")
     ap.add_argument("--expert", type=int, default=0, help="scripted expert corrects the first N episodes")
     ap.add_argument("--max-s", type=float, default=900.0, help="bounds a stuck run only")
     ap.add_argument("--seed", type=int, default=0)
