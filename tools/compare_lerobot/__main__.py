@@ -4,7 +4,8 @@
 
 Each system runs its own learner and one actor as separate processes on 127.0.0.1 (LeRobot:
 :mod:`tools.compare_lerobot.lerobot_entry` around ``lerobot.rl.learner`` / ``lerobot.rl.actor``
-over gRPC; Tandem: ``python -m learner`` / ``python -m actor`` over ZMQ), with the same task
+over gRPC; Tandem: ``python -m learner`` / ``python -m actor`` over ZMQ, the actor in local mode
+with its own policy copy, as LeRobot's actor, and ``algo.critic_encoder=shared``), the same task
 (gym-hil PandaPickCube, front + wrist 128x128 cameras + 18-D state, 4-D action, 100-step
 episodes), the same sizes (a 4-layer stride-2 conv encoder with ``--channels`` channels
 and learned spatial pooling, frozen at its random init or trained: ``--freeze-backbone``;
