@@ -287,3 +287,10 @@ def whole_weights():
         yield
     finally:
         hf_ds.set_hf_deepspeed_config(held)
+
+
+def extras_ranges(policy: Any) -> dict[str, tuple[int, int]]:
+    """The inclusive value ranges of a policy's integer extras (``extras_ranges()``, optional;
+    ingest refuses records outside them)."""
+    fn = getattr(policy, "extras_ranges", None)
+    return dict(fn()) if callable(fn) else {}

@@ -146,6 +146,11 @@ class TransitionBatch:
                 raise TransitionError(f"{k}: contains NaN or Inf")
             if k in _MIN and n and int(arr.min()) < _MIN[k]:
                 raise TransitionError(f"{k}: values must be >= {_MIN[k]}, got {int(arr.min())}")
+        for name, (lo, hi) in spec.extra_ranges.items():
+            arr = a[EXTRA_PREFIX + name]
+            if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+                raise TransitionError(f"{EXTRA_PREFIX}{name}: values must be in {lo}..{hi}, got "
+                                      f"{int(arr.min())}..{int(arr.max())}")
         if len(self.tasks) != n or not all(isinstance(t, str) for t in self.tasks):
             raise TransitionError(f"tasks: expected {n} strings")
         if self.first_seq < 0:

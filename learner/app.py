@@ -33,6 +33,7 @@ import zmq
 from omegaconf import DictConfig, OmegaConf
 
 from agents import registry
+from agents.base import extras_ranges
 from data.core.spec import EnvSpec, config_hash
 from envs.registry import env_spec
 from learner.actor_stats import ActorStats
@@ -115,7 +116,7 @@ class Learner:
         # the policy the algorithm trains and serves (its builder may wrap it: noise-space SAC)
         policy = registry.build_trained_policy(self.builder, cfg.policy, env)
         # records carry the policy's extras (log_prob, noise, tokens, ...): declared once here
-        self.spec: EnvSpec = env.with_extras(policy.extras_spec())
+        self.spec: EnvSpec = env.with_extras(policy.extras_spec(), extras_ranges(policy))
         networks = self.builder.make_networks(self.spec, policy, self.device)
         # the algorithm's data: its sink (ingest feeds it), the LeRobot episode store (recovered,
         # refilled from disk) and what it samples from

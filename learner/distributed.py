@@ -301,6 +301,7 @@ class Follower:
         from pathlib import Path
 
         from agents import registry
+        from agents.base import extras_ranges
         from envs.registry import env_spec
         from learner.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -315,7 +316,7 @@ class Follower:
         builder = registry.build_builder(cfg.algo)
         env = env_spec(cfg.env)
         policy = registry.build_trained_policy(builder, cfg.policy, env)
-        spec = env.with_extras(policy.extras_spec())
+        spec = env.with_extras(policy.extras_spec(), extras_ranges(policy))
         networks = builder.make_networks(spec, policy, self.accelerator.device)
         self.algo = builder.make_learner(networks, _NoData(), self.accelerator, env_steps=lambda: 0)
         path = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume != "never" else None

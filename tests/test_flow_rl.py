@@ -64,6 +64,7 @@ def test_act_log_prob_matches_the_update_recomputation(ckpts, variant, mode):
     assert c.actions.shape == (3, CHUNK, 2) and c.actions.abs().max() <= 1
     chain = c.extras["chain"]
     assert torch.equal(chain[:, 0], c.extras["noise"])
+    assert p.extras_ranges() == ({"sde_step": (0, STEPS - 1)} if mode == "sde" else {})
     if mode == "sde":  # one stochastic step per chunk: every other step is the ODE's
         assert set(spec) == {"noise", "chain", "log_prob", "sde_step"}
         assert ((c.extras["sde_step"] >= 0) & (c.extras["sde_step"] < STEPS)).all()

@@ -51,6 +51,7 @@ def test_act_and_update_log_probs_agree_through_the_records(ckpt):
     lp = p.log_prob(batch, c.actions)
     assert lp.requires_grad
     assert torch.allclose(lp.detach(), c.log_prob, atol=1e-4), (lp, c.log_prob)
+    assert p.extras_ranges() == {"action_tokens": (0, 255)}  # ingest refuses other tokens
     # the per-token factors sum to the chunk's log-prob (token-level PPO ratios)
     tok = p.token_log_prob(batch, c.actions)
     assert tok.shape == (c.actions.shape[0], p.chunk_size * p.action_dim) and tok.requires_grad

@@ -249,6 +249,10 @@ class _FlowRL:
             spec["sde_step"] = ("int64", (1,))
         return spec
 
+    def extras_ranges(self) -> dict[str, tuple[int, int]]:
+        """Ingest refuses an SDE step outside the chain (an update would index with it)."""
+        return {"sde_step": (0, self.num_steps - 1)} if self.mode == "sde" else {}
+
     # -- update time ----------------------------------------------------------------------------------
     def _extra(self, obs: Batch, name: str, b: int) -> torch.Tensor:
         key = EXTRA_PREFIX + name

@@ -103,6 +103,10 @@ class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
         return {"log_prob": ("float32", ()),
                 TOKENS: ("int64", (self.chunk_size * self.action_dim,))}
 
+    def extras_ranges(self) -> dict[str, tuple[int, int]]:
+        """Ingest refuses action tokens outside the bins (an update would index with them)."""
+        return {TOKENS: (0, int(self.pcfg.n_action_bins) - 1)}
+
     def _classes(self, obs: Batch, actions: torch.Tensor | None, tokens: torch.Tensor | None) -> torch.Tensor:
         if tokens is None:
             tokens = obs.get(EXTRA_PREFIX + TOKENS)

@@ -34,6 +34,9 @@ class EnvSpec:
     max_episode_steps: int = 0
     #: policy extras per record: name (without the ``extra.`` prefix) -> (dtype, shape)
     extras: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    #: inclusive value range of integer extras (OFT's action tokens 0..255, a flow chain's
+    #: SDE step): ingest refuses a record outside it, so no update ever indexes with it
+    extra_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.state_dim < 0 or self.action_dim < 1:
@@ -52,6 +55,13 @@ class EnvSpec:
                 raise ValueError(f"spec: extra {name!r} shape {shape} is empty or over "
                                  f"{MAX_EXTRA_NUMEL} elements")
 
+        for name, rng in self.extra_ranges.items():
+            if name not in self.extras or not self.extras[name][0].startswith(("int", "uint")):
+                raise ValueError(f"spec: extra range for {name!r}, which is not an integer extra")
+            lo, hi = rng
+            if int(lo) > int(hi):
+                raise ValueError(f"spec: extra {name!r} range {rng} is empty")
+
     @property
     def image_keys(self) -> list[str]:
         return [OBS_IMAGE_PREFIX + c for c in sorted(self.cameras)]
@@ -61,14 +71,17 @@ class EnvSpec:
         """Record array names of the extras (``extra.<name>``), sorted."""
         return [EXTRA_PREFIX + k for k in sorted(self.extras)]
 
-    def with_extras(self, extras: dict[str, tuple[str, tuple[int, ...]]]) -> "EnvSpec":
+    def with_extras(self, extras: dict[str, tuple[str, tuple[int, ...]]],
+                    ranges: dict[str, tuple[int, int]] | None = None) -> "EnvSpec":
         return replace(self, extras={k: (str(dt), tuple(int(d) for d in s))
-                                     for k, (dt, s) in extras.items()})
+                                     for k, (dt, s) in extras.items()},
+                       extra_ranges={k: (int(lo), int(hi)) for k, (lo, hi) in (ranges or {}).items()})
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["cameras"] = {k: list(v) for k, v in sorted(self.cameras.items())}
         d["extras"] = {k: [dt, list(s)] for k, (dt, s) in sorted(self.extras.items())}
+        d["extra_ranges"] = {k: [lo, hi] for k, (lo, hi) in sorted(self.extra_ranges.items())}
         return d
 
     @classmethod
@@ -82,6 +95,8 @@ class EnvSpec:
                 max_episode_steps=int(d.get("max_episode_steps") or 0),
                 extras={str(k): (str(v[0]), tuple(int(x) for x in v[1]))
                         for k, v in dict(d.get("extras") or {}).items()},
+                extra_ranges={str(k): (int(v[0]), int(v[1]))
+                              for k, v in dict(d.get("extra_ranges") or {}).items()},
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ValueError(f"bad env spec {d!r}: {exc}") from exc
@@ -92,6 +107,7 @@ def config_hash(spec: EnvSpec, *, env_name: str, policy_name: str, chunk: int) -
     policy and its chunk size; the policy's extras are the learner's to declare)."""
     d = spec.to_dict()
     d.pop("extras")
+    d.pop("extra_ranges")
     blob = json.dumps({"env": env_name, "spec": d, "policy": policy_name, "chunk": int(chunk)},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
