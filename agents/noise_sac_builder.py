@@ -62,7 +62,14 @@ class NoiseSACNetworks:
 
 
 class NoiseSACBuilder:
+    """Noise-space SAC's builder; the residual-SAC builder (:mod:`agents.residual_sac_builder`)
+    reuses everything but the wrapped policy, the critic, the agent class and the demo note."""
+
     name = "sac"
+    #: the update (:class:`agents.noise_sac.NoiseSACAgent` or a subclass)
+    agent_cls: type = NoiseSACAgent
+    #: why demonstrations are not mixed in (logged when ``buffer.demos`` is set)
+    demos_ignored = "noise-space SAC ignores buffer.demos: demonstrations carry no flow noise"
 
     def __init__(self, cfg: SACConfig):
         if cfg.action_space != "noise":
@@ -89,19 +96,22 @@ class NoiseSACBuilder:
         policy = self.wrap_policy(policy)
         if self.horizon(policy) > policy.chunk_size:
             raise ValueError(f"algo.execute_steps={self.cfg.execute_steps} > policy.chunk_size={policy.chunk_size}")
-        return NoiseSACNetworks(spec, policy, make_noise_critic(self.cfg, policy))
+        return NoiseSACNetworks(spec, policy, self.make_critic(policy))
+
+    def make_critic(self, policy) -> EnsembleCritic:
+        return make_noise_critic(self.cfg, policy)
 
     def make_data(self, spec: EnvSpec, replay_cfg, *, run_dir, seed: int, device: str,
                   train: bool) -> Replay:
         rep = build_replay(replay_cfg, spec, run_dir=run_dir, seed=seed, device=device, train=train)
         if rep.demo is not None:
-            log.warning("noise-space SAC ignores buffer.demos: demonstrations carry no flow noise")
+            log.warning(self.demos_ignored)
         rep.sampler = ChunkStartView(rep.buffer)
         return rep
 
     def make_learner(self, networks: NoiseSACNetworks, data: Replay, accelerator,
                      *, env_steps: Callable[[], int]) -> OffPolicyLearner:
-        agent = NoiseSACAgent(self.cfg, networks.policy, networks.spec, accelerator, critic=networks.critic)
+        agent = self.agent_cls(self.cfg, networks.policy, networks.spec, accelerator, critic=networks.critic)
         return OffPolicyLearner(agent, data.sampler, batch_size=self.cfg.batch_size, env_steps=env_steps,
                                 learning_starts=self.cfg.learning_starts,
                                 max_update_ratio=self.cfg.max_update_ratio,

@@ -16,23 +16,15 @@ local-mode actor builds a plain OFT and cannot load the residual actor's weights
 
 from __future__ import annotations
 
-import logging
-from typing import Callable
-
-import torch
-
-from agents.noise_sac_builder import ChunkStartView, NoiseSACBuilder, NoiseSACNetworks
-from agents.off_policy import OffPolicyLearner
+from agents.noise_sac_builder import NoiseSACBuilder
 from agents.residual_actor import ResidualPolicy, check_residual_base
 from agents.residual_sac import ResidualSACAgent, ResidualSACConfig, make_residual_critic
-from data.core.spec import EnvSpec
-from data.sampler import Replay, build_replay
-
-log = logging.getLogger("tandem.agents.residual_sac")
 
 
 class ResidualSACBuilder(NoiseSACBuilder):
     name = "sac"
+    agent_cls = ResidualSACAgent
+    demos_ignored = "residual SAC ignores buffer.demos: their residual to the base is unknown"
 
     def __init__(self, cfg: ResidualSACConfig):
         if cfg.action_space != "residual" or not isinstance(cfg, ResidualSACConfig):
@@ -51,24 +43,5 @@ class ResidualSACBuilder(NoiseSACBuilder):
         return ResidualPolicy(policy, residual_scale=c.residual_scale, hidden_dims=tuple(c.residual_actor_hidden_dims),
                               activation_name=c.critic_activation, init_std=c.residual_init_std)
 
-    def make_networks(self, spec: EnvSpec, policy, device: torch.device) -> NoiseSACNetworks:
-        policy = self.wrap_policy(policy)
-        if self.horizon(policy) > policy.chunk_size:
-            raise ValueError(f"algo.execute_steps={self.cfg.execute_steps} > policy.chunk_size={policy.chunk_size}")
-        return NoiseSACNetworks(spec, policy, make_residual_critic(self.cfg, policy))
-
-    def make_data(self, spec: EnvSpec, replay_cfg, *, run_dir, seed: int, device: str,
-                  train: bool) -> Replay:
-        rep = build_replay(replay_cfg, spec, run_dir=run_dir, seed=seed, device=device, train=train)
-        if rep.demo is not None:
-            log.warning("residual SAC ignores buffer.demos: their residual to the base is unknown")
-        rep.sampler = ChunkStartView(rep.buffer)
-        return rep
-
-    def make_learner(self, networks: NoiseSACNetworks, data: Replay, accelerator,
-                     *, env_steps: Callable[[], int]) -> OffPolicyLearner:
-        agent = ResidualSACAgent(self.cfg, networks.policy, networks.spec, accelerator, critic=networks.critic)
-        return OffPolicyLearner(agent, data.sampler, batch_size=self.cfg.batch_size, env_steps=env_steps,
-                                learning_starts=self.cfg.learning_starts,
-                                max_update_ratio=self.cfg.max_update_ratio,
-                                publish_every=self.cfg.publish_every, horizon=self.horizon(networks.policy))
+    def make_critic(self, policy):
+        return make_residual_critic(self.cfg, policy)
