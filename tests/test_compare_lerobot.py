@@ -115,6 +115,13 @@ def test_ratios_are_oriented_so_that_above_one_means_tandem_ahead():
                  "update_to_act_s": 10.0, "time_to_success_s": None}
 
 
+#: the two checks below import LeRobot's rl stack or start gym-hil in a subprocess (~1 min
+#: together); they test the comparison tool's patches of LeRobot, not Tandem
+bench = pytest.mark.skipif(not os.environ.get("TANDEM_BENCH_TESTS"),
+                           reason="LeRobot comparison tool checks (~1 min): set TANDEM_BENCH_TESTS=1")
+
+
+@bench
 def test_lerobot_config_builds_and_validates_with_no_dataset(tmp_path):
     pytest.importorskip("lerobot.rl.train_rl")
     from tools.compare_lerobot.lerobot_entry import build_config, patch_validation
@@ -156,6 +163,7 @@ env.close()
 """
 
 
+@bench
 def test_lerobot_fast_render_patch_renders_without_shadows(tmp_path):
     """In a fresh process (MuJoCo fixes its GL backend at import): LeRobot's own gym-hil env,
     patched, has no shadow map or multisampling and still renders the 128x128 cameras."""
