@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 
 
-def _batch(policy, spec, n: int, task: str):
+def window_batch(spec, n: int, h: int, task: str) -> dict:
+    """A replay batch of ``n`` random chunk windows of ``h`` steps (obs, next obs, action,
+    reward, masks), without the algorithm's stored extra."""
     import torch
 
     from tools.bench.common import random_obs
@@ -32,13 +34,20 @@ def _batch(policy, spec, n: int, task: str):
     for pre, seed in (("", 0), ("next.", 1)):
         obs = random_obs(spec.state_dim, spec.cameras, n, seed=seed)
         out.update({pre + k: torch.from_numpy(v) for k, v in obs.items()})
-    h = policy.chunk_size
     out["task"] = [task] * n
     out["action"] = torch.rand(n, h, spec.action_dim) * 2 - 1
     out["reward"] = torch.zeros(n, h)
     out["step_mask"] = torch.ones(n, h, dtype=torch.bool)
     out["n_steps"] = torch.full((n,), h)
     out["terminated"] = torch.zeros(n, dtype=torch.bool)
+    return out
+
+
+def _batch(policy, spec, n: int, task: str):
+    import torch
+
+    h = policy.chunk_size
+    out = window_batch(spec, n, h, task)
     out["extra.noise"] = torch.randn(n, h, policy.full_dims)
     return out
 

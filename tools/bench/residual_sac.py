@@ -24,19 +24,10 @@ import numpy as np
 def _batch(policy, spec, n: int, task: str):
     import torch
 
-    from tools.bench.common import random_obs
+    from tools.bench.noise_sac import window_batch
 
-    out = {}
-    for pre, seed in (("", 0), ("next.", 1)):
-        obs = random_obs(spec.state_dim, spec.cameras, n, seed=seed)
-        out.update({pre + k: torch.from_numpy(v) for k, v in obs.items()})
     h = policy.chunk_size
-    out["task"] = [task] * n
-    out["action"] = torch.rand(n, h, spec.action_dim) * 2 - 1
-    out["reward"] = torch.zeros(n, h)
-    out["step_mask"] = torch.ones(n, h, dtype=torch.bool)
-    out["n_steps"] = torch.full((n,), h)
-    out["terminated"] = torch.zeros(n, dtype=torch.bool)
+    out = window_batch(spec, n, h, task)
     out["extra.residual"] = torch.rand(n, h, spec.action_dim) * 2 - 1
     return out
 
