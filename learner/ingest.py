@@ -157,6 +157,7 @@ class Ingest:
         self.stats = EpisodeStats(window=stats_window)
         self.received: dict[str, int] = {}
         self.acked: dict[str, int] = {}
+        self._acked_here: set[str] = set()  # actors this process has acknowledged records of
         self.max_episode: dict[str, int] = {}
         self.rejections: Counter[str] = Counter()
         self.dropped_episodes: Counter[str] = Counter()
@@ -184,6 +185,12 @@ class Ingest:
         over rejected or dropped records only reaches the record with the actor's next
         commit; a SIGKILL in between makes that actor's reconnect a ``bad_resend``.)"""
         return self.store is not None
+
+    def knows_acks(self, actor_id: str) -> bool:
+        """``acked`` is exactly what this actor was told: with a store, or once this process
+        acknowledged its records (a restored checkpoint's position may lag an earlier process)."""
+        with self._lock:
+            return self.store is not None or actor_id in self._acked_here
 
     def actor_position(self, actor_id: str) -> tuple[int, int]:
         """(acked sequence number or -1, next free episode id) for a (re)connecting actor."""
@@ -239,6 +246,7 @@ class Ingest:
             if not self.store_transitions:
                 self.received[actor] = new.last_seq
                 self.acked[actor] = new.last_seq
+                self._acked_here.add(actor)
                 self._track(new, np.ones(len(new), bool))
                 return new.last_seq, dup
             problem = self._check(new)
@@ -399,6 +407,7 @@ class Ingest:
         new = self._acked_for(actor)
         if new > self.acked.get(actor, -1):
             self.acked[actor] = new
+            self._acked_here.add(actor)
         return self.acked.get(actor, -1)
 
     # ---- store callbacks (the store's writer thread) ---------------------------------------

@@ -35,8 +35,9 @@ session. Without keys the first live session owns the id until it is silent for
 unless it carries the same ``instance`` token as that session's hello (the same actor process
 retrying its handshake with a new socket, e.g. hellos queued while the learner was starting).
 A ``resend_from`` beyond what this learner acknowledged (``bad_resend``) is refused when the
-acks are durable (an episode store); without one a restarted learner cannot know what an
-earlier process acknowledged, and skips the gap as lost records (logged).
+acks are durable (an episode store), or, without one, once this process has acknowledged that
+actor's records; before that a restarted learner cannot know what an earlier process
+acknowledged, and skips the gap as lost records (logged).
 """
 
 from __future__ import annotations
@@ -383,7 +384,7 @@ class LearnerService(threading.Thread):
             return
         resend_from = msg["resend_from"]
         acked, _ = self.ingest.actor_position(actor_id)
-        if resend_from > acked + 1 and self.ingest.durable_acks:
+        if resend_from > acked + 1 and self.ingest.knows_acks(actor_id):
             self._error(identity, "bad_resend",
                         f"actor {actor_id!r} resends from seq {resend_from}, but this learner "
                         f"acknowledged its records only up to {acked}; records in between would "

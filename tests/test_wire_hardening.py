@@ -342,3 +342,28 @@ def test_a_flood_of_hellos_under_many_ids_keeps_the_session_table_bounded(ports)
         served(svc, ctx)
     finally:
         close()
+
+
+def test_without_a_store_a_resend_position_this_process_never_acknowledged_is_refused(ports):
+    """No episode store: an actor this process has acknowledged cannot be moved ahead by a hello
+    (its records would be skipped as lost); an actor it never heard of still may resume ahead
+    (what an earlier learner process acknowledged is unknown)."""
+    ingest = Ingest(ReplayBuffer(100, SPEC))
+    svc, _, ctx, close = make_service(ports, ingest=ingest, peer_timeout_s=0.3)
+    try:
+        s = dealer(ctx, svc.port)
+        assert hello(s, "a0").type == "welcome"
+        r = rpc(s, TransitionBatch.from_records("a0", 0, records(3)).to_frames())
+        assert r.type == "ack" and r["received_seq"] == 2
+        s.close(0)
+        time.sleep(0.5)  # the session is stale: the id is free again
+        s = dealer(ctx, svc.port)
+        r = hello(s, "a0", resend_from=500)
+        assert r.type == "error" and r["code"] == "bad_resend" and "500" in r["message"]
+        assert ingest.received["a0"] == 2 and ingest.acked["a0"] == 2
+        assert hello(s, "a0", resend_from=3).type == "welcome"
+        s2 = dealer(ctx, svc.port)
+        assert hello(s2, "fresh", resend_from=500).type == "welcome"
+        assert ingest.received["fresh"] == 499
+    finally:
+        close()

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                    "actors_threads": athr, "act_p99_ms": probe.p99(),
                    "ingest_lag": sum(max(0, n - 1 - int(recv.get(k, -1))) for k, n in prod.items()),
                    "updates": st.get("updates", 0), "env_steps": st.get("env_steps", 0),
-                   "stored": st.get("stored", 0)}
+                   "stored": st.get("stored", 0), "load1": round(os.getloadavg()[0], 2)}
             rows.append(row)
             print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)
