@@ -84,7 +84,8 @@ class PPOConfig:
     batch_episodes: int = 8
     #: Adam learning rate of the policy
     lr: float = 3e-4
-    #: Adam learning rate of the value function
+    #: Adam learning rate of the value function (also of a ValuePolicy's own head, when the
+    #: policy names it with ``value_parameters()``)
     value_lr: float = 1e-3
     #: clip the global gradient norm of each network to this value (None: no clipping)
     max_grad_norm: float | None = 0.5
@@ -213,6 +214,15 @@ def _adam(module: nn.Module, lr: float, device: torch.device) -> torch.optim.Opt
     return torch.optim.Adam(_trainable(module), lr=lr, fused=device.type in ("cpu", "cuda"))
 
 
+def _param_groups(policy: nn.Module, lr: float, value_lr: float) -> list[dict]:
+    """A policy that holds its own value head (``value_parameters()``): that head at
+    ``value_lr``, the rest at ``lr`` (a VLA's policy lr is far too small for a fresh head)."""
+    head = [p for p in getattr(policy, "value_parameters", lambda: [])() if p.requires_grad]
+    ids = {id(p) for p in head}
+    groups = [{"params": [p for p in _trainable(policy) if id(p) not in ids], "lr": lr}]
+    return groups + ([{"params": head, "lr": value_lr}] if head else [])
+
+
 class PPOAgent:
     """PPO over a :class:`agents.base.LogProbPolicy` (``log_prob(obs, actions [B, H, A]) -> [B]``).
 
@@ -262,8 +272,11 @@ class PPOAgent:
             vopt = _adam(value_fn, cfg.value_lr, self.device)
             self._calls, self.opt, self.value_opt = accelerator.prepare(
                 calls, _adam(policy, cfg.lr, self.device), vopt)
-        else:
-            self._calls, self.opt = accelerator.prepare(calls, _adam(policy, cfg.lr, self.device))
+        else:  # a ValuePolicy's own head trains at value_lr (its own parameter group)
+            groups = (_param_groups(policy, cfg.lr, cfg.value_lr) if self._value_in_policy
+                      else [{"params": _trainable(policy), "lr": cfg.lr}])
+            opt = torch.optim.Adam(groups, fused=self.device.type in ("cpu", "cuda"))
+            self._calls, self.opt = accelerator.prepare(calls, opt)
         if separate:
             self._value_raw = value_fn
         #: the value net (unwrapped; no-gradient calls only) or None

@@ -337,3 +337,29 @@ def test_a_value_policy_trains_its_own_head_with_the_policy_optimizer():
         err1 = (policy.value(obs) - batch["returns"]).pow(2).mean()
     assert err1 < err0 and "value_loss" in metrics
     assert set(agent.state_dict()) == {"policy", "opt", "num_updates"}
+
+
+class NamedValueMLP(ValueMLP):
+    """... that names its value head (``value_parameters``), as the VLA policies do."""
+
+    def value_parameters(self):
+        return list(self.value_head.parameters())
+
+
+def test_a_policy_value_head_trains_at_value_lr_not_the_policy_lr():
+    # a VLA's policy lr (1e-5) would leave a fresh value head untrained: the head the
+    # policy names gets value_lr in a parameter group of its own
+    torch.manual_seed(0)
+    policy = NamedValueMLP(SMALL, SPEC)
+    agent = PPOAgent(PPOConfig(lr=1e-6, value_lr=1e-2, epochs=4, minibatch_size=16, value_clip=None),
+                     policy, policy, Accelerator(cpu=True))
+    lrs = sorted(g["lr"] for g in agent.opt.param_groups)
+    assert lrs == [1e-6, 1e-2]
+    head = {id(p) for p in policy.value_head.parameters()}
+    for g in agent.opt.param_groups:
+        assert all((id(p) in head) == (g["lr"] == 1e-2) for p in g["params"])
+    before = {n: q.detach().clone() for n, q in policy.named_parameters()}
+    agent.update(rollout_batch(policy))  # 4 epochs x 4 Adam steps
+    moved = {n: float((q.detach() - before[n]).abs().max()) for n, q in policy.named_parameters()}
+    assert min(v for n, v in moved.items() if n.startswith("value_head.")) > 1e-3, moved
+    assert max(v for n, v in moved.items() if not n.startswith("value_head.")) < 1e-4, moved

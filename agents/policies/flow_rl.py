@@ -312,6 +312,10 @@ class _FlowRL:
                 f = (ctx["prefix"].float() * m).sum(1) / m.sum(1).clamp_min(1.0)
         return self.heads.value(f.float()).squeeze(-1)
 
+    def value_parameters(self) -> list[nn.Parameter]:
+        """The value head's parameters (PPO trains them at its value_lr)."""
+        return list(self.heads.value.parameters())
+
     @contextlib.contextmanager
     def reference(self):
         """The reference policy: adapters disabled, fully trained heads at their initial values."""

@@ -142,6 +142,10 @@ class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
         h = self.action_hidden(obs)
         return self.value_head(h.detach() if self.cfg.value_detach else h)
 
+    def value_parameters(self) -> list[nn.Parameter]:
+        """The value head's parameters (PPO trains them at its value_lr); none without it."""
+        return [] if self.value_head is None else list(self.value_head.parameters())
+
     def reference(self):
         """``with policy.reference():`` computes with the LoRA adapters off (the base VLA)."""
         return vc.adapters_disabled(self.lora)
