@@ -49,3 +49,18 @@ def test_without_torchcodec_the_decoder_is_picked_once_and_loads_are_quiet(tmp_p
     assert len(said) == 2 and all("pyav" in line for line in said), said
     assert "torchcodec does not load here" in said[1]
     assert "cannot be loaded" not in out and "start of libtorchcodec loading traceback" not in out
+
+
+def test_torchcodec_failure_names_the_missing_ffmpeg_in_one_line():
+    from data.store.compat import torchcodec_failure
+
+    # torchcodec 0.11's message without system FFmpeg: one traceback per FFmpeg version
+    msg = "Could not load libtorchcodec. Likely causes:\n[start of libtorchcodec loading traceback]\n" + "".join(
+        f"FFmpeg version {v}:\nOSError: libavutil.so.{v + 52}: cannot open shared object file: No such file "
+        f"or directory\nOSError: Could not load this library: /x/libtorchcodec_core{v}.so\n" for v in (8, 7, 6, 5, 4))
+    why = torchcodec_failure(RuntimeError(msg))
+    assert why == ("no system FFmpeg, libavutil.so.60, libavutil.so.59, libavutil.so.58, libavutil.so.57, "
+                   "libavutil.so.56 not found"), why
+    assert "\n" not in why
+    assert torchcodec_failure(ImportError("No module named 'torchcodec'")) == "No module named 'torchcodec'"
+    assert torchcodec_failure(OSError("")) == "OSError"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 from data.store.features import StoreError
 
@@ -87,6 +88,16 @@ def _install_video_backend() -> None:
             "video decoder: pyav for Tandem's datasets (lerobot's default is picked once, on first use)")
 
 
+def torchcodec_failure(exc: BaseException) -> str:
+    """torchcodec's load failure in a few words: the FFmpeg libraries it looked for when they
+    are missing (its message is a traceback per FFmpeg version), else its first line."""
+    text = str(exc)
+    missing = sorted(set(re.findall(r"(libav\w*\.so\.\d+): cannot open shared object", text)), reverse=True)
+    if missing:
+        return f"no system FFmpeg, {', '.join(missing)} not found"
+    return (text.strip().splitlines() or [type(exc).__name__])[0][:120]
+
+
 def video_backend() -> str:
     """lerobot's default video decoder in this process, picked once on first use and logged
     in one line: ``torchcodec`` when it loads (it needs a system FFmpeg and takes seconds to
@@ -99,8 +110,7 @@ def video_backend() -> str:
         importlib.import_module("torchcodec")
         name, why = "torchcodec", ""
     except Exception as exc:  # no FFmpeg libraries: RuntimeError / OSError / ImportError
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
-        name, why = "pyav", f" (torchcodec does not load here: {first})"
+        name, why = "pyav", f" (torchcodec does not load here: {torchcodec_failure(exc)})"
     _VIDEO_BACKEND.append(name)
     logging.getLogger("tandem.data.store").info("lerobot's default video decoder: %s%s", name, why)
     return name
