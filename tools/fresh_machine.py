@@ -4,6 +4,8 @@
     python tools/fresh_machine.py --hide osmesa-only --run tests -- -q tests/test_envs_robot.py
     python tools/fresh_machine.py --hide egl-only,no-ffmpeg --run demo
     python tools/fresh_machine.py --hide egl-only --list                 # what would be hidden
+    python tools/fresh_machine.py --hide egl-only,no-ffmpeg --verify-only # hide + check, nothing run
+    python tools/fresh_machine.py --hide no-ffmpeg --run '' --exec 'uv run --frozen python -c ...'
 
 Profiles (comma-separated, they combine):
 
@@ -189,6 +191,9 @@ def inside(args: argparse.Namespace) -> int:
     try:
         _hide(hidden, scratch / "overlay")
         _verify(profiles, hidden, sys.executable)
+        if args.verify_only:
+            results.append(("verify", 0, 0.0))
+            return 0
         env = child_env(dict(os.environ))
         clone = scratch / "main"
         subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(clone)], check=True)
@@ -211,6 +216,8 @@ def inside(args: argparse.Namespace) -> int:
             return 1
         if "demo" in args.run:
             _timed("demo", ["uv", "run", "--frozen", "launch/demo.sh", *args.demo_args], clone, env, results)
+        if args.exec:
+            _timed("exec", ["bash", "-c", args.exec], clone, env, results)
         if "tests" in args.run:
             _timed("tests", ["uv", "run", "--frozen", "pytest", *(args.pytest_args or ["-q"])], clone, env,
                    results)
@@ -250,10 +257,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--run", default="demo,tests", help="demo, tests or demo,tests (default both)")
     ap.add_argument("--demo-arg", dest="demo_args", action="append", default=[],
                     help="an override passed to launch/demo.sh (repeatable)")
+    ap.add_argument("--exec", default=None, metavar="SHELL",
+                    help="also run this bash command in the clone, after the demo (debugging)")
     ap.add_argument("--rev", default=None, help="commit to check out in the clone (default HEAD)")
     ap.add_argument("--tmp", default=None, help="where the clone goes (default $TMPDIR or /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the clone afterwards")
     ap.add_argument("--list", action="store_true", help="print what would be hidden and exit")
+    ap.add_argument("--verify-only", action="store_true",
+                    help="hide, check that the files are gone, and stop (no clone, no commands)")
     ap.add_argument(INSIDE_FLAG, dest="inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.pytest_args = pytest_args
@@ -262,7 +273,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError as exc:
         ap.error(str(exc))
     args.run = [r.strip() for r in args.run.split(",") if r.strip()]
-    if not args.run or set(args.run) - {"demo", "tests"}:
+    if (not args.run and not args.exec and not args.verify_only) or set(args.run) - {"demo", "tests"}:
         ap.error(f"--run takes demo, tests or both; got {args.run}")
     return args
 
