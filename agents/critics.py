@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agents.base import Batch
-from agents.encoders import activation
+from agents.encoders import EncoderConfig, ObsEncoder, activation
 
 
 class _Ref:
@@ -114,3 +114,25 @@ class EnsembleCritic(nn.Module):
         x = torch.cat([feats, flat], dim=-1)
         x = x.unsqueeze(0).expand(self.num_critics, *x.shape)
         return self.net(x).squeeze(-1)
+
+
+def make_critic(cfg, spec, policy) -> EnsembleCritic:
+    """SAC's critic ensemble (``cfg``: :class:`agents.sac.SACConfig`) for ``policy``: over its
+    own encoder or the policy's features (``cfg.critic_encoder``), scoring whole chunks of
+    ``policy.chunk_size`` actions."""
+    if cfg.critic_encoder == "policy":
+        encoder: nn.Module = PolicyFeatures(policy)
+    elif cfg.critic_encoder == "shared":
+        encoder = getattr(policy, "encoder", None)
+        if not isinstance(encoder, nn.Module) or not hasattr(policy, "sample_from_features"):
+            raise ValueError(f"critic_encoder=shared needs a policy with an `encoder` module and "
+                             f"`sample_from_features` (e.g. mlp); {type(policy).__name__} has not")
+    else:
+        encoder = ObsEncoder(spec, EncoderConfig(tuple(cfg.critic_cnn_channels),
+                                                 cfg.critic_image_embed_dim,
+                                                 cfg.critic_state_embed_dim,
+                                                 cfg.critic_image_encoder))
+    chunk = int(getattr(policy, "chunk_size", 1))
+    return EnsembleCritic(encoder, chunk * spec.action_dim, num_critics=cfg.num_critics,
+                          hidden_dims=tuple(cfg.critic_hidden_dims),
+                          layer_norm=cfg.critic_layer_norm, activation_name=cfg.critic_activation)

@@ -445,21 +445,24 @@ class PPOAgent:
         return metrics
 
     # -- checkpointing ----------------------------------------------------------------------
+    def deepspeed_engines(self) -> list:
+        """The DeepSpeed engine training policy (+ value net), for checkpoints; [] without."""
+        return [self._calls] if uses_deepspeed(self.accelerator) else []
+
     def state_dict(self) -> dict:
-        """Policy, value function (when separate), optimizers and the update counter."""
+        """Policy, value function (when separate), optimizers and the update counter. Under
+        DeepSpeed the weights are gathered (every rank calls this together) and the optimizer
+        state is the engine's own checkpoint (learner/engine_state.py), not in here."""
         with zero3_gathered(self.policy, self.accelerator):
             state = {"policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
                      "num_updates": int(self.num_updates)}
-        if uses_deepspeed(self.accelerator):  # its optimizer state is sharded over the ranks
-            if not getattr(self, "_warned_ds_ckpt", False):
-                self._warned_ds_ckpt = True
-                log.warning("DeepSpeed: checkpoints hold the weights but not the sharded optimizer "
-                            "state; a resumed run starts its optimizer afresh")
+        if self._value_raw is not None:
+            with zero3_gathered(self._value_raw, self.accelerator):
+                state["value_fn"] = {k: v.detach().clone() for k, v in self._value_raw.state_dict().items()}
+        if uses_deepspeed(self.accelerator):
             return state
         state["opt"] = copy.deepcopy(self.opt.state_dict())
-        if self._value_raw is not None:
-            state["value_fn"] = {k: v.detach().clone()
-                                 for k, v in self._value_raw.state_dict().items()}
+        if self.value_opt is not None:
             state["value_opt"] = copy.deepcopy(self.value_opt.state_dict())
         return state
 
@@ -467,11 +470,13 @@ class PPOAgent:
         with zero3_gathered(self.policy, self.accelerator, modifier_rank=0):
             self.policy.load_state_dict(state["policy"])
         self.num_updates = int(state["num_updates"])
-        if "opt" not in state:  # written under DeepSpeed (see state_dict)
+        if self._value_raw is not None and "value_fn" in state:
+            with zero3_gathered(self._value_raw, self.accelerator, modifier_rank=0):
+                self._value_raw.load_state_dict(state["value_fn"])
+        if "opt" not in state or uses_deepspeed(self.accelerator):  # the engine loads its own
             return
         # torch optimizers adopt the given tensors: copy so training never mutates ``state``
         self.opt.load_state_dict(copy.deepcopy(state["opt"]))
-        if self._value_raw is not None:
-            self._value_raw.load_state_dict(state["value_fn"])
+        if self.value_opt is not None:
             self.value_opt.load_state_dict(copy.deepcopy(state["value_opt"]))
 

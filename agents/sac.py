@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from agents.base import Batch, FeaturePolicy, NoiseConditionedPolicy, ReparamSampler, check_pair
-from agents.critics import EnsembleCritic, PolicyFeatures
-from agents.encoders import EncoderConfig, ObsEncoder
+from agents.critics import EnsembleCritic, make_critic
 from data.core.spec import EnvSpec
 
 
@@ -211,27 +210,6 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
             for k, v in batch.items()}
 
 
-def make_critic(cfg: SACConfig, spec: EnvSpec, policy) -> EnsembleCritic:
-    """The critic ensemble for ``policy``: over its own encoder or the policy's features
-    (``cfg.critic_encoder``), scoring whole chunks of ``policy.chunk_size`` actions."""
-    if cfg.critic_encoder == "policy":
-        encoder: nn.Module = PolicyFeatures(policy)
-    elif cfg.critic_encoder == "shared":
-        encoder = getattr(policy, "encoder", None)
-        if not isinstance(encoder, nn.Module) or not hasattr(policy, "sample_from_features"):
-            raise ValueError(f"critic_encoder=shared needs a policy with an `encoder` module and "
-                             f"`sample_from_features` (e.g. mlp); {type(policy).__name__} has not")
-    else:
-        encoder = ObsEncoder(spec, EncoderConfig(tuple(cfg.critic_cnn_channels),
-                                                 cfg.critic_image_embed_dim,
-                                                 cfg.critic_state_embed_dim,
-                                                 cfg.critic_image_encoder))
-    chunk = int(getattr(policy, "chunk_size", 1))
-    return EnsembleCritic(encoder, chunk * spec.action_dim, num_critics=cfg.num_critics,
-                          hidden_dims=tuple(cfg.critic_hidden_dims),
-                          layer_norm=cfg.critic_layer_norm, activation_name=cfg.critic_activation)
-
-
 def chunk_return(reward: torch.Tensor, gamma: float, step_mask: torch.Tensor | None = None,
                  n_steps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(discounted reward sum [B], bootstrap discount [B]) of a batch.
@@ -272,12 +250,9 @@ class SACModel(nn.Module):
     that every forward that needs a gradient runs through the module ``accelerator.prepare``
     returned (DDP's all-reduce hooks; a DeepSpeed engine) and one ``prepare`` gets one model.
 
-    Why one wrapper, not accelerate's (experimental) multi-DeepSpeed-plugin API: under DDP
-    it is exact (each part keeps its optimizer; a phase's backward all-reduces the gradients
-    of the parts it touched) and free on one process. One DeepSpeed engine steps one optimizer
-    over *all* its parameters (Adam moves zero-gradient ones too), so SAC's three separate
-    steps cannot run on one engine: :class:`SACAgent` refuses DeepSpeed and runs multi-GPU
-    under DDP (``deepspeed.stage=0``), right anyway for SAC's small trained parts.
+    Under DDP it is exact (each part keeps its optimizer; a phase's backward all-reduces the
+    gradients of the parts it touched) and free on one process. Under DeepSpeed SAC uses one
+    engine per trained model instead (:mod:`agents.sac_deepspeed`).
 
     Phases (``what``), each one forward:
 
@@ -321,18 +296,24 @@ class SACModel(nn.Module):
         raise ValueError(f"unknown SAC phase {what!r}")
 
 
-def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, temperature: nn.Module):
+def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, temperature: nn.Module,
+                deepspeed: bool = False):
     """Optimizers for the three parts, ``model`` through ``accelerator.prepare`` (one model,
-    three optimizers: DDP or one process; DeepSpeed refused, see :class:`SACModel`). Sets
-    ``agent.model`` (prepared), ``agent.actor_opt``/``critic_opt``/``temp_opt`` and the raw
-    parts ``agent._actor_raw``/``_critic_raw``/``_temp_raw`` and the target critic."""
+    three optimizers: DDP or one process; under DeepSpeed, with ``deepspeed``, two engines:
+    :mod:`agents.sac_deepspeed`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
+    ``critic_opt``/``temp_opt``, ``agent.engines`` (None without DeepSpeed), the raw parts
+    ``agent._actor_raw``/``_critic_raw``/``_temp_raw`` and the target critic."""
     from agents.base import uses_deepspeed
 
     acc, cfg = agent.accelerator, agent.cfg
+    agent.engines = None
     if uses_deepspeed(acc):
-        raise ValueError("SAC under DeepSpeed is not supported: one DeepSpeed engine steps one "
-                         "optimizer over all its parameters, SAC steps its actor, critic and "
-                         "temperature separately. Run multi-GPU SAC with deepspeed.stage=0 (DDP)")
+        if not deepspeed:
+            raise ValueError(f"{type(agent).__name__} does not run under DeepSpeed: run it multi-GPU "
+                             "with deepspeed.stage=0 (DDP)")
+        from agents.sac_deepspeed import prepare_sac_deepspeed
+
+        return prepare_sac_deepspeed(agent, model.actor, actor_params, critic, temperature)
     # fused Adam: one kernel per step instead of ~10 ops per tensor (2x faster on CPU)
     fused = acc.device.type in ("cpu", "cuda")
     model.to(acc.device)
@@ -367,11 +348,16 @@ def sac_critic_step(agent, batch: Batch, actions: torch.Tensor) -> dict[str, tor
     else:
         q = agent.model(batch, "critic", actions)
     loss = critic_loss(q, target)
-    agent.critic_opt.zero_grad(set_to_none=True)
-    agent.accelerator.backward(loss)
-    agent._clip(agent._critic_raw)
-    agent.critic_opt.step()
-    soft_update(agent.target_critic, agent._critic_raw, agent.cfg.tau)
+    if agent.engines is not None:  # DeepSpeed: the critic engine steps, then the soft update
+        from agents.sac_deepspeed import critic_update
+
+        critic_update(agent, loss)
+    else:
+        agent.critic_opt.zero_grad(set_to_none=True)
+        agent.accelerator.backward(loss)
+        agent._clip(agent._critic_raw)
+        agent.critic_opt.step()
+        soft_update(agent.target_critic, agent._critic_raw, agent.cfg.tau)
     return {"critic_loss": loss.detach(), "q_mean": q.detach().mean(), "target_q_mean": target.mean()}
 
 
@@ -393,11 +379,16 @@ def sac_actor_step(agent, batch: Batch) -> tuple[dict[str, torch.Tensor], torch.
         alpha = log_alpha.exp().detach()
         a_loss = actor_loss(q, logp, alpha, agent.cfg.actor_q_reduce)
         t_loss = temperature_loss(log_alpha, logp.detach(), agent.target_entropy)
-        agent.actor_opt.zero_grad(set_to_none=True)
         agent.temp_opt.zero_grad(set_to_none=True)
-        agent.accelerator.backward(a_loss + t_loss)
-        agent._clip(agent._actor_raw)
-        agent.actor_opt.step()
+        if agent.engines is not None:  # DeepSpeed: the actor engine's backward and step
+            from agents.sac_deepspeed import actor_update
+
+            actor_update(agent, a_loss + t_loss)
+        else:
+            agent.actor_opt.zero_grad(set_to_none=True)
+            agent.accelerator.backward(a_loss + t_loss)
+            agent._clip(agent._actor_raw)
+            agent.actor_opt.step()
         agent.temp_opt.step()
     finally:
         critic.requires_grad_(True)
@@ -438,7 +429,7 @@ class SACAgent:
         critic_params = {id(p) for p in critic.parameters()} if self.shared_encoder else set()
         prepare_sac(self, SACModel(policy, critic, temperature),
                     [p for p in policy.parameters() if p.requires_grad and id(p) not in critic_params],
-                    critic, temperature)
+                    critic, temperature, deepspeed=True)
         self.device = accelerator.device
         self.num_updates = 0
 
@@ -473,8 +464,14 @@ class SACAgent:
         return utd_update(self, batches, lambda b: _to_device(b, self.device))
 
     # -- checkpointing ----------------------------------------------------------------------
+    def deepspeed_engines(self) -> list:
+        return list(self.engines or ())
+
     def state_dict(self) -> dict:
         """Policy, critics, target critics, log_alpha, the three optimizers and the counter."""
+        if self.engines is not None:
+            from agents import sac_deepspeed
+            return sac_deepspeed.state_dict(self)
         return {
             "policy": {k: v.detach().clone() for k, v in self._actor_raw.state_dict().items()},
             "critic": {k: v.detach().clone() for k, v in self._critic_raw.state_dict().items()},
@@ -487,6 +484,9 @@ class SACAgent:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if self.engines is not None:
+            from agents import sac_deepspeed
+            return sac_deepspeed.load_state_dict(self, state)
         self._actor_raw.load_state_dict(state["policy"])
         self._critic_raw.load_state_dict(state["critic"])
         self.target_critic.load_state_dict(state["target_critic"])

@@ -43,6 +43,7 @@ from data.live_view import LiveView
 from learner.console import RateMeter, Stages, render, view_status
 from learner.distributed import (CTRL_GATHER, CTRL_IDLE, CTRL_STOP, RankError, Ranks, RootAgent,
                                  check_world, gathered_trainable, make_accelerator, needs_gather)
+from learner.engine_state import engines_of, ranks_meta, restore_algo, save_ranked
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
@@ -174,6 +175,7 @@ class Learner:
     def _restore(self) -> None:
         ckpt_root = self.run_dir / "checkpoints"
         path = latest_checkpoint(ckpt_root) if self.cfg.resume != "never" else None
+        self.ranks.share_text(str(path.resolve()) if path else "")  # every rank loads the same one
         if path is None:
             if self.cfg.resume == "must":
                 raise FileNotFoundError(f"resume=must but {ckpt_root} has no checkpoint")
@@ -187,7 +189,7 @@ class Learner:
                 raise ValueError(f"{path} is a checkpoint of an older Tandem (no 'algo' state); "
                                  "start a new run_dir or pass resume=never")
             stage()
-            self.algo.load_state_dict(state["algo"])
+            restore_algo(self.algo, state, path, self.ranks.world, train=self.cfg.mode == "train")
             if self.cfg.mode == "train":
                 self.ingest.load_state_dict(state["ingest"])
             stage()
@@ -195,13 +197,24 @@ class Learner:
         log.info("resumed from %s (written %s ago): %d updates, policy version %d", path,
                  format_age(checkpoint_age_s(path)), self.algo.updates, self.weights.version)
 
-    def save(self) -> Path:
-        state: dict[str, Any] = {
-            "algo": self.algo.state_dict(), "ingest": self.ingest.state_dict(),
-            "version": self.weights.version,
-        }
-        return save_checkpoint(self.run_dir / "checkpoints", self.algo.updates, state,
-                               keep=self.cfg.trainer.keep_checkpoints)
+    def save(self) -> Path | None:
+        """A checkpoint; with N ranks or DeepSpeed engines every rank writes its part
+        (:mod:`learner.engine_state`). None when it could not be written."""
+        engines, root, keep = engines_of(self.algo), self.run_dir / "checkpoints", self.cfg.trainer.keep_checkpoints
+
+        def state() -> dict[str, Any]:
+            return {"algo": self.algo.state_dict(), "ingest": self.ingest.state_dict(),
+                    "version": self.weights.version, "ranks": ranks_meta(self.ranks.world, engines)}
+
+        if self.ranks.world == 1 and not engines:
+            return save_checkpoint(root, self.algo.updates, state(), keep=keep)
+        if getattr(self, "_fatal_rank", None) is not None:  # the other ranks are gone
+            if engines:
+                log.error("no final checkpoint: the DeepSpeed state is split over the ranks and a rank "
+                          "died; the latest checkpoint stays %s", latest_checkpoint(root))
+                return None
+            return save_checkpoint(root, self.algo.updates, state(), keep=keep)  # DDP: rank 0's is whole
+        return save_ranked(self.ranks, root, self.algo.updates, state, engines, keep=keep)
 
     # ---- running -------------------------------------------------------------------------
 
@@ -240,9 +253,13 @@ class Learner:
             self._fatal_rank = exc
         finally:
             live.stop()
-            self._stop_ranks()
             if cfg.mode == "train" and self.algo.updates > 0:
-                log.info("checkpoint %s", self.save())
+                try:  # with the other ranks still following (they write their engine state)
+                    log.info("checkpoint %s", self.save())
+                except RankError as exc:
+                    log.error("%s: no final checkpoint", exc)
+                    self._fatal_rank = exc
+            self._stop_ranks()
             self.write_status()
             self.close()
             if prev is not None:

@@ -62,13 +62,25 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def save_checkpoint(root: str | Path, step: int, state: dict, *, keep: int = 2) -> Path:
     """Write ``state`` atomically as ``root/step_<step>``; keep the newest ``keep``."""
+    tmp = begin_checkpoint(root, step)
+    write_state(tmp, state)
+    return commit_checkpoint(root, tmp, step, keep=keep)
+
+
+def begin_checkpoint(root: str | Path, step: int) -> Path:
+    """An empty temporary folder for the checkpoint of ``step`` (``.tmp_step_<step>_<pid>``):
+    never loaded until :func:`commit_checkpoint` renames it."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:010d}"
-    final = root / name
-    tmp = root / f".tmp_{name}_{os.getpid()}"
+    tmp = root / f".tmp_step_{step:010d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    return tmp
+
+
+def write_state(folder: str | Path, state: dict) -> None:
+    """``state`` as ``tensors.safetensors`` + ``state.json`` in ``folder``, fsynced."""
+    folder = Path(folder)
     tensors: dict[str, torch.Tensor] = {}
     tree = _flatten(state, "", tensors)
     # safetensors refuses tensors that share memory; clone those.
@@ -78,13 +90,31 @@ def save_checkpoint(root: str | Path, step: int, state: dict, *, keep: int = 2) 
         if ptr in seen:
             tensors[k] = t.clone()
         seen.add(ptr)
-    save_file(tensors, str(tmp / TENSORS))
-    with open(tmp / STATE, "w") as f:
+    save_file(tensors, str(folder / TENSORS))
+    with open(folder / STATE, "w") as f:
         json.dump(tree, f)
         f.flush()
         os.fsync(f.fileno())
-    with open(tmp / TENSORS, "rb+") as f:
+    with open(folder / TENSORS, "rb+") as f:
         os.fsync(f.fileno())
+
+
+def fsync_tree(folder: str | Path) -> None:
+    """fsync every file and folder under ``folder`` (files other processes wrote: the ranks'
+    DeepSpeed engine state), then ``folder`` itself."""
+    for dirpath, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            fsync_path(Path(dirpath) / name)
+        fsync_path(dirpath)
+
+
+def commit_checkpoint(root: str | Path, tmp: str | Path, step: int, *, keep: int = 2) -> Path:
+    """Rename the written ``tmp`` folder to ``root/step_<step>``, then move ``latest`` to it
+    (atomically); keep the newest ``keep`` checkpoints and clear temporary folders of killed
+    processes."""
+    root, tmp = Path(root), Path(tmp)
+    name = f"step_{step:010d}"
+    final = root / name
     fsync_path(tmp)
     if final.exists():
         shutil.rmtree(final)

@@ -9,9 +9,11 @@ sockets, no data, no files but a small ``rank<k>.json`` status.
 Control: rank 0 decides and broadcasts every step's verdict as one int64 pair (``CTRL_*``):
 an update (followed by its data), a weights gather (ZeRO-3 publish), stop, or idle (a
 heartbeat every ``distributed.heartbeat_s`` while there is nothing to train on, so that the
-followers' wait is bounded by the collective timeout). Versions, jobs, publishing and
-checkpoints stay on rank 0: under DDP every rank holds the full, identical weights and
-optimizer state, so rank 0's checkpoint is complete; followers resume from the same file.
+followers' wait is bounded by the collective timeout) or a checkpoint (``CTRL_SAVE``: every
+rank writes its DeepSpeed engine state into the folder rank 0 names, rank 0 its own files,
+``latest`` moves once all finished; :mod:`learner.engine_state`). Versions, jobs and
+publishing stay on rank 0. On start rank 0 picks the checkpoint and broadcasts its path;
+every rank loads it (and its engine state), and a resume at another N is refused.
 
 Batch route: **rank 0 samples the global batch and scatters shares**. Rank 0's algorithm
 draws exactly what one process would (``batch_size`` rows, or a whole PPO/GRPO round) through
@@ -50,7 +52,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("tandem.learner")
 
-CTRL_IDLE, CTRL_STOP, CTRL_UPDATE, CTRL_GATHER = 0, 1, 2, 3
+CTRL_IDLE, CTRL_STOP, CTRL_UPDATE, CTRL_GATHER, CTRL_SAVE = 0, 1, 2, 3, 4
 _BATCH, _STREAM = 1, 0  # CTRL_UPDATE's argument: one batch (on-policy) or a batch stream (SAC)
 
 
@@ -111,6 +113,18 @@ class Ranks:
                else torch.empty(int(n), dtype=torch.uint8, device=self.device))
         self._coll(dist.broadcast, buf, src=0)
         return bytes(buf.cpu().numpy())
+
+    def share_text(self, text: str | None) -> str:
+        """Rank 0 passes ``text``, the others None: every rank returns rank 0's text."""
+        if self.world == 1:
+            return text or ""
+        return self._bytes(None if text is None else text.encode()).decode()
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank when every rank passed True (a barrier)."""
+        from learner.engine_state import all_ok
+
+        return self._coll(all_ok, self.device, ok) if self.world > 1 else ok
 
     def scatter_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: split ``batch`` (tensors and string lists, all [N, ...]) into equal row
@@ -263,6 +277,10 @@ def follow(algo: Any, ranks: Ranks, status_path=None, every_s: float = 1.0) -> i
             algo.updates += 1
         elif code == CTRL_GATHER:
             gathered_trainable(algo.policy, ranks.accelerator)
+        elif code == CTRL_SAVE:
+            from learner.engine_state import follow_save
+
+            follow_save(ranks, algo)
         if time.monotonic() - last >= every_s:
             write()
             last = time.monotonic()
@@ -303,7 +321,8 @@ class Follower:
         from agents import registry
         from agents.base import extras_ranges
         from envs.registry import env_spec
-        from learner.checkpoint import latest_checkpoint, load_checkpoint
+        from learner.checkpoint import load_checkpoint
+        from learner.engine_state import restore_algo
 
         torch.manual_seed(cfg.seed)
         if cfg.trainer.num_threads:
@@ -319,12 +338,19 @@ class Follower:
         spec = env.with_extras(policy.extras_spec(), extras_ranges(policy))
         networks = builder.make_networks(spec, policy, self.accelerator.device)
         self.algo = builder.make_learner(networks, _NoData(), self.accelerator, env_steps=lambda: 0)
-        path = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume != "never" else None
-        if path is not None:
-            self.algo.load_state_dict(load_checkpoint(path)["algo"])
+        name = self.ranks.share_text(None)  # rank 0's pick (learner.app.Learner._restore)
+        if name:
+            path = Path(name)
+            restore_algo(self.algo, load_checkpoint(path), path, self.ranks.world, train=True)
             log.info("rank %d resumed from %s", self.ranks.rank, path)
 
     def run(self) -> int:
+        import signal
+
+        # Ctrl-C / SIGTERM reach every rank of a launch: the followers leave the stop to rank
+        # 0, which writes the last checkpoint with them and then sends CTRL_STOP
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         try:
             n = follow(self.algo, self.ranks, self.run_dir / f"rank{self.ranks.rank}.json")
         except RankError as exc:

@@ -1,0 +1,173 @@
+"""SAC under DeepSpeed (ZeRO-2/3): one engine per trained model.
+
+SAC steps its actor, critic ensemble and temperature separately, and one DeepSpeed engine
+steps one optimizer over all of its parameters (Adam moves parameters whose gradient is zero
+through their moments), so the parts cannot share an engine. Here the actor (the policy) and
+the critic ensemble each go through their own ``accelerator.prepare`` call and become two
+engines with their own optimizers. accelerate >= 1.x allows one DeepSpeed model per
+``prepare`` call; both engines use the one DeepSpeed plugin of the launch
+(``config/deepspeed/zero<S>.json``: the same stage, bf16, gradient clipping), so accelerate's
+dict of named plugins (``select_deepspeed_plugin``) is not needed. ``accelerator.backward``
+only knows the first engine, so each step calls its engine's ``backward`` and ``step``
+directly (the engine clips by its config's ``gradient_clipping``; ``max_grad_norm`` is not
+used under DeepSpeed).
+
+The temperature (one scalar) stays a plain local parameter with its own Adam: its gradient
+is averaged over the ranks by one all-reduce before the step, so it stays equal everywhere.
+
+The target critic is **unsharded by choice**: a whole fp32 copy on every rank (it only runs
+forwards), updated by the soft update from the online critic after each critic step, under
+ZeRO-3 inside ``GatheredParameters`` (a collective every critic step: cheap for SAC's small
+critics, the reason to keep it whole rather than sharding it too). A critic over a VLA's
+frozen features holds the policy by reference, not as parameters, so the two engines never
+share a parameter; ``critic_encoder=shared`` (the critic trains the policy's encoder) would,
+and is refused.
+
+bf16 engines hold bf16 weights while batches stay float32: forwards run under autocast
+(as :class:`agents.ppo.PolicyCalls` does) and return float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agents.base import Batch, zero3_gathered
+
+
+def _autocast(module: nn.Module):
+    p = next(module.parameters(), None)
+    low = p is not None and p.is_cuda and p.dtype in (torch.bfloat16, torch.float16)
+    return torch.autocast("cuda", dtype=p.dtype, enabled=True) if low else contextlib.nullcontext()
+
+
+class ActorCalls(nn.Module):
+    """The policy's reparameterised sample as the engine's forward."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, batch: Batch, prefix: str = ""):
+        with _autocast(self):
+            a, logp = self.policy.sample(batch, prefix)
+        return a.float(), logp.float()
+
+
+class CriticCalls(nn.Module):
+    """The critic ensemble's Q(s, a) [E, B] as the engine's forward."""
+
+    def __init__(self, critic: nn.Module):
+        super().__init__()
+        self.critic = critic
+
+    def forward(self, batch: Batch, actions: torch.Tensor, prefix: str = ""):
+        with _autocast(self):
+            q = self.critic(batch, actions, prefix)
+        return q.float()
+
+
+class SACEngines:
+    """SAC's phases (as :class:`agents.sac.SACModel`'s ``forward``) over the two engines."""
+
+    def __init__(self, actor, critic, temperature: nn.Module):
+        self.actor, self.critic, self.temperature = actor, critic, temperature
+
+    def __call__(self, batch: Batch, what: str, actions: torch.Tensor | None = None, prefix: str = ""):
+        if what == "critic":
+            return self.critic(batch, actions, prefix)
+        if what == "next":
+            a, logp = self.actor(batch, prefix)
+            return a, logp, self.temperature()
+        if what == "actor":
+            a, logp = self.actor(batch)
+            return a, logp, self.critic(batch, a), self.temperature.log_alpha.view(())
+        raise ValueError(f"SAC phase {what!r} is not available under DeepSpeed")
+
+
+def prepare_sac_deepspeed(agent: Any, policy: nn.Module, actor_params: list, critic: nn.Module,
+                          temperature: nn.Module) -> None:
+    """Sets what :func:`agents.sac.prepare_sac` sets, with two engines (module docstring);
+    ``agent.engines`` = (actor engine, critic engine)."""
+    acc, cfg = agent.accelerator, agent.cfg
+    if cfg.critic_encoder == "shared":
+        raise ValueError("critic_encoder=shared trains the policy's encoder from the critic: under "
+                         "DeepSpeed the actor and critic engines would share those parameters. Use "
+                         "critic_encoder=own or policy, or deepspeed.stage=0 (DDP)")
+    dev = acc.device
+    target = copy.deepcopy(critic).float().to(dev)  # whole, before prepare may shard the critic
+    target.requires_grad_(False)
+    temperature.to(dev)
+    actor_opt = torch.optim.AdamW(actor_params, lr=cfg.actor_lr, weight_decay=0.0)
+    critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic_lr,
+                                   weight_decay=0.0)
+    actor_engine, agent.actor_opt = acc.prepare(ActorCalls(policy).to(dev), actor_opt)
+    critic_engine, agent.critic_opt = acc.prepare(CriticCalls(critic).to(dev), critic_opt)
+    agent.temp_opt = torch.optim.Adam(temperature.parameters(), lr=cfg.temp_lr)
+    agent.engines = (actor_engine, critic_engine)
+    agent.model = SACEngines(actor_engine, critic_engine, temperature)
+    agent._actor_raw, agent._critic_raw, agent._temp_raw = policy, critic, temperature
+    agent.critic, agent.temperature = critic, temperature
+    # prepare broadcast rank 0's weights into the engines: the target starts from them
+    with torch.no_grad(), zero3_gathered(critic, acc):
+        for t, o in zip(target.parameters(), critic.parameters()):
+            t.copy_(o.detach().float())
+        for t, o in zip(target.buffers(), critic.buffers()):
+            t.copy_(o)
+    agent.target_critic = target
+
+
+def critic_update(agent: Any, loss: torch.Tensor) -> None:
+    """Backward and step of the critic engine, then the target's soft update."""
+    engine = agent.engines[1]
+    engine.backward(loss)
+    engine.step()
+    with torch.no_grad(), zero3_gathered(agent._critic_raw, agent.accelerator):
+        tp = list(agent.target_critic.parameters())
+        torch._foreach_lerp_(tp, [p.detach().float() for p in agent._critic_raw.parameters()], agent.cfg.tau)
+        for tb, ob in zip(agent.target_critic.buffers(), agent._critic_raw.buffers()):
+            tb.copy_(ob)
+
+
+def actor_update(agent: Any, loss: torch.Tensor) -> None:
+    """Backward of actor + temperature loss through the actor engine, the temperature's
+    gradient averaged over the ranks, the actor engine's step (the caller steps temp_opt)."""
+    engine = agent.engines[0]
+    engine.backward(loss)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        for p in agent._temp_raw.parameters():
+            if p.grad is not None:  # gloo has no AVG: sum, then divide
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad.div_(world)
+    engine.step()
+
+
+def state_dict(agent: Any) -> dict:
+    """Weights gathered (every rank calls this together), the target critic, log_alpha, the
+    temperature's optimizer and the counter; the engines' optimizers are in their own files."""
+    out: dict[str, Any] = {}
+    for name, mod in (("policy", agent._actor_raw), ("critic", agent._critic_raw)):
+        with zero3_gathered(mod, agent.accelerator):
+            out[name] = {k: v.detach().clone().cpu() for k, v in mod.state_dict().items()}
+    out.update(target_critic={k: v.detach().clone() for k, v in agent.target_critic.state_dict().items()},
+               log_alpha=agent._temp_raw.log_alpha.detach().clone(),
+               temp_opt=copy.deepcopy(agent.temp_opt.state_dict()), num_updates=int(agent.num_updates))
+    return out
+
+
+def load_state_dict(agent: Any, state: dict) -> None:
+    for name, mod in (("policy", agent._actor_raw), ("critic", agent._critic_raw)):
+        with zero3_gathered(mod, agent.accelerator, modifier_rank=0):
+            mod.load_state_dict(state[name])
+    agent.target_critic.load_state_dict(state["target_critic"])
+    with torch.no_grad():
+        agent._temp_raw.log_alpha.copy_(state["log_alpha"])
+    if "temp_opt" in state:
+        agent.temp_opt.load_state_dict(copy.deepcopy(state["temp_opt"]))
+    agent.num_updates = int(state["num_updates"])
