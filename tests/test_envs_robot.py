@@ -325,6 +325,36 @@ def test_driver_thread_renders_on_egl():
     assert float(std[1]) > 5 and std[2] == "egl"
 
 
+@pytest.mark.parametrize("gl,lib", [("osmesa", "OSMesa"), ("egl", "EGL")])
+def test_an_env_instance_is_closed_by_its_owner_on_its_own_thread(gl, lib):
+    """Defect: gym-hil makes a GL context current on the thread that builds it, even without
+    cameras. serve_in_thread(instance) closed that env on the serving thread; OSMesa then
+    destroyed a context still current on the main thread, and the next renderer built there
+    segfaulted. The instance stays its owner's: closed on the thread that built it."""
+    if ctypes.util.find_library(lib) is None:
+        pytest.skip(f"no lib{lib}")
+    code = textwrap.dedent(f"""
+        import os; os.environ["MUJOCO_GL"] = "{gl}"
+        from envs.registry import make_raw_env
+        from envs.robot.driver import serve_in_thread
+        cfg = {{"name": "gym_hil", "task": "PandaPickCube", "image_size": 32}}
+        sim = make_raw_env({{**cfg, "cameras": {{}}}})
+        server, thread = serve_in_thread(sim)
+        server.shutdown(); thread.join(30)
+        assert not thread.is_alive()
+        sim.reset(seed=0)  # not closed by the driver
+        sim.close()
+        env = make_raw_env(cfg)
+        obs, _ = env.reset(seed=0)
+        print("std", float(obs["observation.images.front"].std()))
+        env.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "MALLOC_PERTURB_": "165"})  # freed memory poisoned
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+    assert float(out.stdout.split()[-1]) > 5
+
+
 def test_client_detects_a_dead_driver_and_recovers_when_it_returns():
     port = free_port()
     cmd = [sys.executable, "-m", "envs.robot.driver", "--env", "gym_hil", "--set", "cameras={}",
@@ -411,3 +441,4 @@ def test_bind_rules_and_curve(tmp_path):
         server.shutdown()
         thread.join(timeout=5)
         server.close()
+        sim.close()  # an instance stays ours: closed on the thread that built it

@@ -277,28 +277,32 @@ class RobotDriverServer:
     def shutdown(self) -> None:
         self._halt.set()
 
-    def close(self) -> None:
-        """Stop the robot, close the socket and the env (once; later calls do nothing).
-        Call it on the thread that serves (see :func:`serve_in_thread`)."""
+    def close(self, close_env: bool = True) -> None:
+        """Stop the robot, close the socket and (``close_env``) the env (once; later calls do
+        nothing). Call it on the thread that serves (see :func:`serve_in_thread`)."""
         if self._closed:
             return
         self._closed = True
         self.stop_robot("driver shutting down")
         self._sock.close(0)
-        self.env.close()
+        if close_env:
+            self.env.close()
 
 
 def serve_in_thread(env: gym.Env | Callable[[], gym.Env] | Mapping[str, Any], bind: str = "tcp://127.0.0.1:0",
                     *, start_timeout: float = 120.0, **kw) -> tuple[RobotDriverServer, threading.Thread]:
     """Start a driver on a background thread (tests, demos). Returns (server, thread);
     ``server.endpoint`` is the bound address; call ``server.shutdown()`` then join (the
-    thread closes the server, and the env, when it stops serving).
+    thread closes the server, and the env it built, when it stops serving).
 
     ``env`` is a zero-argument factory or an env config (built with
     :func:`envs.registry.make_raw_env`): the env is built, served, rendered and closed on
     the serving thread, because a GL context belongs to the thread that made it (EGL
     refuses ``eglMakeCurrent`` from another: ``EGL_BAD_ACCESS``). An env *instance* is
-    accepted only when it renders nothing on EGL (no cameras, or another GL backend).
+    accepted only when it renders nothing on EGL (no cameras, or another GL backend), and it
+    stays the caller's to close, on the thread that built it: its GL context (gym-hil makes one
+    even without cameras) is current there, and OSMesa destroying it from the serving thread
+    left that thread a dangling current context (a segfault at its next GL call).
     """
     if isinstance(env, gym.Env):
         if os.environ.get("MUJOCO_GL", "").lower() == "egl" and spec_message(env)["cameras"]:
@@ -338,7 +342,7 @@ def serve_in_thread(env: gym.Env | Callable[[], gym.Env] | Mapping[str, Any], bi
         try:
             server.serve()
         finally:
-            server.close()
+            server.close(close_env=built is not env)
 
     t = threading.Thread(target=run, name="robot-driver", daemon=True)
     t.start()
