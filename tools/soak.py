@@ -10,7 +10,8 @@ spooled that the learner has not received yet, summed over actors; from the acto
 Writes ``soak.csv``, ``soak.json`` (samples + verdicts) and ``soak.png`` into ``--out``, and
 prints for each line whether it stayed flat: a least-squares slope over the samples after
 the warm-up, projected over the measured span, within ``--tolerance`` of the line's mean
-(or within its absolute floor, for lines that sit near zero).
+(or within its absolute floor, for lines that sit near zero). Only growth fails the soak; a
+line that fell by more than that is reported as ``falling``.
 
     .venv/bin/python -m tools.soak --minutes 30 --actors 2 --out runs/soak
 """
@@ -187,7 +188,8 @@ def verdicts(rows: list[dict], warmup_s: float, tolerance: float) -> dict[str, d
         allowed = max(tolerance * abs(mean), FLOORS[name])
         out[name] = {"mean": mean, "first": float(y[m][0]), "last": float(y[m][-1]),
                      "max": float(y[m].max()), "slope_per_min": float(slope * 60),
-                     "change_over_span": change, "allowed": allowed, "flat": abs(change) <= allowed}
+                     "change_over_span": change, "allowed": allowed, "flat": change <= allowed,
+                     "falling": change < -allowed}
     return out
 
 
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<16}  {r['why']}")
             continue
         print(f"{name:<16}{r['mean']:>10.1f}{r['first']:>10.1f}{r['last']:>10.1f}"
-              f"{r['slope_per_min']:>10.2f}  {'flat' if r['flat'] else 'GROWING'}")
+              f"{r['slope_per_min']:>10.2f}  {'GROWING' if not r['flat'] else 'falling' if r['falling'] else 'flat'}")
     print(f"\n{out / 'soak.csv'}, {out / 'soak.json'}, {out / 'soak.png'}")
     return 0 if all(r["flat"] is not False for r in v.values()) else 3
 
