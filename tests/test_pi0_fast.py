@@ -113,3 +113,30 @@ def test_graphs_equal_lerobot_on_gpu(ckpts, variant):
     torch.testing.assert_close(fast2, plain, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(fast2, ref2, atol=3e-2, rtol=3e-2)
     assert not torch.allclose(fast2, fast, atol=1e-2)
+
+
+@pytest.mark.parametrize("hkv,q", [(1, 7), (2, 5), (1, 200)])
+def test_grouped_head_attention_equals_eager_attention(hkv, q):
+    """``mqa_attention`` (query heads sharing a key/value head as one GEMM; beyond MQA_MAX_ROWS
+    rows it hands over to SDPA) equals transformers' eager attention with repeat_kv, padded keys
+    masked, on the same inputs."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma.modeling_gemma import eager_attention_forward
+
+    from agents.policies import pi0_fast
+    from agents.policies.pi0_fast import _additive, mqa_attention
+
+    g = torch.Generator().manual_seed(hkv * 100 + q)
+    b, h, k, d = 2, 8, 23, 16
+    query, key, value = (torch.randn(*s, generator=g) for s in ((b, h, q, d), (b, hkv, k, d), (b, hkv, k, d)))
+    valid = torch.ones(b, q, k, dtype=torch.bool)
+    valid[1, :, -6:] = False  # the second row's last keys are padding
+    mask = _additive(valid, torch.float32)
+    module = SimpleNamespace(num_key_value_groups=h // hkv, training=False, is_causal=False)
+    ref, _ = eager_attention_forward(module, query, key, value, mask, scaling=d ** -0.5)
+    out, _ = mqa_attention(module, query, key, value, mask, scaling=d ** -0.5)
+    assert out.shape == ref.shape == (b, q, h, d)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (h // hkv) * q > pi0_fast.MQA_MAX_ROWS or not torch.allclose(
+        out, mqa_attention(module, query, key.flip(2), value, mask)[0], atol=1e-3)

@@ -8,6 +8,8 @@ Per variant:
 - ``eager_forward_ms``: the same call through lerobot's ``PI0Pytorch.sample_actions``;
 - ``lerobot_select_action_ms`` (PI0): lerobot's ``PI0Policy.select_action`` (queue reset every
   call) on the same inputs, built without LoRA; ``speedup_vs_select_action`` = its p50 / ours;
+- with ``--compile``: ``compiled_forward_ms``, ``compiled_act_ms`` and
+  ``compiled_speedup_vs_select_action`` (``policy.fast_compile=true``);
 - ``max_abs_diff``: fast vs eager actions on the same noise (bf16 tolerance).
 
 Each timing runs at least ``--iters`` calls and then more until the 95% interval of the median
@@ -88,6 +90,7 @@ def bench_variant(variant: str, args, tmp: Path) -> dict:
                 sync()
                 res["compiled_first_call_s"] = time.perf_counter() - t0
                 res["compiled_forward_ms"] = timed(forward(inputs, noise), sync, it, mx)
+                res["compiled_act_ms"] = timed(lambda: policy.act(obs), sync, it, mx)
                 res["compiled_max_abs_diff_vs_fast"] = float((comp - fast).abs().max())
             except Exception as exc:  # noqa: BLE001 - recorded: compile support varies
                 res["compiled_error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -105,6 +108,9 @@ def bench_variant(variant: str, args, tmp: Path) -> dict:
         ns = argparse.Namespace(iters=max(20, it // 4), warmup=3, max_iters=max(40, mx // 4), max_seconds=120.0)
         res["lerobot_select_action_ms"] = lerobot_baseline(policy, obs, ns, sync)
         res["speedup_vs_select_action"] = res["lerobot_select_action_ms"]["p50"] / res["fast_act_ms"]["p50"]
+        if "compiled_act_ms" in res:
+            res["compiled_speedup_vs_select_action"] = (res["lerobot_select_action_ms"]["p50"]
+                                                        / res["compiled_act_ms"]["p50"])
     res["speedup_vs_eager_forward"] = res["eager_forward_ms"]["p50"] / res["fast_forward_ms"]["p50"]
     if cuda:
         res["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -141,7 +147,8 @@ def main(argv=None) -> dict:
                   f"{r['eager_forward_ms']['p50']:.2f} ms ({r['speedup_vs_eager_forward']:.1f}x); "
                   f"max |fast-eager| {r['max_abs_diff']:.3g}", flush=True)
             if "compiled_forward_ms" in r:
-                print(f"  compiled step: forward p50 {r['compiled_forward_ms']['p50']:.2f} ms (first call "
+                print(f"  compiled: forward p50 {r['compiled_forward_ms']['p50']:.2f} ms, act p50 "
+                      f"{r['compiled_act_ms']['p50']:.2f} / p99 {r['compiled_act_ms']['p99']:.2f} ms (first call "
                       f"{r['compiled_first_call_s']:.0f} s), max |diff| {r['compiled_max_abs_diff_vs_fast']:.3g}")
             elif "compiled_error" in r:
                 print(f"  compile failed: {r['compiled_error']}")
@@ -149,7 +156,9 @@ def main(argv=None) -> dict:
                 print(f"  batch {b}: forward p50 {t['p50']:.2f} ms", flush=True)
             if "lerobot_select_action_ms" in r:
                 print(f"  lerobot select_action p50 {r['lerobot_select_action_ms']['p50']:.2f} ms: "
-                      f"{r['speedup_vs_select_action']:.1f}x", flush=True)
+                      f"{r['speedup_vs_select_action']:.1f}x"
+                      + (f", compiled {r['compiled_speedup_vs_select_action']:.1f}x"
+                         if "compiled_speedup_vs_select_action" in r else ""), flush=True)
             for k in ("fast_act_ms", "fast_forward_ms", "eager_forward_ms"):
                 if r[k]["wide"]:
                     print(f"  WARNING: {k}: the 95% interval of the median is wider than +-5%", flush=True)
