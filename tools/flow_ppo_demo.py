@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tools.learning_run import run, run_args, start_out
+from tools.learning_run import rl_minutes, run, run_args, start_out
 
 ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "env.state_has_target=true"]
 CHUNK = 4
@@ -98,6 +98,8 @@ def bc_checkpoint(out: Path, env_cfg, *, demos: int, bc_steps: int, seed: int) -
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = run_args(__doc__, minutes=14.0, demos=5, target=0.9, window=50)
     ap.add_argument("--bc-steps", type=int, default=100)
+    ap.add_argument("--algo", choices=("ppo", "grpo"), default="ppo",
+                    help="grpo: the same policy under group-relative advantages (no critic), a diagnostic")
     a = ap.parse_args(argv)
     out = start_out(a.out)
     torch.set_num_threads(2)
@@ -110,9 +112,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print("weak BC policy:", json.dumps(bc), flush=True)
     common = [*ENV_O, "policy=pi0", f"policy.checkpoint={ckpt}", f"policy.chunk_size={CHUNK}",
               "policy.flow_rl=noise", "policy.lora_rank=4", "policy.num_inference_steps=4", "policy.device=cpu"]
-    algo = ["algo=ppo", "algo.batch_episodes=16", "algo.minibatch_size=64", "algo.epochs=2",
-            "algo.lr=2e-5", "algo.max_staleness=1", *a.overrides]
-    res = run(out, common, algo, minutes=a.minutes, actors=a.actors, target=a.target, window=a.window,
+    algo = (["algo=ppo", "algo.batch_episodes=16", "algo.minibatch_size=64", "algo.epochs=2",
+             "algo.lr=2e-5", "algo.max_staleness=1"] if a.algo == "ppo" else
+            ["algo=grpo", "algo.group_size=8", "algo.batch_groups=2", "algo.minibatch_size=64", "algo.epochs=2",
+             "algo.lr=3e-5", "algo.loss_agg=episode_mean", "algo.job_timeout_s=60", "algo.round_timeout_s=120"])
+    algo += a.overrides
+    res = run(out, common, algo, minutes=rl_minutes(a, t0), actors=a.actors,
+              updates=a.updates, target=a.target, window=a.window,
               seed=a.seed)
     summary = {"bc": bc, **res}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -20,15 +20,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def version_success(dataset: Path) -> dict[int, list[bool]]:
-    """Outcomes of the stored episodes by the newest policy version that acted in them."""
-    from data.store.reader import read_episodes
+    """Outcomes of the stored episodes by the newest policy version that acted in them (read
+    from the dataset's parquet columns alone: no camera frames decoded)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
+    cols = ["episode_index", "frame_index", "is_last", "policy_version", "next.success"]
+    files = sorted((dataset / "data").glob("**/*.parquet"))
+    if not files:
+        return {}
+    t = pa.concat_tables([pq.read_table(f, columns=cols) for f in files])
+    d = {c: np.asarray(t.column(c).to_numpy(zero_copy_only=False)).reshape(len(t), -1)[:, 0] for c in cols}
     out: dict[int, list[bool]] = {}
-    for ep in read_episodes(dataset):
-        c = ep.columns
-        steps = ~np.asarray(c["is_last"]).astype(bool)
-        v = int(np.asarray(c["policy_version"])[steps].max())
-        out.setdefault(v, []).append(bool(np.asarray(c["next.success"])[-1]))
+    order = np.lexsort((d["frame_index"], d["episode_index"]))
+    d = {k: v[order] for k, v in d.items()}
+    starts = np.flatnonzero(np.r_[True, d["episode_index"][1:] != d["episode_index"][:-1]])
+    for s, e in zip(starts, np.r_[starts[1:], len(order)]):
+        steps = ~d["is_last"][s:e].astype(bool)
+        v = int(d["policy_version"][s:e][steps if steps.any() else slice(None)].max())
+        out.setdefault(v, []).append(bool(d["next.success"][e - 1]))
     return out
 
 
@@ -54,12 +64,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def success_windows(by_v: dict[int, list[bool]], size: int) -> list[list]:
+    """Episodes in policy-version order cut into consecutive windows of about ``size`` (whole
+    versions): [[first version, last version, episodes, success], ...]."""
+    out, cur, first = [], [], None
+    for v in sorted(by_v):
+        first = v if first is None else first
+        cur += by_v[v]
+        if len(cur) >= size:
+            out.append([first, v, len(cur), round(float(np.mean(cur)), 3)])
+            cur, first = [], None
+    if cur:
+        out.append([first, max(by_v), len(cur), round(float(np.mean(cur)), 3)])
+    return out
+
+
 def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: float, actors: int,
-        target: float, window: int, seed: int) -> dict:
+        target: float, window: int, seed: int, updates: int | None = None,
+        windows: int = 200) -> dict:
     """``python -m learner`` + ``actors`` actor processes on loopback with the shared overrides
-    ``common_o`` (env, policy) and the learner's ``algo_o``, for ``minutes`` or until the
-    learner's success over its last ``window`` episodes reaches ``target``; success by policy
-    version from the run's dataset (version 0: the starting policy)."""
+    ``common_o`` (env, policy) and the learner's ``algo_o``, for ``minutes``, until ``updates``
+    updates are done (when given: a machine's speed does not change what is measured) or until
+    the learner's success over its last ``window`` episodes reaches ``target``; success by policy
+    version from the run's dataset (version 0: the starting policy), also in consecutive
+    windows of ``windows`` episodes. Cameras are stored as PNG (lossless; no video encoder
+    processes competing for the CPU)."""
     run_dir = out / "run"
     port, pub = free_port(), free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
@@ -68,7 +97,7 @@ def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: f
     learner_o = [*algo_o, "device=cpu", "logging.wandb=disabled",
                  "logging.every_s=5", "trainer.num_threads=1", f"logging.stats_window={window}",
                  f"trainer.stop_at_success={target}", f"trainer.stop_min_episodes={window}",
-                 "buffer.commit_interval_s=2", f"seed={seed}"]
+                 "buffer.commit_interval_s=2", "buffer.video=false", f"seed={seed}"]
     procs = []
     t0 = time.monotonic()
 
@@ -98,6 +127,8 @@ def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: f
             for p in procs[1:]:
                 if p.poll() not in (None, 0):
                     raise RuntimeError(f"{p.name} exited {p.returncode}; see {out / (p.name + '.log')}")
+            if updates is not None and (status.get("updates") or 0) >= updates:
+                break
     finally:
         stop_processes(procs, 90)
     wall = time.monotonic() - t0
@@ -115,6 +146,7 @@ def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: f
             "before": {"success": float(np.mean(before)) if before else None, "episodes": len(before)},
             "after_last_3_versions": {"versions": versions[-3:], "success": float(np.mean(last)) if last else None,
                                       "episodes": len(last)},
+            "windows": success_windows(by_v, windows),
             "by_version": {v: [round(float(np.mean(by_v[v])), 3), len(by_v[v])] for v in versions}}
 
 
@@ -125,7 +157,10 @@ def run_args(doc: str, *, minutes: float, demos: int, target: float, window: int
     ``--demos``, ``--actors``, ``--target``, ``--window``, ``--seed`` and learner overrides."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--minutes", type=float, default=minutes)
+    ap.add_argument("--minutes", type=float, default=minutes, help="wall-clock cap of the RL run")
+    ap.add_argument("--total-minutes", type=float, default=None,
+                    help="wall-clock cap of everything, preparation included (RL gets what is left)")
+    ap.add_argument("--updates", type=int, default=None, help="stop after this many updates")
     ap.add_argument("--demos", type=int, default=demos)
     ap.add_argument("--actors", type=int, default=2)
     ap.add_argument("--target", type=float, default=target)
@@ -133,6 +168,13 @@ def run_args(doc: str, *, minutes: float, demos: int, target: float, window: int
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
     return ap
+
+
+def rl_minutes(a: argparse.Namespace, started: float) -> float:
+    """``--minutes``, cut to what ``--total-minutes`` leaves after the preparation."""
+    if a.total_minutes is None:
+        return a.minutes
+    return max(0.5, min(a.minutes, a.total_minutes - (time.monotonic() - started) / 60))
 
 
 def start_out(out: str) -> Path:
