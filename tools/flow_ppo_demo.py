@@ -12,6 +12,10 @@ through the real learner and actor processes on loopback, from a deliberately we
    BC policy, sampled with its initial noise head), from the run's LeRobot dataset.
 
     python -m tools.flow_ppo_demo --out runs/flow_ppo --minutes 14
+    python -m tools.flow_ppo_demo --out runs/flow_ppo --bc-steps 300 --updates 30 -- algo.lr=1e-4
+
+It does not learn yet (agents/policies/flow_rl.py, README). ``--algo grpo`` trains the same
+policy with GRPO's group advantages instead (no critic), to tell the critic from the policy.
 
 Prints a JSON summary (before/after success with episode counts, updates, wall time) and
 writes it to ``<out>/summary.json``. Extra Hydra overrides for the learner go after ``--``.

@@ -44,14 +44,16 @@ fully trained heads (action projections, noise head) swapped for their values at
 The weights sync to actors (``trainable_state_dict``) adds the noise head (``flow_rl.noise.*``);
 the value head stays on the learner.
 
-Measured (``python -m tools.flow_ppo_demo --out runs/flow_ppo --minutes 14``: tiny PI0, chunk
-4, K = 4, LoRA 4, point_reach with a camera + the target in the state, 100 BC steps on 5
-scripted demos, 2 actors, PPO+GAE lr 2e-5, a 2-core CPU shared with load ~6-9): it runs end to
-end (34 updates, 1321 episodes, 846 s, no errors; approx_kl 0.004-0.02 per update) but does
-NOT learn yet: success 0.12 (77 episodes of version 0) -> 0.12 (97 episodes of versions 32-34);
-the value head's explained variance stays ~0. With lr 3e-4 the first update's approx_kl was 13
-(the joint log-prob over K*H*A terms is very sensitive). Untried: lr ~1e-4, reinforce_pp
-(critic-free), value_detach=false, a stronger BC start.
+Measured (``python -m tools.flow_ppo_demo``: tiny PI0, chunk 4, K = 4, LoRA 4, point_reach with a
+camera + the target in the state, BC on 5 scripted demos, 2 actors): it runs end to end but does
+NOT learn yet. Until the value head got its own lr (``value_parameters()``: PPO trains it at
+value_lr; before, at the policy's 2e-5) its explained variance stayed ~0; now 0.3-0.8. Success
+still stays flat in ~200-episode windows over 28-33 updates (1,200-1,600 episodes): BC 100 / 300 /
+1000 steps (v0 0.17 / 0.32 / 0.55), lr 3e-5..3e-4, GAE or REINFORCE++, 16 or 32 episodes per
+update; after a BC-300 start the first ~200 episodes fall below v0 (0.32 -> 0.19-0.23). GRPO on
+this policy (``--algo grpo``) rose at most slowly (0.17 -> 0.40 in one window, lr 1e-4, 51
+updates). Untried: a fixed (not learned) noise std, early-stopping updates on approx_kl, many
+more updates (a PPO update took ~9 s for 16 episodes on one CPU thread).
 """
 
 from __future__ import annotations
