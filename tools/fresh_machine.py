@@ -125,6 +125,7 @@ def _say(msg: str) -> None:
 # ----------------------------------------------------------------- inside the namespace
 def _hide(hidden: dict[str, list[str]], scratch: Path) -> None:
     """Overlay each folder with whiteouts for its hidden names; regenerate ld.so.cache."""
+    scratch.mkdir(parents=True, exist_ok=True)  # also when nothing is left to hide (nested)
     for i, (folder, names) in enumerate(hidden.items()):
         upper, work = scratch / f"ov{i}" / "upper", scratch / f"ov{i}" / "work"
         upper.mkdir(parents=True)
