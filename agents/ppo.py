@@ -433,8 +433,16 @@ class PPOAgent:
         self.opt.zero_grad(set_to_none=True)
         if self.value_opt is not None:
             self.value_opt.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss * self._rank_scale(mask))
-        norm = self._clip(self.policy)
+        if uses_deepspeed(self.accelerator):
+            # this agent's own engine (accelerator.backward drives only the first engine an
+            # accelerator prepared); it clips by its config and steps; opt.step() is then a no-op
+            self._calls.backward(loss * self._rank_scale(mask))
+            self._calls.step()
+            gn = self._calls.get_global_grad_norm()
+            norm = None if gn is None else torch.as_tensor(float(gn))
+        else:
+            self.accelerator.backward(loss * self._rank_scale(mask))
+            norm = self._clip(self.policy)
         if norm is not None:
             metrics["grad_norm"] = norm
         self.opt.step()

@@ -73,10 +73,16 @@ class CriticCalls(nn.Module):
 
 
 class SACEngines:
-    """SAC's phases (as :class:`agents.sac.SACModel`'s ``forward``) over the two engines."""
+    """SAC's phases (as :class:`agents.sac.SACModel`'s ``forward``) over the two engines.
 
-    def __init__(self, actor, critic, temperature: nn.Module):
-        self.actor, self.critic, self.temperature = actor, critic, temperature
+    The actor phase scores the actor's actions with the critic module itself, not through the
+    critic engine: a DeepSpeed engine whose forward is part of a graph runs its own gradient
+    reduction at the end of that graph's backward ("torch-style backward", DeepSpeed >= 0.18),
+    which for the frozen critic has nothing to reduce and fails. Under ZeRO-3 the critic's
+    parameters are still gathered for that forward by the hooks ZeRO-3 puts on every submodule."""
+
+    def __init__(self, actor, critic, temperature: nn.Module, critic_raw: nn.Module):
+        self.actor, self.critic, self.temperature, self.critic_raw = actor, critic, temperature, critic_raw
 
     def __call__(self, batch: Batch, what: str, actions: torch.Tensor | None = None, prefix: str = ""):
         if what == "critic":
@@ -86,7 +92,9 @@ class SACEngines:
             return a, logp, self.temperature()
         if what == "actor":
             a, logp = self.actor(batch)
-            return a, logp, self.critic(batch, a), self.temperature.log_alpha.view(())
+            with _autocast(self.critic_raw):
+                q = self.critic_raw(batch, a).float()
+            return a, logp, q, self.temperature.log_alpha.view(())
         raise ValueError(f"SAC phase {what!r} is not available under DeepSpeed")
 
 
@@ -110,7 +118,7 @@ def prepare_sac_deepspeed(agent: Any, policy: nn.Module, actor_params: list, cri
     critic_engine, agent.critic_opt = acc.prepare(CriticCalls(critic).to(dev), critic_opt)
     agent.temp_opt = torch.optim.Adam(temperature.parameters(), lr=cfg.temp_lr)
     agent.engines = (actor_engine, critic_engine)
-    agent.model = SACEngines(actor_engine, critic_engine, temperature)
+    agent.model = SACEngines(actor_engine, critic_engine, temperature, critic)
     agent._actor_raw, agent._critic_raw, agent._temp_raw = policy, critic, temperature
     agent.critic, agent.temperature = critic, temperature
     # prepare broadcast rank 0's weights into the engines: the target starts from them
