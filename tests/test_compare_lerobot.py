@@ -5,6 +5,7 @@ samples, the ratios' orientation, and LeRobot's pipeline config built and valida
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import os
 import subprocess
 import sys
@@ -168,7 +169,8 @@ def test_lerobot_fast_render_patch_renders_without_shadows(tmp_path):
     """In a fresh process (MuJoCo fixes its GL backend at import): LeRobot's own gym-hil env,
     patched, has no shadow map or multisampling and still renders the 128x128 cameras."""
     pytest.importorskip("gym_hil")
-    env = {**os.environ, "MUJOCO_GL": "osmesa", "PYOPENGL_PLATFORM": "osmesa", "OMP_NUM_THREADS": "1"}
+    gl = "osmesa" if ctypes.util.find_library("OSMesa") else "egl"  # an EGL-only machine too
+    env = {**os.environ, "MUJOCO_GL": gl, "PYOPENGL_PLATFORM": gl, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", FAST_RENDER_SCRIPT, str(tmp_path)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)

@@ -1,6 +1,7 @@
 """Run the README's two commands as on a fresh machine that lacks some system libraries.
 
     python tools/fresh_machine.py --hide egl-only,no-ffmpeg              # demo + full suite
+    python tools/fresh_machine.py --hide egl-only,no-ffmpeg --run tests -- -q   # full suite only
     python tools/fresh_machine.py --hide osmesa-only --run tests -- -q tests/test_envs_robot.py
     python tools/fresh_machine.py --hide egl-only,no-ffmpeg --run demo
     python tools/fresh_machine.py --hide egl-only --list                 # what would be hidden
