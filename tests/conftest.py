@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -17,6 +18,15 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # later processes read it. Nothing the tests check depends on it.
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
     sys.dont_write_bytecode = False
+
+# Run in the background (``nohup uv run --frozen pytest -q &``), pytest starts with SIGINT
+# ignored, and an ignored signal stays ignored across exec: every learner, actor and
+# launcher script the tests start then ignored the SIGINT the tests stop them with (bash
+# cannot even trap it). Teardowns waited out their 15-30 s timeouts before killing, the Ctrl-C
+# and restart tests failed, and a launcher's learner kept training after its test. Restoring
+# Python's default handler here gives the children SIGINT's default disposition again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
