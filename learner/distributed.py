@@ -109,6 +109,8 @@ class Ranks:
     def _bytes(self, data: bytes | None) -> bytes:
         n = torch.tensor([0 if data is None else len(data)], dtype=torch.int64, device=self.device)
         self._coll(dist.broadcast, n, src=0)
+        if int(n) == 0:  # nothing to send (an empty text): torch.frombuffer refuses b""
+            return b""
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data is not None
                else torch.empty(int(n), dtype=torch.uint8, device=self.device))
         self._coll(dist.broadcast, buf, src=0)

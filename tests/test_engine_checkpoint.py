@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,8 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     result["state_calls"] = algo.agent.state_calls
     result["latest"] = str(latest_checkpoint(root_p))
     result["tmp_left"] = sorted(p.name for p in root_p.glob(".tmp_*"))
+    # no checkpoint yet: rank 0 shares an empty path (the learner's first start)
+    result["empty"] = ranks.share_text("" if rank == 0 else None)
     # restore on fresh engines: rank 0 picks and shares the path, every rank loads its own part
     fresh = FakeAlgo(FakeAgent([FakeEngine(rank, -1.0), FakeEngine(rank, -1.0)]))
     name = ranks.share_text(str(latest_checkpoint(root_p)) if rank == 0 else None)
@@ -120,6 +123,7 @@ def test_every_rank_writes_its_part_and_latest_moves_only_when_all_succeeded(tmp
         assert r["latest"] == str(good), r  # the failed round left the previous checkpoint
         assert r["state_calls"] == 2, r  # both ranks called agent.state_dict() each round
         assert r["updates"] == 5 and r["weight"] == [5.0] * 3, r
+    assert r0["empty"] == r1["empty"] == ""
     assert r0["tmp_left"] == [] and not (root / "step_0000000009").exists()
     # each rank's engines got back what that rank wrote
     assert r0["restored"] == [10.0, 100.0] and r1["restored"] == [20.0, 101.0], (r0, r1)
@@ -143,3 +147,76 @@ def test_resume_at_another_number_of_ranks_is_refused_naming_both(tmp_path):
         check_resume({"world": 2, "engines": 2, "zero_stage": 3}, 2, [], path)
     check_resume(None, 4, [], path)  # older checkpoints recorded nothing: accepted
     check_resume({"world": 1, "engines": 0, "zero_stage": 0}, 1, [], path)
+
+
+# -- the launcher: a 2-rank SAC learner with a real actor, stopped, resumed, refused at 1 rank ----
+def _launch(tmp_path: Path, tag: str, gpus: int, stage: int, run_dir: Path, max_updates: int,
+            actor: bool = True, cpu: bool = False) -> tuple[int, str]:
+    import signal
+    import subprocess
+    import time
+
+    from tandem_testutil import ROOT
+
+    port, pub = free_port(), free_port()
+    common = [f"run_dir={run_dir}", f"transport.port={port}", f"transport.pub_port={pub}",
+              "transport.timeout_s=1.0", "transport.heartbeat_s=0.5", "env=point_reach",
+              "policy=mlp", "policy.chunk_size=1"]
+    env = {**os.environ, "TANDEM_PYTHON": sys.executable, "TANDEM_RDZV_PORT": str(free_port()),
+           "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / f"learner_{tag}.log"
+    with open(log_path, "wb") as llog, open(tmp_path / f"actor_{tag}.log", "wb") as alog:
+        learner = subprocess.Popen(
+            ["bash", str(ROOT / "launch" / "run_learner.sh"), "--gpus", str(gpus), *(["--cpu"] if cpu else []),
+             *common, "algo=sac", *(["trainer.num_threads=1"] if cpu else []),
+             f"deepspeed.stage={stage}", "algo.learning_starts=64", "algo.batch_size=32",
+             "algo.publish_every=5", f"trainer.max_updates={max_updates}", "buffer.video=false",
+             "logging.wandb=disabled", "logging.every_s=1", "buffer.commit_interval_s=0.5"],
+            cwd=ROOT, env=env, stdout=llog, stderr=subprocess.STDOUT, start_new_session=True)
+        procs = [learner]
+        if actor:
+            procs.append(subprocess.Popen([sys.executable, "-m", "actor", *common, "actor_id=a0",
+                                           "spool.fsync=false", "log_every_s=5"], cwd=ROOT, env=env,
+                                          stdout=alog, stderr=subprocess.STDOUT))
+        try:
+            learner.wait(240)
+            time.sleep(1.0)
+        finally:
+            for p in reversed(procs):
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGINT) if p is learner else p.send_signal(signal.SIGINT)
+            for p in procs:
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    return learner.returncode, log_path.read_text()
+
+
+def launcher_resume_round_trip(tmp_path: Path, stage: int, cpu: bool) -> None:
+    """``launch/run_learner.sh --gpus 2`` (``--cpu``: gloo DDP; else DeepSpeed ZeRO-``stage``) with a
+    real actor for 20 updates, a second launch that resumes and stops at 30, and a third at
+    one rank that is refused naming both numbers of ranks."""
+    run_dir = tmp_path / "run"
+    rc, text = _launch(tmp_path, "first", 2, stage, run_dir, 20, cpu=cpu)
+    assert rc == 0 and "Traceback" not in text, text[-5000:]
+    ck = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((ck / "state.json").read_text())["ranks"]
+    engines = 0 if cpu else 2
+    assert meta == {"world": 2, "engines": engines, "zero_stage": stage}, meta
+    files = sorted(str(p.relative_to(ck)) for p in (ck / "engine").rglob("*") if p.is_file()) if engines else []
+    print(f"\ncheckpoint {ck.name}: {files}")
+    assert sum("optim_states" in f for f in files) == 2 * engines, files  # engines x 2 ranks
+    rc, text = _launch(tmp_path, "resume", 2, stage, run_dir, 30, cpu=cpu)
+    assert rc == 0 and "Traceback" not in text and "resumed from" in text, text[-5000:]
+    st = json.loads((run_dir / "status.json").read_text())
+    rank1 = json.loads((run_dir / "rank1.json").read_text())
+    assert st["updates"] == 30 and rank1["updates"] == 10, (st, rank1)  # 20 before, 10 after the resume
+    rc, text = _launch(tmp_path, "one_rank", 1, 0, run_dir, 40, actor=False, cpu=cpu)
+    assert rc != 0 and "written by a learner of 2 rank(s)" in text and "runs 1" in text, text[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_rank_cpu_learner_resumes_its_checkpoint_and_refuses_one_rank(tmp_path):
+    launcher_resume_round_trip(tmp_path, 0, cpu=True)
