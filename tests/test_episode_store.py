@@ -314,3 +314,35 @@ def test_bench_buffer_json(tmp_path):
     assert res["memory_ratio"] < 0.14  # uint8 and no next-observation copy: ~1/8 or less
     assert res["tandem"]["write_episodes_per_s"] > 0
     assert res["writer_ratio"] > 0 and res["writer"]["pool"]["episodes"] == 4
+
+
+def test_a_dataset_without_cameras_is_appended_by_tandem_not_by_lerobots_save_episode(
+        tmp_path, monkeypatch):
+    """Without cameras ``video`` changes nothing in the dataset, and lerobot's save_episode
+    (0.3-1 s an episode even without images) fell behind two reacher actors in tools/soak.py:
+    the episodes waiting for it grew the learner's memory, their unacknowledged records the
+    actors'. The rows are appended as for video datasets, stats on the writer thread."""
+    from lerobot.datasets.dataset_writer import DatasetWriter
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    from data.store import read_episodes, tandem_batch
+    from test_buffer_helpers import STATE_ONLY
+
+    def refuse(*a, **k):
+        raise AssertionError("lerobot's save_episode was called")
+
+    monkeypatch.setattr(DatasetWriter, "save_episode", refuse)
+    root = tmp_path / "dataset"
+    store = write_episodes(root, 3, video=False, spec=STATE_ONLY)
+    assert store.total_episodes == 3 and store.prepared == {"inline": 3}
+    assert store._pool.workers == 0  # nothing to encode: no worker processes
+    ds = LeRobotDataset("tandem/replay", root=root, video_backend="pyav")
+    assert ds.meta.total_episodes == 3 and len(ds) == 21 and not ds.meta.video_keys
+    item = ds[7 + 3]  # episode 1, step 3
+    assert int(item["episode_index"]) == 1 and int(item["frame_index"]) == 3
+    assert float(item["observation.state"][0]) == 1003.0 and item["task"] == "task 1"
+    got = [tandem_batch(e, STATE_ONLY) for e in read_episodes(root)]
+    assert [b.first_seq for b in got] == [0, 7, 14]
+    assert np.array_equal(got[2].arrays["observation.state"][:, 0], 2000 + np.arange(7))
+    reopened = EpisodeStore(root, STATE_ONLY, video=False, fps=10)
+    assert reopened.total_episodes == 3 and reopened.acked == {"a0": 20}

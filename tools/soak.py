@@ -3,9 +3,17 @@ seconds; does anything grow that should stay flat?
 
 Per sample: RSS (MiB), open fds and threads of the learner and of the actors (summed), the
 act round-trip p99 (ms) of a probe client that asks the learner for actions like a remote
-actor does (requests since the previous sample), and the ingest lag (records the actors have
+actor does (requests since the previous sample), the ingest lag (records the actors have
 spooled that the learner has not received yet, summed over actors; from the actors'
-``spool/*/meta.json`` and the learner's ``status.json``).
+``spool/*/meta.json`` and the learner's ``status.json``) and the store backlog (finished
+episodes the learner holds in memory, waiting for the dataset writer: ``dataset_pending``).
+A writer slower than the actors grows that backlog, the learner's RSS with it, and the
+actors' (unacknowledged records stay in their spools' memory cache).
+
+The learner's replay ring is ``buffer.capacity=5000`` unless an override says otherwise:
+its arrays are allocated up front but their pages are touched as it fills, so a ring still
+filling is RSS growth that stops when it is full; this one fills during the warm-up.
+``--memtrace S`` runs the learner and the first actor under :mod:`tools.memtrace`.
 
 Writes ``soak.csv``, ``soak.json`` (samples + verdicts) and ``soak.png`` into ``--out``, and
 prints for each line whether it stayed flat: a least-squares slope over the samples after
@@ -36,8 +44,13 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 #: absolute floors under which a line counts as flat whatever its relative change
 FLOORS = {"learner_rss_mb": 32.0, "actors_rss_mb": 32.0, "learner_fds": 4, "actors_fds": 4,
-          "learner_threads": 2, "actors_threads": 2, "act_p99_ms": 5.0, "ingest_lag": 256}
+          "learner_threads": 2, "actors_threads": 2, "act_p99_ms": 5.0, "ingest_lag": 256,
+          "store_pending": 64}
 LINES = list(FLOORS)
+#: default buffer.capacity: 2 reacher actors store ~100 records/s, so it is full within the
+#: warm-up and its pages (touched as it fills; 200k records = ~19 MB for reacher) stop
+#: counting as growth. Pass buffer.capacity=... to measure another size.
+RING = 5000
 
 
 def free_port() -> int:
@@ -51,20 +64,30 @@ def free_port() -> int:
 class Fleet:
     """The learner and actors as subprocesses of this tool, logs under ``out``."""
 
-    def __init__(self, out: Path, actors: int, env: str, extra: list[str]):
+    def __init__(self, out: Path, actors: int, env: str, extra: list[str], memtrace: float = 0.0):
         self.out, self.run_dir = out, out / "run"
         self.port, self.pub = free_port(), free_port()
         common = [f"env={env}", f"run_dir={self.run_dir}", f"transport.port={self.port}",
                   f"transport.pub_port={self.pub}"]
         penv = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
         self.procs: dict[str, subprocess.Popen] = {}
+        # the replay ring's pages are touched as it fills: sized to fill during the warm-up
+        ring = [] if any(x.startswith("buffer.capacity=") for x in extra) else [f"buffer.capacity={RING}"]
+        self.memtrace = memtrace
         self.procs["learner"] = self._start("learner", [
-            "-m", "learner", *common, "logging.wandb=disabled", "logging.every_s=1",
+            *self._module("learner"), *common, *ring, "logging.wandb=disabled", "logging.every_s=1",
             "trainer.num_threads=1", "buffer.video=false", *extra], penv)
         self.actor_ids = [f"soak{i}" for i in range(actors)]
         for i, a in enumerate(self.actor_ids):
-            self.procs[a] = self._start(a, ["-m", "actor", *common, f"actor_id={a}", f"seed={i}",
+            self.procs[a] = self._start(a, [*self._module("actor", traced=i == 0), *common, f"actor_id={a}", f"seed={i}",
                                             "spool.fsync=false", "log_every_s=5"], penv)
+
+    def _module(self, module: str, traced: bool = True) -> list[str]:
+        """``-m module``, under :mod:`tools.memtrace` with ``--memtrace``."""
+        if not (self.memtrace and traced):
+            return ["-m", module]
+        return ["-m", "tools.memtrace", "--out", str(self.out / f"memtrace_{module}.txt"),
+                "--every", str(self.memtrace), "-m", module]
 
     def _start(self, name, args, env):
         self.out.mkdir(parents=True, exist_ok=True)
@@ -199,13 +222,15 @@ def plot(rows: list[dict], path: Path, warmup_s: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(4, 2, figsize=(11, 10), sharex=True)
+    fig, axes = plt.subplots((len(LINES) + 1) // 2, 2, figsize=(11, 12), sharex=True)
     t = np.array([r["t_s"] for r in rows]) / 60
     for ax, name in zip(axes.flat, LINES):
         ax.plot(t, [r[name] for r in rows], marker=".", lw=1)
         ax.axvline(warmup_s / 60, color="grey", ls=":", lw=1)
         ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
+    for ax in axes.flat[len(LINES):]:
+        ax.axis("off")
     for ax in axes[-1]:
         ax.set_xlabel("minutes")
     fig.suptitle("tools/soak.py: learner + actors on loopback (dotted: end of warm-up)")
@@ -224,10 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.10,
                     help="allowed change over the run, as a fraction of the line's mean")
     ap.add_argument("--out", default="runs/soak")
+    ap.add_argument("--memtrace", type=float, default=0.0, metavar="S",
+                    help="run the learner and the first actor under tools.memtrace, a dump every S "
+                         "seconds (memtrace_*.txt in --out; slows them)")
     ap.add_argument("overrides", nargs="*", help="extra learner overrides (Hydra)")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
-    fleet = Fleet(out, a.actors, a.env, a.overrides)
+    fleet = Fleet(out, a.actors, a.env, a.overrides, a.memtrace)
     rows: list[dict] = []
     try:
         probe = Probe(fleet)
@@ -252,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                    "learner_threads": lthr, "actors_rss_mb": arss, "actors_fds": afds,
                    "actors_threads": athr, "act_p99_ms": probe.p99(),
                    "ingest_lag": sum(max(0, n - 1 - int(recv.get(k, -1))) for k, n in prod.items()),
+                   "store_pending": st.get("dataset_pending", 0),
                    "updates": st.get("updates", 0), "env_steps": st.get("env_steps", 0),
                    "stored": st.get("stored", 0), "load1": round(os.getloadavg()[0], 2)}
             rows.append(row)

@@ -14,7 +14,13 @@ Two encoders write video datasets (``buffer.encoder``):
 - ``lerobot``: lerobot's own ``add_frame`` / ``save_episode`` on the writer thread (PNG
   staging of every frame, then AV1 through SVT-AV1), the method before the pool.
 
-Image datasets (``video=False``: PNGs in the parquet rows) always use lerobot's path.
+Image datasets (``video=False`` with cameras: PNGs in the parquet rows) always use lerobot's
+path. A dataset without cameras uses the pool's path whatever ``video`` says, its stats
+computed on the writer thread (no worker processes): lerobot's ``save_episode`` costs
+0.3-1 s per episode even then (a per-row ``datasets.map`` that embeds images there are
+none of), slower on a loaded 2-core machine than two reacher actors make episodes, and
+the episodes waiting for it (in the learner's memory) and their records (unacknowledged,
+in the actors' spool caches) grew without bound in ``tools/soak.py``.
 """
 
 from __future__ import annotations
@@ -119,8 +125,9 @@ class EpisodeStore(CommitWorker):
         self._pool: PreparePool | None = None
         self._appender: Appender | None = None
         self._open()
-        self._pool = (PreparePool(self.root, workers=encode_workers, make_job=self._job)
-                      if self.video and encoder == "pool" else None)
+        appends = encoder == "pool" and (self.video or not spec.cameras)
+        self._pool = (PreparePool(self.root, workers=encode_workers if spec.cameras else 0,
+                                  make_job=self._job) if appends else None)
 
     # ---- opening, recovery, commits ------------------------------------------------------
 
@@ -164,9 +171,10 @@ class EpisodeStore(CommitWorker):
         return {"rgb_encoder": self._rgb_encoder} if self._rgb_encoder is not None else {}
 
     def _job(self, ep: Episode) -> PrepareJob:
-        enc = self._rgb_encoder
+        enc = self._rgb_encoder  # None: no cameras, nothing to encode
         return PrepareJob(ep, self.spec, self._lr_features, self.fps, str(self._pool.staging),
-                          enc.vcodec, enc.pix_fmt, enc.get_codec_options(1, as_strings=True))
+                          enc.vcodec if enc else "", enc.pix_fmt if enc else "",
+                          enc.get_codec_options(1, as_strings=True) if enc else {})
 
     @property
     def prepared(self) -> dict[str, int]:
@@ -211,7 +219,7 @@ class EpisodeStore(CommitWorker):
             self._ds = self._LeRobotDataset.resume(
                 self.repo_id, root=self.root, video_backend="pyav", **self._encoder_kwargs())
             check_writer_internals(self._ds)
-            if self.video and self.encoder == "pool":
+            if self._pool is not None:
                 check_append_internals(self._ds)
         return self._ds
 
