@@ -22,7 +22,13 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, FileNotFoundError) as exc:
         logging.getLogger("tandem.learner").error("%s", exc)
         sys.exit(2)
-    process.run()
+    try:
+        process.run()
+    finally:  # an N-rank learner: close the process group before the interpreter tears down
+        import torch.distributed as dist  # its threads (gloo aborted at exit without this)
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

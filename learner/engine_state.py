@@ -69,7 +69,8 @@ def check_resume(meta: dict | None, world: int, engines: list, path: Path) -> No
         raise ValueError(
             f"checkpoint {path} was written by a learner of {meta['world']} rank(s) (--gpus "
             f"{meta['world']}); this learner runs {world}: resume it with --gpus {meta['world']} "
-            "(its optimizer state is split per rank), or start a new run_dir / pass resume=never")
+            f"({'its optimizer state is split per rank' if int(meta.get('engines', 0)) else 'a resume keeps the number of ranks'}), "
+            "or start a new run_dir / pass resume=never")
     have = ranks_meta(world, engines)
     if int(meta["engines"]) != have["engines"] or int(meta["zero_stage"]) != have["zero_stage"]:
         def say(m):

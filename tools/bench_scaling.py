@@ -22,7 +22,7 @@ scaling efficiency samples/s(2 GPUs) / (2 x samples/s(1 GPU)):
     python -m tools.bench_scaling --matrix --cases pi0_full --configs 1gpu,2gpu_z3
     python -m tools.bench_scaling --matrix --tiny --cpu --configs 1gpu,2gpu_ddp   # CPU smoke
 
-Not measured: act latency while training (the serving copy of the learner is not built here).
+Act latency while training: tools/bench/act_latency.py (a serving copy on rank 0 and actors acting).
 """
 
 from __future__ import annotations
