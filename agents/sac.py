@@ -494,7 +494,7 @@ class SACAgent:
             self._temp_raw.log_alpha.copy_(state["log_alpha"])
         # torch optimizers adopt the given tensors (no copy): copy so that training this agent
         # never mutates the caller's state dict
-        self.actor_opt.load_state_dict(copy.deepcopy(state["actor_opt"]))
-        self.critic_opt.load_state_dict(copy.deepcopy(state["critic_opt"]))
-        self.temp_opt.load_state_dict(copy.deepcopy(state["temp_opt"]))
+        for name in ("actor_opt", "critic_opt", "temp_opt"):  # a DeepSpeed run's engines hold
+            if name in state:  # its actor/critic optimizers: evaluating it reads the weights only
+                getattr(self, name).load_state_dict(copy.deepcopy(state[name]))
         self.num_updates = int(state["num_updates"])

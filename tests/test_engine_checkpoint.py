@@ -220,3 +220,29 @@ def launcher_resume_round_trip(tmp_path: Path, stage: int, cpu: bool) -> None:
 @pytest.mark.timeout(900)
 def test_two_rank_cpu_learner_resumes_its_checkpoint_and_refuses_one_rank(tmp_path):
     launcher_resume_round_trip(tmp_path, 0, cpu=True)
+
+
+def test_a_deepspeed_sac_state_without_engine_optimizers_loads_for_evaluation():
+    """A SAC checkpoint written under DeepSpeed holds no actor/critic optimizers (the engines'
+    files do): a single-process agent (mode=eval at N=1) still loads its weights."""
+    from accelerate import Accelerator
+
+    from agents.base import accelerator_kwargs
+    from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
+    from agents.sac import SACAgent, SACConfig
+    from data.core.spec import EnvSpec
+
+    spec = EnvSpec(state_dim=5, action_dim=2, max_episode_steps=50)
+    acc = Accelerator(cpu=True, kwargs_handlers=accelerator_kwargs())
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return SACAgent(SACConfig(critic_hidden_dims=(16,)), MLPPolicy(MLPPolicyConfig(hidden_dims=(16,)), spec),
+                        spec, acc)
+
+    state = make(0).state_dict()
+    del state["actor_opt"], state["critic_opt"]
+    b = make(1)
+    b.load_state_dict(state)
+    for k, v in b.state_dict()["policy"].items():
+        assert torch.equal(v, state["policy"][k]), k
