@@ -294,3 +294,13 @@ def extras_ranges(policy: Any) -> dict[str, tuple[int, int]]:
     ingest refuses records outside them)."""
     fn = getattr(policy, "extras_ranges", None)
     return dict(fn()) if callable(fn) else {}
+
+
+def low_precision_autocast(module: torch.nn.Module):
+    """Autocast to the dtype of ``module``'s weights when they are bf16/fp16 on a GPU (a
+    DeepSpeed bf16 engine casts a module's weights while batches stay float32), else a no-op."""
+    import contextlib
+
+    p = next(module.parameters(), None)
+    low = p is not None and p.is_cuda and p.dtype in (torch.bfloat16, torch.float16)
+    return torch.autocast("cuda", dtype=p.dtype) if low else contextlib.nullcontext()

@@ -39,7 +39,8 @@ from torch import nn
 
 from agents.advantages import ESTIMATORS, masked_mean, masked_whiten
 from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, TokenLogProbPolicy,
-                         ValuePolicy, check_pair, has_capability, uses_deepspeed, zero3_gathered)
+                         ValuePolicy, check_pair, has_capability, low_precision_autocast, uses_deepspeed,
+                         zero3_gathered)
 from agents.kl import KL_KINDS, kl_penalty
 from agents.ppo_losses import (entropy_bonus, per_token, policy_loss,  # noqa: F401 (re-exported)
                                truncated_is_weights, value_loss)
@@ -174,9 +175,7 @@ class PolicyCalls(nn.Module):
     def forward(self, obs: Batch, actions: torch.Tensor | None = None, what="log_prob"):
         # a DeepSpeed bf16 engine casts this module's weights to bf16 while the batch stays
         # float32: compute under autocast then (no-op for policies that hold bf16 already)
-        p = next(self.parameters(), None)
-        low = p is not None and p.is_cuda and p.dtype in (torch.bfloat16, torch.float16)
-        with torch.autocast("cuda", dtype=p.dtype if low else torch.bfloat16, enabled=low):
+        with low_precision_autocast(self):
             if isinstance(what, str):
                 return self._call(what, obs, actions)
             return tuple(self._call(w, obs, actions) for w in what)

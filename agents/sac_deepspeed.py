@@ -29,7 +29,6 @@ bf16 engines hold bf16 weights while batches stay float32: forwards run under au
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any
 
@@ -37,13 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agents.base import Batch, zero3_gathered
-
-
-def _autocast(module: nn.Module):
-    p = next(module.parameters(), None)
-    low = p is not None and p.is_cuda and p.dtype in (torch.bfloat16, torch.float16)
-    return torch.autocast("cuda", dtype=p.dtype, enabled=True) if low else contextlib.nullcontext()
+from agents.base import Batch, low_precision_autocast, zero3_gathered
 
 
 class ActorCalls(nn.Module):
@@ -54,7 +47,7 @@ class ActorCalls(nn.Module):
         self.policy = policy
 
     def forward(self, batch: Batch, prefix: str = ""):
-        with _autocast(self):
+        with low_precision_autocast(self):
             a, logp = self.policy.sample(batch, prefix)
         return a.float(), logp.float()
 
@@ -67,7 +60,7 @@ class CriticCalls(nn.Module):
         self.critic = critic
 
     def forward(self, batch: Batch, actions: torch.Tensor, prefix: str = ""):
-        with _autocast(self):
+        with low_precision_autocast(self):
             q = self.critic(batch, actions, prefix)
         return q.float()
 
@@ -92,7 +85,7 @@ class SACEngines:
             return a, logp, self.temperature()
         if what == "actor":
             a, logp = self.actor(batch)
-            with _autocast(self.critic_raw):
+            with low_precision_autocast(self.critic_raw):
                 q = self.critic_raw(batch, a).float()
             return a, logp, q, self.temperature.log_alpha.view(())
         raise ValueError(f"SAC phase {what!r} is not available under DeepSpeed")

@@ -138,7 +138,7 @@ class Learner:
         self._rates = {"status": RateMeter(), "view": RateMeter()}
         self.serving_device = serving_device(cfg, self.device)
         # built with that GPU current: policies that say "cuda" (lerobot's PI0) land on it too
-        with torch.cuda.device(self.serving_device) if self.serving_device.type == "cuda" else _nothing():
+        with torch.cuda.device(self.serving_device) if self.serving_device.type == "cuda" else contextlib.nullcontext():
             serving = registry.build_trained_policy(self.builder, cfg.policy, env).to(self.serving_device).eval()
         self.jobs = self.builder.jobs() or (JobQueue.from_config(list(cfg.jobs)) if cfg.jobs else None)
         self.sweep = None  # mode=eval with eval.sweep: every (task, init state) once, as jobs
@@ -437,10 +437,6 @@ class Learner:
         self.service.finished = True
         time.sleep(min(3.0, 2 * self.cfg.transport.heartbeat_s + 0.5))  # let actors hear it
         return report
-
-
-def _nothing():
-    return contextlib.nullcontext()
 
 
 def _raise_interrupt(signum, frame):
