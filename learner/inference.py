@@ -16,15 +16,21 @@ A reply holds ``actions`` [n, H, A] float32 and, for each extra the policy decla
 declared dtype: the request's rows of ``chunk.extras_with_log_prob()``. A policy that
 returns an extra it did not declare, or misses one, gets every request of the batch an
 ``inference_failed`` error naming it.
+
+A policy with a ``warm_up(max_batch=...)`` method (PI0 / PI0.5: compile and capture the CUDA
+graphs of the batch sizes it will serve) is warmed up when the server is built, with the serving
+device current: that is before the learner starts its service, so no actor's act waits behind
+a compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -65,7 +71,8 @@ class InferenceServer(threading.Thread):
         spec_fn = getattr(policy, "extras_spec", None)
         #: the policy's declared extras: name -> (dtype, per-chunk shape)
         self.extras_spec = dict(spec_fn()) if callable(spec_fn) else {}
-        self.requests: queue.Queue[ActRequest] = queue.Queue()
+        # deque: append/popleft are atomic, and far cheaper than queue.Queue's locks
+        self.requests: deque[ActRequest] = deque()
         self._pending: tuple[int, dict] | None = None
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
@@ -84,9 +91,31 @@ class InferenceServer(threading.Thread):
         self._ident: int | None = None
         self._wake_lock = threading.Lock()  # the pipe is closed when the thread ends
         self._wake_open = True
+        #: {batch size: seconds} of the policy's warm-up ({} when it has none)
+        self.warmup_s = self.warm_up()
+
+    def warm_up(self) -> dict[int, float]:
+        """The policy's ``warm_up`` (if it has one), on the serving device and under the same
+        autocast as ``_serve``; a failure is logged and serving goes on (graphs then come lazily)."""
+        fn = getattr(self.policy, "warm_up", None)
+        if not callable(fn):
+            return {}
+        cuda = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        try:
+            with (torch.cuda.device(self.device) if cuda else contextlib.nullcontext()), \
+                    (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                     else contextlib.nullcontext()):
+                out = dict(fn(max_batch=self.max_batch) or {})
+        except Exception:  # noqa: BLE001 - a warm-up must not stop the learner
+            log.exception("policy warm-up failed; graphs will be built on first use")
+            return {}
+        if out:
+            log.info("serving warm-up: batch sizes %s ready in %.1f s", sorted(out), time.perf_counter() - t0)
+        return out
 
     def submit(self, req: ActRequest) -> None:
-        self.requests.put(req)
+        self.requests.append(req)
         if threading.get_ident() != self._ident:
             with self._wake_lock:
                 if self._wake_open:
@@ -121,14 +150,12 @@ class InferenceServer(threading.Thread):
             except BlockingIOError:
                 pass
         if self.channel is not None and self.channel.sock in events:
-            self.channel.read()
+            self.channel.read(ready=True)
 
     def _take(self, reqs: list[ActRequest], n: int) -> int:
-        while n < self.max_batch:
-            try:
-                r = self.requests.get_nowait()
-            except queue.Empty:
-                break
+        q = self.requests
+        while q and n < self.max_batch:
+            r = q.popleft()
             reqs.append(r)
             n += r.n
         return n
@@ -141,8 +168,12 @@ class InferenceServer(threading.Thread):
             n = self._take(reqs, 0)
             if not reqs:
                 return []
+        if n >= self.max_batch:
+            return reqs
+        want = self.active_actors()
+        if len(reqs) >= want:  # every active actor's request is here: no lingering
+            return reqs
         deadline = time.perf_counter() + self.window_s
-        want = max(1, self.active_actors())
         while n < self.max_batch and len(reqs) < want:
             left = deadline - time.perf_counter()
             if left <= 0:
@@ -178,8 +209,12 @@ class InferenceServer(threading.Thread):
             self._apply_pending()  # the newest weights serve this batch
             if not reqs:
                 continue
-            for det in (False, True):
-                group = [r for r in reqs if r.deterministic == det]
+            det0 = reqs[0].deterministic
+            if all(r.deterministic == det0 for r in reqs):
+                groups = ((det0, reqs),)
+            else:
+                groups = tuple((det, [r for r in reqs if r.deterministic == det]) for det in (False, True))
+            for det, group in groups:
                 if group:
                     try:
                         self._serve(group, det)
@@ -191,10 +226,15 @@ class InferenceServer(threading.Thread):
 
     def _serve(self, group: list[ActRequest], deterministic: bool) -> None:
         t0 = time.perf_counter()
-        keys = list(group[0].arrays)
-        # concatenate copies even one request's arrays: the decoded ones are read-only views
-        # of the received frames, which torch must not be handed
-        obs = {k: torch.from_numpy(np.concatenate([r.arrays[k] for r in group])) for k in keys}
+        if len(group) == 1:
+            # one request: hand torch its arrays as they are when they own writable, aligned
+            # memory (views of the received zero-copy frames, kept alive by the tensors); a
+            # read-only or unaligned one (a small frame, bytes) is copied
+            obs = {k: torch.from_numpy(a if a.flags.writeable and a.flags.aligned else a.copy())
+                   for k, a in group[0].arrays.items()}
+        else:
+            keys = list(group[0].arrays)
+            obs = {k: torch.from_numpy(np.concatenate([r.arrays[k] for r in group])) for k in keys}
         if self.device.type != "cpu":
             obs = {k: v.to(self.device, non_blocking=True) for k, v in obs.items()}
         obs[TASK] = [t for r in group for t in r.tasks]
@@ -203,7 +243,8 @@ class InferenceServer(threading.Thread):
         else:
             with torch.autocast(self.device.type, dtype=self.autocast_dtype):
                 chunk = self.policy.act(obs, deterministic=deterministic)
-        actions = chunk.actions.float().cpu().numpy()
+        a = chunk.actions
+        actions = (a if a.dtype == torch.float32 and a.is_cpu else a.float().cpu()).numpy()
         if self.extras_spec or chunk.extras or chunk.log_prob is not None:
             extras = extras_to_numpy(chunk.extras_with_log_prob(), self.extras_spec, actions.shape[0])
         else:  # nothing declared, nothing returned
@@ -214,6 +255,12 @@ class InferenceServer(threading.Thread):
         self.batch_sizes.append(len(group))
         if len(self.batch_sizes) > 1000:
             del self.batch_sizes[:500]
+        if len(group) == 1:
+            r = group[0]
+            self.reply(r.identity, encode(
+                "act_reply", {"req_id": r.req_id, "policy_version": self.version, "infer_ms": infer_ms,
+                              "batch": 1}, {"actions": actions, **extras}))
+            return
         i = 0
         for r in group:
             self.reply(r.identity, encode(

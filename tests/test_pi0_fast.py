@@ -87,10 +87,78 @@ def test_fast_path_is_not_used_for_training(ckpts):
         Pi0PolicyConfig(checkpoint=str(ckpts["pi0"]), fast_serving="fastest").validate()
 
 
+def test_fast_compile_setting():
+    """``fast_compile``: auto compiles where graphs are captured (a GPU), true / false as said;
+    anything else is refused when the config is validated."""
+    from agents.policies.pi0_fast import COMPILE_MODE, resolve_compile
+
+    assert resolve_compile("auto", True) == COMPILE_MODE and resolve_compile("auto", False) is None
+    assert resolve_compile(True, False) == COMPILE_MODE and resolve_compile("true", False) == COMPILE_MODE
+    assert resolve_compile(False, True) is None and resolve_compile("false", True) is None
+    assert resolve_compile("static", True) == "static"
+    assert Pi0PolicyConfig().fast_compile == "auto" and Pi0PolicyConfig().fast_warmup_buckets == (1, 2, 4, 8)
+    with pytest.raises(ValueError, match="fast_compile"):
+        Pi0PolicyConfig(fast_compile="fastest").validate()
+
+
+def test_inference_server_warms_the_policy_up(ckpts):
+    """The serving thread's owner warms the policy up when it is built (before it serves), with
+    its max_batch; a policy without ``warm_up`` or one on a CPU (no graphs) costs nothing."""
+    from learner.inference import InferenceServer
+
+    class Warm:
+        def __init__(self):
+            self.calls = []
+
+        def warm_up(self, *, max_batch):
+            self.calls.append(max_batch)
+            return {1: 0.5, 2: 0.25}
+
+    def server(policy):
+        s = InferenceServer(policy, reply=lambda *a: None, active_actors=lambda: 1, device=torch.device("cpu"),
+                            max_batch=16)
+        s.start()
+        s.stop()
+        s.join(timeout=5)
+        return s
+
+    w = Warm()
+    assert server(w).warmup_s == {1: 0.5, 2: 0.25} and w.calls == [16]
+    assert server(object()).warmup_s == {}
+    p = make(ckpts["pi0"], "pi0", device="cpu")
+    assert server(p).warmup_s == {} and getattr(p, "_fast", None) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_default_config_compiles_and_warms_up_on_gpu(ckpts):
+    """The default config on a GPU compiles the fast path; ``warm_up`` captures the listed
+    buckets (3 pads to 4); with the batch dimension dynamic the bucket after 2 needs no compile;
+    a later act at a warmed size neither captures nor compiles; actions match lerobot's."""
+    from agents.policies.pi0_fast import _compiled_graphs
+
+    p = make(ckpts["pi0"], "pi0", device="cuda", dtype="bfloat16")
+    assert p.cfg.fast_compile == "auto" and p.cfg.fast_serving == "auto"
+    assert sorted(p.warm_up([1, 2])) == [1, 2]
+    fast = p._fast
+    assert fast.compile == "dynamic" and fast.captures == 2 and fast.compiles > 0
+    compiled = _compiled_graphs()
+    assert sorted(p.warm_up([3, 4, 128], max_batch=64)) == [4]  # 128: above max_batch, skipped
+    assert fast.captures == 3 and _compiled_graphs() == compiled  # a capture only
+    assert sorted(k[0] for k in fast._graphs) == [1, 2, 4]
+    d = int(p.lr_cfg.max_action_dim)
+    for b in (3, 1, 2):
+        noise = torch.randn(b, CHUNK, d, generator=torch.Generator().manual_seed(b)).cuda()
+        out, ref = both(p, obs(b), noise)
+        torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+        p.act(obs(b))
+    assert fast.captures == 3 and _compiled_graphs() == compiled
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("variant", ["pi0", "pi05"])
 def test_graphs_equal_lerobot_on_gpu(ckpts, variant):
-    p = make(ckpts[variant], variant, device="cuda", dtype="bfloat16", fast_serving="auto")
+    # graphs without torch.compile: the replay must equal the same computation run eagerly
+    p = make(ckpts[variant], variant, device="cuda", dtype="bfloat16", fast_serving="auto", fast_compile=False)
     d = int(p.lr_cfg.max_action_dim)
     noise = torch.randn(3, CHUNK, d, generator=torch.Generator().manual_seed(2)).cuda()
     fast, ref = both(p, obs(), noise)

@@ -52,6 +52,7 @@ from torch import nn
 
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
+from agents.policies.pi0_fast import FastPiSampler, resolve_compile, warm_up
 from agents.policies.pi0_lerobot import (ARCH_FILE, Pi0Arch, build_lerobot_pi, lerobot_config,  # noqa: F401
                                          lerobot_pi_module, save_lerobot_checkpoint)
 from data.core.schema import OBS_STATE
@@ -118,8 +119,11 @@ class Pi0PolicyConfig:
     #: on a GPU, lerobot's sample_actions on a CPU) | "graphs" | "eager" (the fast path without
     #: graphs) | "off" (lerobot's sample_actions always)
     fast_serving: str = "auto"
-    #: torch.compile one denoising step inside the fast path's graph (slower start, fused kernels)
-    fast_compile: bool = False
+    #: torch.compile SigLIP, the prefix stack and a denoising step inside the fast path's graphs:
+    #: "auto" (where graphs are captured: a GPU) | true | false (pi0_fast.py documents the modes)
+    fast_compile: Any = "auto"
+    #: batch sizes whose graphs ``warm_up`` compiles and captures before serving (others: lazily)
+    fast_warmup_buckets: tuple[int, ...] = (1, 2, 4, 8)
     gradient_checkpointing: bool = False
     #: seed of the random initial weights (both learner copies must agree)
     seed: int = 0
@@ -145,6 +149,7 @@ class Pi0PolicyConfig:
     def validate(self) -> None:
         if self.fast_serving not in ("auto", "graphs", "eager", "off"):
             raise ValueError(f"policy.fast_serving must be auto, graphs, eager or off, got {self.fast_serving!r}")
+        resolve_compile(self.fast_compile, False)  # raises on anything but auto / true / false
         if self.variant not in ("pi0", "pi05"):
             raise ValueError(f"variant must be pi0 or pi05, got {self.variant!r}")
         if self.chunk_size < 1 or self.num_inference_steps < 1 or self.lora_rank < 0:
@@ -210,7 +215,6 @@ class _DropRecords(logging.Filter):
 # -- policy -----------------------------------------------------------------------------------
 class Pi0Policy(nn.Module):
     """PI0 / PI0.5 behind :class:`agents.base.Policy` (see the module docstring)."""
-
 
     def __init__(self, cfg: Pi0PolicyConfig, spec: EnvSpec):
         super().__init__()
@@ -399,11 +403,17 @@ class Pi0Policy(nn.Module):
         if mode == "auto" and not cuda:
             return None
         if getattr(self, "_fast", None) is None:
-            from agents.policies.pi0_fast import FastPiSampler
-
-            self._fast = FastPiSampler(self.inner.model, self.variant, graphs=cuda and mode in ("auto", "graphs"),
-                                       compile=bool(self.cfg.fast_compile))
+            g = cuda and mode in ("auto", "graphs")
+            self._fast = FastPiSampler(self.inner.model, self.variant, graphs=g, compile=resolve_compile(self.cfg.fast_compile, g))
         return self._fast
+
+    def warm_up(self, batch_sizes=None, *, max_batch: int | None = None) -> dict[int, float]:
+        """Compile and capture the serving graphs of ``batch_sizes`` (default
+        ``fast_warmup_buckets``) now, not on the first act of each size ({bucket: seconds})."""
+        if type(self).act is not Pi0Policy.act:  # flow RL acts through its own chain
+            return {}
+        return warm_up(self, self.cfg.fast_warmup_buckets if batch_sizes is None else batch_sizes,
+                       max_batch=max_batch)
 
     def _serving_weights(self) -> None:
         """Adapters folded into the weights in eval mode without gradients, live otherwise."""

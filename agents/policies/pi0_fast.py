@@ -26,6 +26,15 @@ rotary embeddings, projections), so loaded checkpoints and LoRA folding apply un
   and folded adapters (``LoRAServing`` copies into the same tensors) need no recapture; a
   change of the adapter fold state (different modules) does recapture.
 
+With ``compile`` (``policy.fast_compile``: ``auto`` compiles on a GPU), SigLIP, the prefix layer
+stack and one denoising step run through ``torch.compile`` inside the graph. In ``"dynamic"``
+mode (the default) the batch dimension is symbolic for batches >= 2, so one compile serves every
+bucket from 2 up (batch 1 is always specialised by dynamo: a second, static compile), and each
+further bucket costs only a capture; ``"static"`` compiles each bucket on its own. Compiled
+kernels go to a persistent inductor cache (``TORCHINDUCTOR_CACHE_DIR``, default
+``~/.cache/tandem/inductor``), so a restart mostly reads them back. :func:`warm_up` compiles and
+captures the buckets a server will use before it serves (``Pi0Policy.warm_up``).
+
 The result equals lerobot's ``sample_actions`` on the same noise: to float32 round-off on a
 CPU (tests/test_pi0_fast.py), within bf16 tolerance on a GPU (the GPU test in the same file).
 RTC (real-time chunking) is not supported on this path; ``Pi0Policy`` falls back to lerobot's.
@@ -35,6 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import time
 from typing import Any
 
 import torch
@@ -44,6 +55,52 @@ log = logging.getLogger("tandem.policies.pi0_fast")
 
 #: served batch sizes a graph is captured for (a request pads up to the next one)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+#: compile mode when ``fast_compile`` is on: "dynamic" (symbolic batch >= 2) or "static"
+COMPILE_MODE = "dynamic"
+#: where compiled kernels persist when TORCHINDUCTOR_CACHE_DIR is unset ("" / None: torch's own
+#: default, under /tmp)
+CACHE_DIR = "~/.cache/tandem/inductor"
+
+
+def resolve_compile(value: Any, cuda: bool) -> str | None:
+    """``policy.fast_compile`` (auto | true | false) -> the sampler's compile mode or None:
+    ``auto`` compiles on a GPU only (on a CPU the fast path is not the default anyway)."""
+    v = str(value).strip().lower()
+    if v not in ("auto", "true", "false", "1", "0", "yes", "no", "on", "off", "static", "dynamic"):
+        raise ValueError(f"policy.fast_compile must be auto, true or false, got {value!r}")
+    if v in ("static", "dynamic"):
+        return v
+    on = cuda if v == "auto" else v in ("true", "1", "yes", "on")
+    return COMPILE_MODE if on else None
+
+
+def use_cache_dir(path: str | None = CACHE_DIR) -> str | None:
+    """Point inductor's cache (FX graphs, Triton kernels, autotuning) at ``path`` unless
+    TORCHINDUCTOR_CACHE_DIR is set to somewhere else than torch's default (importing lerobot
+    already sets it to that default, under /tmp); returns the directory in use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if path and os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        d = os.path.expanduser(path)
+        os.makedirs(d, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (a new bucket that needs none was a capture)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _mark_batch(*tensors) -> None:
+    """Batch dimension (0) symbolic for the next compile: each tensor, or list of tensors
+    (all of them: one left static would specialise the batch through a cat or a broadcast)."""
+    for t in tensors:
+        for x in (t if isinstance(t, (list, tuple)) else [t]):
+            if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(x, 0)  # noqa: SLF001
 
 
 class _PrefixKV:
@@ -123,7 +180,8 @@ class FastPiSampler:
     CUDA graphs (only on a CUDA device); without, the same computation runs eagerly."""
 
     def __init__(self, model: nn.Module, variant: str, *, graphs: bool = True,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, compile: bool = False):
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, compile: bool | str | None = False,
+                 cache_dir: str | None = CACHE_DIR):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention()
@@ -137,14 +195,27 @@ class FastPiSampler:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and the bench read it)
+        self.compiles = 0  # graphs dynamo compiled during those captures
         # torch.compile of one denoising step and of the prefix's two stages (SigLIP per camera,
         # the VLM layer stack): fuses the norms, rotary, residuals, the elementwise kernels
-        # that remain once launches are gone; captured inside the graph like the eager code
-        self._velocity = torch.compile(self.velocity, dynamic=False) if compile else self.velocity
-        self._embed_image = (torch.compile(pwe.embed_image, dynamic=False) if compile
-                             else pwe.embed_image)
-        self._prefix_kv = (torch.compile(self.prefix_kv, dynamic=False) if compile
-                           else self.prefix_kv)
+        # that remain once launches are gone; captured inside the graph like the eager code.
+        # "dynamic": dynamic=None with only the batch dimension marked (automatic dynamic
+        # off, so nothing else turns symbolic); "static": dynamic=False, one compile per bucket
+        mode = COMPILE_MODE if compile is True else (compile or None)
+        if mode not in (None, "static", "dynamic"):
+            raise ValueError(f"FastPiSampler: compile must be static, dynamic or off, got {compile!r}")
+        self.compile = mode
+        if mode:
+            use_cache_dir(cache_dir)
+            # every (instance, bucket) is a guard set of the same code objects: keep them all
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # noqa: SLF001
+        dyn = None if mode == "dynamic" else False
+
+        def comp(fn):
+            return torch.compile(fn, dynamic=dyn) if mode else fn
+
+        self._velocity, self._embed_image, self._prefix_kv = (
+            comp(self.velocity), comp(pwe.embed_image), comp(self.prefix_kv))
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
     def _layers(self, lm: nn.Module, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor,
@@ -162,9 +233,15 @@ class FastPiSampler:
         """The VLM pass: each layer's keys/values, and the prefix pad mask [B, P]."""
         pwe = self.model.paligemma_with_expert
         embs, pads = [], []
+        dyn = self.compile == "dynamic" and tokens.shape[0] > 1  # batch 1: static (dynamo's rule)
         if len(images) > 1 and len({tuple(i.shape) for i in images}) == 1:  # one SigLIP pass
-            feats = self._embed_image(torch.cat(list(images), dim=0)).chunk(len(images), dim=0)
+            cat = torch.cat(list(images), dim=0)
+            if dyn:
+                _mark_batch(cat)
+            feats = self._embed_image(cat).chunk(len(images), dim=0)
         else:
+            if dyn:
+                _mark_batch(list(images))
             feats = [self._embed_image(img) for img in images]
         for e, m in zip(feats, img_masks, strict=True):
             embs.append(e)
@@ -175,6 +252,8 @@ class FastPiSampler:
         # every prefix token has ar-mask 0: full attention among the valid tokens
         self._set_attn(ATTN_NAME)
         cache = _PrefixKV(len(self.vlm.layers))
+        if dyn:
+            _mark_batch(embs, pad)
         cache.k, cache.v = self._prefix_kv(embs, pad)
         cache.recording = False
         return cache, pad
@@ -231,7 +310,10 @@ class FastPiSampler:
             times = 1.0 + dt * torch.arange(num_steps, dtype=torch.float32, device=noise.device)
             x = noise
             for step in range(num_steps):
-                v = self._velocity(cache, pad, state, x, times[step].expand(x.shape[0]))
+                t = times[step].expand(x.shape[0])
+                if self.compile == "dynamic" and x.shape[0] > 1:
+                    _mark_batch(cache.k, cache.v, pad, state, x, t)
+                v = self._velocity(cache, pad, state, x, t)
                 x = x + dt * v
             return x
 
@@ -249,7 +331,7 @@ class FastPiSampler:
         if not (self.graphs and noise.is_cuda):
             return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps)
         b = noise.shape[0]
-        bucket = next((x for x in self.buckets if x >= b), None)
+        bucket = self.bucket(b)
         if bucket is None:  # beyond the largest graph: eager
             return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps)
         inputs = {"images": list(images), "img_masks": list(img_masks), "tokens": tokens,
@@ -265,10 +347,17 @@ class FastPiSampler:
         graph.replay()
         return out[:b].clone()
 
+    def bucket(self, b: int) -> int | None:
+        """The captured batch size a request of ``b`` rows is padded to (None: beyond them)."""
+        return next((x for x in self.buckets if x >= b), None)
+
     def _capture(self, static: dict, num_steps: int):
         def run():
-            return self._sample(static["images"], static["img_masks"], static["tokens"], static["lang_masks"],
-                                static["state"], static["noise"], num_steps)
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # noqa: SLF001
+                return self._sample(static["images"], static["img_masks"], static["tokens"],
+                                    static["lang_masks"], static["state"], static["noise"], num_steps)
+
+        t0, graphs0 = time.perf_counter(), _compiled_graphs()
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -282,7 +371,11 @@ class FastPiSampler:
         with torch.cuda.graph(graph, pool=self._pool):
             out = run()
         self.captures += 1
-        log.info("PI fast path: captured a CUDA graph for batch %d (%d steps)", static["noise"].shape[0], num_steps)
+        new = _compiled_graphs() - graphs0
+        self.compiles += new
+        log.info("PI fast path: captured a CUDA graph for batch %d (%d steps) in %.1f s%s",
+                 static["noise"].shape[0], num_steps, time.perf_counter() - t0,
+                 f", {new} graph(s) compiled ({self.compile})" if self.compile else "")
         return graph, static, out
 
 
@@ -339,3 +432,33 @@ def _copy_into(static: dict, inputs: dict, b: int) -> None:
                 dst[:b].copy_(src, non_blocking=True)
         else:
             static[k][:b].copy_(v, non_blocking=True)
+
+
+def warm_up(policy, batch_sizes, *, max_batch: int | None = None) -> dict[int, float]:
+    """Compile and capture the fast path's graphs for ``batch_sizes`` (each padded to its
+    bucket; sizes above ``max_batch`` are skipped) before a server takes requests: one
+    deterministic forward of a blank observation per bucket, timed and logged. Returns
+    {bucket: seconds}; {} where the policy serves without graphs (a CPU, fast_serving off/eager,
+    training mode)."""
+    from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+
+    with torch.no_grad():
+        fast = policy._fast_sampler()  # noqa: SLF001
+        if fast is None or not fast.graphs or policy.device.type != "cuda":
+            log.info("%s: no warm-up (the fast path captures no graphs here)", policy.who)
+            return {}
+        sizes = sorted({fast.bucket(int(b)) for b in batch_sizes
+                        if int(b) >= 1 and (max_batch is None or int(b) <= max_batch)} - {None})
+        spec, dev, out = policy.spec, policy.device, {}
+        for b in sizes:
+            obs = {OBS_STATE: torch.zeros(b, spec.state_dim, device=dev),
+                   TASK: [policy.cfg.default_task or "warm up"] * b}
+            for cam, (h, w, c) in spec.cameras.items():
+                obs[OBS_IMAGE_PREFIX + cam] = torch.zeros(b, h, w, c, dtype=torch.uint8, device=dev)
+            t0, captures, compiles = time.perf_counter(), fast.captures, fast.compiles
+            policy.act(obs, deterministic=True)
+            torch.cuda.synchronize(dev)
+            out[b] = time.perf_counter() - t0
+            log.info("%s: warm-up batch %d ready in %.1f s (%d capture(s), %d compiled graph(s), compile=%s)",
+                     policy.who, b, out[b], fast.captures - captures, fast.compiles - compiles, fast.compile)
+        return out

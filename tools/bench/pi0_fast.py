@@ -1,28 +1,35 @@
 """PI0 / PI0.5 serving latency: the fast path (agents/policies/pi0_fast.py: CUDA graphs over
-lerobot's modules) against lerobot's own paths, in one run on one GPU, full size, random bf16
-weights, 2 cameras at 224, 10 flow steps, LoRA rank 16 folded for serving.
+lerobot's modules, torch.compile'd inside them by default on a GPU) against lerobot's own paths,
+in one run on one GPU, full size, random bf16 weights, 2 cameras at 224, 10 flow steps, LoRA
+rank 16 folded for serving.
 
-Per variant:
-- ``fast_act_ms``: ``policy.act(obs)`` on the fast path (observation mapping included);
-- ``fast_forward_ms``: the model call alone, batch 1, and ``fast_forward_by_batch`` at 4 and 8;
-- ``eager_forward_ms``: the same call through lerobot's ``PI0Pytorch.sample_actions``;
-- ``lerobot_select_action_ms`` (PI0): lerobot's ``PI0Policy.select_action`` (queue reset every
-  call) on the same inputs, built without LoRA; ``speedup_vs_select_action`` = its p50 / ours;
-- with ``--compile``: ``compiled_forward_ms``, ``compiled_act_ms`` and
-  ``compiled_speedup_vs_select_action`` (``policy.fast_compile=true``);
-- ``max_abs_diff``: fast vs eager actions on the same noise (bf16 tolerance).
+Per variant and per compile mode in ``--modes`` (``dynamic``: the default, one compile for every
+batch >= 2; ``static``: one compile per batch size; ``off``: graphs without torch.compile):
+- ``warmup_s``: ``policy.warm_up`` per bucket of ``--warmup-buckets`` (compile + capture, in
+  order), with ``warmup_compiled_graphs`` (graphs dynamo compiled for that bucket);
+- ``act_ms``: ``policy.act(obs)`` at batch 1 (observation mapping included), after warm-up;
+- ``forward_ms``: the model call alone at batch 1, and ``forward_by_batch`` at 4 and 8;
+- ``max_abs_diff``: against lerobot's ``sample_actions`` on the same noise (bf16 tolerance).
+Once per variant: ``eager_forward_ms`` (lerobot's ``PI0Pytorch.sample_actions``) and, for PI0,
+``lerobot_select_action_ms`` (lerobot's ``PI0Policy.select_action``, queue reset every call, on
+the same inputs, built without LoRA) with ``speedup_vs_select_action`` per mode (its p50 / the
+mode's act p50).
+
+``--warmup-only``: the warm-up timings and a short act timing, nothing else (run it a second
+time with the same ``--cache-dir`` to time a restart on a warm inductor cache).
 
 Each timing runs at least ``--iters`` calls and then more until the 95% interval of the median
 (order statistics) is within +-5% of it, or ``--max-iters``; the interval is printed, with a
 warning when it stays wide. GPU clocks and other processes on the GPU are recorded.
 
-    python -m tools.bench.pi0_fast --json out.json [--variants pi0,pi05]
+    python -m tools.bench.pi0_fast --json out.json [--variants pi0,pi05] [--modes dynamic,static]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +45,42 @@ def timed(fn, sync, iters: int, max_iters: int) -> dict:
     return out
 
 
+def batch_of(obs: dict, b: int) -> dict:
+    return {k: (v * b if isinstance(v, list) else v.repeat(b, *([1] * (v.dim() - 1)))) for k, v in obs.items()}
+
+
+def bench_mode(policy, mode: str, obs, inputs, noise, args, sync) -> dict:
+    import torch
+
+    from agents.policies.pi0_fast import FastPiSampler
+
+    policy._fast = None
+    torch.cuda.empty_cache() if policy.device.type == "cuda" else None
+    policy._fast = fast = FastPiSampler(policy.inner.model, policy.variant, graphs=policy.device.type == "cuda",
+                                        compile=None if mode == "off" else mode)
+    res: dict = {"mode": mode, "warmup_s": {}, "warmup_compiled_graphs": {}}
+    for b in args.warmup_buckets:
+        compiles = fast.compiles
+        res["warmup_s"].update(policy.warm_up([b]))
+        res["warmup_compiled_graphs"][b] = fast.compiles - compiles
+    res["warmup_total_s"] = sum(res["warmup_s"].values())
+    it, mx = (20, 60) if args.warmup_only else (args.iters, args.max_iters)
+    with torch.inference_mode():
+        res["act_ms"] = timed(lambda: policy.act(obs), sync, it, mx)
+        if args.warmup_only:
+            return res
+        res["forward_ms"] = timed(lambda: policy.forward_model(inputs, noise), sync, it, mx)
+        res["out"] = policy.forward_model(inputs, noise)
+        by_batch = {}
+        for b in (4, 8):
+            ib = policy.model_inputs(batch_of(obs, b))
+            nb = torch.randn(b, *noise.shape[1:], device=noise.device)
+            by_batch[b] = timed(lambda: policy.forward_model(ib, nb), sync, max(20, it // 4), max(40, mx // 4))
+        res["forward_by_batch"] = by_batch
+    res["captures"], res["compiled_graphs"] = fast.captures, fast.compiles
+    return res
+
+
 def bench_variant(variant: str, args, tmp: Path) -> dict:
     import torch
 
@@ -48,6 +91,7 @@ def bench_variant(variant: str, args, tmp: Path) -> dict:
 
     spec = bench_spec(8, 7, ["image", "wrist_image"], args.image_size if not args.tiny else 48, has_task=True)
     cls, cfg_cls = (Pi0Policy, Pi0PolicyConfig) if variant == "pi0" else (Pi05Policy, Pi05PolicyConfig)
+    t0 = time.perf_counter()
     if args.tiny:
         cfg = cfg_cls(checkpoint=str(make_pi0(tmp / variant, spec, variant=variant)), chunk_size=8,
                       device=args.device, lora_rank=4)
@@ -58,60 +102,34 @@ def bench_variant(variant: str, args, tmp: Path) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     obs = {k: torch.from_numpy(v) for k, v in random_obs(spec.state_dim, spec.cameras).items()}
     obs["task"] = ["pick up the black bowl between the plate and the ramekin and place it on the plate"]
-    res: dict = {"variant": variant, "gpu_before": gpu_state() if cuda else None}
+    res: dict = {"variant": variant, "build_s": time.perf_counter() - t0, "gpu_before": gpu_state() if cuda else None,
+                 "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "modes": {}}
     d = int(policy.lr_cfg.max_action_dim)
-    it, mx = args.iters, args.max_iters
-
-    def forward(inputs, noise):
-        return lambda: policy.forward_model(inputs, noise)
-
     with torch.inference_mode():
         inputs = policy.model_inputs(obs)
         noise = torch.randn(1, policy.chunk_size, d, device=policy.device)
-        t0 = time.perf_counter()
-        fast = policy.forward_model(inputs, noise)
-        sync()
-        res["first_call_s"] = time.perf_counter() - t0  # includes warm-up + capture
-        res["fast_forward_ms"] = timed(forward(inputs, noise), sync, it, mx)
-        res["fast_act_ms"] = timed(lambda: policy.act(obs), sync, it, mx)
-        by_batch = {}
-        for b in (4, 8):
-            ob = {k: (v * b if isinstance(v, list) else v.repeat(b, *([1] * (v.dim() - 1)))) for k, v in obs.items()}
-            ib = policy.model_inputs(ob)
-            nb = torch.randn(b, policy.chunk_size, d, device=policy.device)
-            by_batch[b] = timed(forward(ib, nb), sync, max(20, it // 4), max(40, mx // 4))
-        res["fast_forward_by_batch"] = by_batch
-        if args.compile:  # the same graphs with a torch.compile'd denoising step
-            captures = policy._fast.captures
-            policy._fast, policy.cfg.fast_compile = None, True
-            try:
-                t0 = time.perf_counter()
-                comp = policy.forward_model(inputs, noise)
-                sync()
-                res["compiled_first_call_s"] = time.perf_counter() - t0
-                res["compiled_forward_ms"] = timed(forward(inputs, noise), sync, it, mx)
-                res["compiled_act_ms"] = timed(lambda: policy.act(obs), sync, it, mx)
-                res["compiled_max_abs_diff_vs_fast"] = float((comp - fast).abs().max())
-            except Exception as exc:  # noqa: BLE001 - recorded: compile support varies
-                res["compiled_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            policy._fast, policy.cfg.fast_compile = None, False
-            policy.forward_model(inputs, noise)
-            policy._fast.captures += captures
-        policy.cfg.fast_serving = "off"
-        eager = policy.forward_model(inputs, noise)
-        res["max_abs_diff"] = float((fast - eager).abs().max())
-        res["eager_abs_max"] = float(eager.abs().max())
-        res["eager_forward_ms"] = timed(forward(inputs, noise), sync, max(20, it // 4), max(40, mx // 4))
-        policy.cfg.fast_serving = "auto"
-    res["captures"] = policy._fast.captures if getattr(policy, "_fast", None) else 0
-    if variant == "pi0" and not args.no_baseline:
-        ns = argparse.Namespace(iters=max(20, it // 4), warmup=3, max_iters=max(40, mx // 4), max_seconds=120.0)
-        res["lerobot_select_action_ms"] = lerobot_baseline(policy, obs, ns, sync)
-        res["speedup_vs_select_action"] = res["lerobot_select_action_ms"]["p50"] / res["fast_act_ms"]["p50"]
-        if "compiled_act_ms" in res:
-            res["compiled_speedup_vs_select_action"] = (res["lerobot_select_action_ms"]["p50"]
-                                                        / res["compiled_act_ms"]["p50"])
-    res["speedup_vs_eager_forward"] = res["eager_forward_ms"]["p50"] / res["fast_forward_ms"]["p50"]
+    for mode in args.modes:
+        try:
+            res["modes"][mode] = bench_mode(policy, mode, obs, inputs, noise, args, sync)
+        except Exception as exc:  # noqa: BLE001 - recorded: compile support varies
+            res["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+    policy._fast = None
+    if not args.warmup_only:
+        with torch.inference_mode():
+            policy.cfg.fast_serving = "off"
+            eager = policy.forward_model(inputs, noise)
+            res["eager_abs_max"] = float(eager.abs().max())
+            res["eager_forward_ms"] = timed(lambda: policy.forward_model(inputs, noise), sync, 20, 40)
+            policy.cfg.fast_serving = "auto"
+        for r in res["modes"].values():
+            if "out" in r:
+                r["max_abs_diff"] = float((r.pop("out") - eager).abs().max())
+        if variant == "pi0" and not args.no_baseline:
+            ns = argparse.Namespace(iters=20, warmup=3, max_iters=40, max_seconds=120.0)
+            res["lerobot_select_action_ms"] = base = lerobot_baseline(policy, obs, ns, sync)
+            for r in res["modes"].values():
+                if "act_ms" in r:
+                    r["speedup_vs_select_action"] = base["p50"] / r["act_ms"]["p50"]
     if cuda:
         res["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
         res["gpu_after"] = gpu_state()
@@ -122,48 +140,65 @@ def bench_variant(variant: str, args, tmp: Path) -> dict:
     return res
 
 
+def report(v: str, r: dict) -> None:
+    print(f"{v} on {r.get('device_name', 'cpu')} (model built in {r['build_s']:.0f} s, inductor cache "
+          f"{r['inductor_cache']}):", flush=True)
+    for mode, m in r["modes"].items():
+        if "error" in m:
+            print(f"  {mode}: FAILED {m['error']}", flush=True)
+            continue
+        warm = ", ".join(f"{b}: {s:.1f} s ({m['warmup_compiled_graphs'][b]} graphs)" for b, s in m["warmup_s"].items())
+        print(f"  {mode}: warm-up {m['warmup_total_s']:.1f} s [{warm}]", flush=True)
+        a = m["act_ms"]
+        line = f"    act p50 {a['p50']:.2f} ms (95% CI {a.get('ci95')}, p99 {a['p99']:.2f}, n {a['n']})"
+        if "forward_ms" in m:
+            line += f"; forward p50 {m['forward_ms']['p50']:.2f} ms, batch 4 / 8: " + " / ".join(
+                f"{t['p50']:.2f}" for t in m["forward_by_batch"].values()) + " ms"
+        if "max_abs_diff" in m:
+            line += f"; max |fast-lerobot| {m['max_abs_diff']:.3g}"
+        if "speedup_vs_select_action" in m:
+            line += f"; {m['speedup_vs_select_action']:.1f}x lerobot select_action"
+        print(line + (" (WARNING: wide interval)" if a["wide"] else ""), flush=True)
+    if "eager_forward_ms" in r:
+        print(f"  lerobot sample_actions p50 {r['eager_forward_ms']['p50']:.2f} ms", flush=True)
+    if "lerobot_select_action_ms" in r:
+        s = r["lerobot_select_action_ms"]
+        print(f"  lerobot select_action p50 {s['p50']:.2f} ms (p99 {s['p99']:.2f})", flush=True)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="pi0,pi05")
+    ap.add_argument("--modes", default="dynamic", help="comma list of dynamic, static, off")
+    ap.add_argument("--warmup-buckets", default="1,2,4,8")
+    ap.add_argument("--warmup-only", action="store_true", help="warm-up timings and a short act timing only")
+    ap.add_argument("--cache-dir", default=None, help="TORCHINDUCTOR_CACHE_DIR for this run")
     ap.add_argument("--device", default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny checkpoints (CPU smoke test)")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--max-iters", type=int, default=400)
     ap.add_argument("--no-baseline", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="also time a torch.compile'd denoising step")
+    ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # compiled is the default now
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir
+    import logging
+
     import torch
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.warmup_buckets = [int(b) for b in args.warmup_buckets.split(",")]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in args.variants.split(","):
-            r = bench_variant(v, args, Path(tmp))
-            out[v] = r
-            print(f"{v}: fast act p50 {r['fast_act_ms']['p50']:.2f} ms (95% CI {r['fast_act_ms']['ci95']}, p99 {r['fast_act_ms']['p99']:.2f}, n {r['fast_act_ms']['n']}); "
-                  f"forward p50 {r['fast_forward_ms']['p50']:.2f} ms vs lerobot sample_actions "
-                  f"{r['eager_forward_ms']['p50']:.2f} ms ({r['speedup_vs_eager_forward']:.1f}x); "
-                  f"max |fast-eager| {r['max_abs_diff']:.3g}", flush=True)
-            if "compiled_forward_ms" in r:
-                print(f"  compiled: forward p50 {r['compiled_forward_ms']['p50']:.2f} ms, act p50 "
-                      f"{r['compiled_act_ms']['p50']:.2f} / p99 {r['compiled_act_ms']['p99']:.2f} ms (first call "
-                      f"{r['compiled_first_call_s']:.0f} s), max |diff| {r['compiled_max_abs_diff_vs_fast']:.3g}")
-            elif "compiled_error" in r:
-                print(f"  compile failed: {r['compiled_error']}")
-            for b, t in r["fast_forward_by_batch"].items():
-                print(f"  batch {b}: forward p50 {t['p50']:.2f} ms", flush=True)
-            if "lerobot_select_action_ms" in r:
-                print(f"  lerobot select_action p50 {r['lerobot_select_action_ms']['p50']:.2f} ms: "
-                      f"{r['speedup_vs_select_action']:.1f}x"
-                      + (f", compiled {r['compiled_speedup_vs_select_action']:.1f}x"
-                         if "compiled_speedup_vs_select_action" in r else ""), flush=True)
-            for k in ("fast_act_ms", "fast_forward_ms", "eager_forward_ms"):
-                if r[k]["wide"]:
-                    print(f"  WARNING: {k}: the 95% interval of the median is wider than +-5%", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+            out[v] = bench_variant(v, args, Path(tmp))
+            report(v, out[v])
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return out
 
 
