@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 
 from actor.spool import Spool
-from data.core.codec import CodecError, Message, decode, encode
+from data.core.codec import CodecError, Message, decode, encode, recv_frames, send_frames
 from data.core.jobs import Job
 from data.core.schema import ACT_TOKEN_BYTES, EXTRA_PREFIX
 from data.core.security import configure_client_socket
@@ -243,8 +243,9 @@ class LearnerClient:
 
     def _recv(self, sock: zmq.Socket | None = None) -> Message | None:
         sock = sock or self.sock
-        # act replies are small: bytes are cheaper than zero-copy frames
-        frames = sock.recv_multipart(copy=sock is not self.act_sock)
+        return self._decode(recv_frames(sock, copy=sock is not self.act_sock))
+
+    def _decode(self, frames: list) -> Message | None:
         self._last_rx = time.monotonic()
         try:
             return decode(frames, max_bytes=self.max_message_bytes)
@@ -347,14 +348,20 @@ class LearnerClient:
             req = self._req_id
             t0 = time.perf_counter()
             sock = self.act_sock or self.sock
-            sock.send_multipart(encode(
-                "act", {"req_id": req, "deterministic": deterministic, "tasks": list(tasks)}, arrays),
-                copy=False)
+            send_frames(sock, encode(
+                "act", {"req_id": req, "deterministic": deterministic, "tasks": list(tasks)}, arrays))
             deadline = time.monotonic() + self.timeout_s
-            while time.monotonic() < deadline:
-                if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+            while True:
+                # a blocking receive with a timeout: no poller to build and tear down per act
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
                     break
-                msg = self._recv(sock)
+                sock.setsockopt(zmq.RCVTIMEO, left_ms)
+                try:  # act replies are small: bytes are cheaper than zero-copy frames
+                    frames = recv_frames(sock, copy=True)
+                except zmq.Again:
+                    break
+                msg = self._decode(frames)
                 if msg is None:
                     continue
                 if msg.type == "act_reply" and msg["req_id"] == req:

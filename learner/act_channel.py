@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from data.core.codec import CodecError, FieldRangeError, decode, encode
+from data.core.codec import CodecError, FieldRangeError, decode, encode, recv_frames, send_frames
 from data.core.schema import ACT_TOKEN_BYTES
 from learner.wire_guard import RateLimitedLog
 
@@ -58,15 +58,19 @@ def user_id(frame) -> str | None:
         return None
 
 
-def drain(sock: zmq.Socket, limit: int = 256):
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints
+
+
+def drain(sock: zmq.Socket, limit: int = 256, *, ready: bool = False):
     """Up to ``limit`` waiting messages, without blocking (so neither socket starves). Asks
     the socket whether a message is waiting rather than catching ``zmq.Again``: raising
-    that costs more than the rest of a small request's receive."""
-    for _ in range(limit):
-        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    that costs more than the rest of a small request's receive. ``ready``: a poll has just
+    said a message is waiting (the first receive needs no question)."""
+    for i in range(limit):
+        if not (ready and i == 0) and not sock.getsockopt(_EVENTS) & _POLLIN:
             return
         try:
-            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            yield recv_frames(sock, _NOBLOCK, copy=False)
         except zmq.Again:
             return
 
@@ -115,16 +119,23 @@ class ActChannel:
 
     # ---- the inference thread's side ------------------------------------------------------
 
-    def read(self) -> int:
+    def read(self, *, ready: bool = False) -> int:
         """Decode and validate every request waiting, without blocking; valid ones go to the
         service's ``submit_act`` (the inference server's queue), bad ones get their error
-        reply. Returns how many messages were read."""
-        n = 0
-        for frames in drain(self.sock):
+        reply. ``ready``: a poll has just said one is waiting. Returns how many messages were
+        read."""
+        sock, n = self.sock, 0
+        while n < 256:  # (drain's loop, inline: this is the act path)
+            if (n or not ready) and not sock.getsockopt(_EVENTS) & _POLLIN:
+                break
+            try:
+                frames = recv_frames(sock, _NOBLOCK, copy=False)
+            except zmq.Again:
+                break
             n += 1
             identity = frames[0].bytes
             try:
-                self._handle(identity, frames[1:])
+                self._handle(identity, frames)
             except Exception as exc:  # the same promise as the socket thread: serve on
                 self.service.count_rejection("internal_error", internal=True)
                 self._warn.warning("act message raised %s (counted, serving on)",
@@ -139,7 +150,7 @@ class ActChannel:
         return n
 
     def send(self, identity: bytes, frames: list) -> None:
-        self.sock.send_multipart([identity, *frames], copy=False)
+        send_frames(self.sock, [identity, *frames])
 
     def _error(self, identity: bytes, code: str, message: str, who: str = "") -> None:
         self.service.count_rejection(code)
@@ -148,7 +159,9 @@ class ActChannel:
         self.send(identity, encode("error", {"code": code, "message": message}))
 
     def _handle(self, identity: bytes, frames: list) -> None:
+        """One message: ``frames[0]`` is the routing id (``identity``), the rest the message."""
         svc = self.service
+        frames = frames[1:]
         peer = svc.act_sessions.get(identity) if frames else None
         if peer is None:
             self._error(identity, "handshake_required",

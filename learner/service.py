@@ -55,7 +55,7 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from data.core.codec import CodecError, FieldRangeError, decode, encode
+from data.core.codec import CodecError, FieldRangeError, decode, encode, send_frames
 from data.core.jobs import Job
 from data.core.schema import ACT_TOKEN_BYTES, OBS_STATE
 from data.transitions import TransitionBatch, TransitionError
@@ -265,11 +265,11 @@ class LearnerService(threading.Thread):
             while not self._stop_event.is_set():
                 events = dict(poller.poll(100))
                 if self.pull in events:
-                    for frames in _drain(self.pull):
+                    for frames in _drain(self.pull, ready=True):
                         out = self.router if frames[0].bytes == b"R" else self.pub
-                        out.send_multipart(frames[1:], copy=False)
+                        send_frames(out, frames[1:])
                 if self.router in events:
-                    for frames in _drain(self.router):
+                    for frames in _drain(self.router, ready=True):
                         self._handle_safe(frames[0].bytes, frames[1:])
         except BaseException as exc:
             self.error = exc
@@ -289,7 +289,7 @@ class LearnerService(threading.Thread):
                     s.close(0)
 
     def _send(self, identity: bytes, frames: list) -> None:
-        self.router.send_multipart([identity, *frames], copy=False)
+        send_frames(self.router, [identity, *frames])
 
     def _error(self, identity: bytes, code: str, message: str) -> None:
         self.count_rejection(code)

@@ -14,6 +14,7 @@ request's observation must be a batch of exactly the env's arrays (:func:`check_
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -55,29 +56,48 @@ def check_obs_layout(arrays: dict[str, np.ndarray]) -> str | None:
     return None
 
 
+#: id(spec) -> (spec, {array name: (dtype, per-row shape)}, the names): an act request is
+#: checked against the same spec each time, so its expected layout is built once
+_EXPECTED: dict[int, tuple[EnvSpec, dict[str, tuple[np.dtype, tuple[int, ...]]], frozenset[str]]] = {}
+
+
+def _expected(spec: EnvSpec):
+    hit = _EXPECTED.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit
+    expected = {OBS_STATE: (_DTYPES["float32"], (spec.state_dim,))}
+    for cam, shape in spec.cameras.items():
+        expected["observation.images." + cam] = (_DTYPES["uint8"], tuple(shape))
+    if len(_EXPECTED) > 64:
+        _EXPECTED.clear()
+    hit = _EXPECTED[id(spec)] = (spec, expected, frozenset(expected))
+    return hit
+
+
 def check_obs(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec) -> str | None:
     """Validate an act request's observation batch (after :func:`check_obs_layout`); return an
     error message or None. Both act paths (the socket thread's ROUTER and the inference
     thread's act socket, :mod:`learner.act_channel`) run it."""
-    if OBS_STATE not in arrays:
+    state = arrays.get(OBS_STATE)
+    if state is None:
         return f"missing {OBS_STATE!r}"
-    b = arrays[OBS_STATE].shape[0] if arrays[OBS_STATE].ndim else 0
+    b = state.shape[0] if state.ndim else 0
     if b < 1 or b > 1024:
         return f"batch size {b} out of range 1..1024"
-    expected = {OBS_STATE: ("float32", (spec.state_dim,))}
-    for cam, shape in spec.cameras.items():
-        expected["observation.images." + cam] = ("uint8", tuple(shape))
-    extra = sorted(set(arrays) - set(expected))
-    if extra:
-        return f"unexpected arrays {extra}"
+    _, expected, names = _expected(spec)
+    if arrays.keys() != names:
+        extra = sorted(set(arrays) - names)
+        if extra:
+            return f"unexpected arrays {extra}"
     for k, (dt, shape) in expected.items():
-        if k not in arrays:
+        a = arrays.get(k)
+        if a is None:
             n_img = len(spec.cameras)
             return f"missing {k!r} (this env has {n_img} camera(s): {sorted(spec.cameras)})"
-        a = arrays[k]
-        if a.dtype != _DTYPES[dt] or a.shape != (b, *shape):
-            return f"{k}: got {a.dtype.name}{tuple(a.shape)}, expected {dt}{(b, *shape)}"
-        if a.dtype.kind == "f" and not np.isfinite(a).all():
+        if a.dtype != dt or a.shape != (b, *shape):
+            return f"{k}: got {a.dtype.name}{tuple(a.shape)}, expected {dt.name}{(b, *shape)}"
+        if dt.kind == "f" and not (all(map(math.isfinite, a.ravel().tolist())) if a.size <= 64
+                                   else np.isfinite(a).all()):
             return f"{k}: contains NaN or Inf"
     if len(tasks) != b or not all(isinstance(t, str) for t in tasks):
         return f"{TASK}: expected {b} instruction strings"

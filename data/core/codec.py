@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 
 import msgpack
 import numpy as np
+from msgpack import unpackb as _unpackb
 
 from data.core.schema import (INT64_BOUNDS, MAX_BYTES_FIELD, MAX_LIST_LEN, MESSAGE_SCHEMAS,
                               PROTOCOL_VERSION, MessageSchema)
@@ -47,6 +48,8 @@ MAX_ARRAYS = 4096
 MAX_NDIM = 8
 #: the largest single dimension of an array on the wire (numpy refuses far larger claims)
 MAX_DIM = 2**31 - 1
+#: arrays up to this size are encoded as bytes (a copy), larger ones as zero-copy views
+SMALL_ARRAY_BYTES = 4096
 
 
 class CodecError(ValueError):
@@ -79,7 +82,8 @@ def encode(
     *,
     schemas: Mapping[str, MessageSchema] = MESSAGE_SCHEMAS,
 ) -> list[Any]:
-    """Encode a message into frames ``[header_bytes, buffer, ...]`` without copying arrays.
+    """Encode a message into frames ``[header_bytes, buffer, ...]`` without copying arrays
+    (but those of at most :data:`SMALL_ARRAY_BYTES`, which become bytes).
 
     Raises CodecError for an unknown type, a reserved field name or a disallowed dtype.
     """
@@ -93,14 +97,19 @@ def encode(
     meta = []
     frames: list[Any] = [None]
     for name, arr in (arrays or {}).items():
-        arr = np.asarray(arr)
+        if type(arr) is not np.ndarray:
+            arr = np.asarray(arr)
         dtype_name = _DTYPE_NAME.get(arr.dtype)
         if dtype_name is None:
             raise CodecError(f"array {name!r}: dtype {arr.dtype} is not allowed on the wire")
+        meta.append([name, dtype_name, list(arr.shape)])
+        if arr.nbytes <= SMALL_ARRAY_BYTES:
+            # one call instead of a contiguous view chain; ZMQ copies frames this small anyway
+            frames.append(arr.tobytes())
+            continue
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
-        meta.append([name, dtype_name, list(arr.shape)])
-        frames.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")
+        frames.append(memoryview(arr.reshape(-1).view(np.uint8)))
     header["arrays"] = meta
     try:
         frames[0] = msgpack.packb(header, use_bin_type=True)
@@ -110,9 +119,15 @@ def encode(
 
 
 def _frame_bytes(frame: Any) -> memoryview:
-    # zmq.Frame exposes .buffer; bytes / memoryview pass through.
+    # zmq.Frame exposes .buffer (a memoryview); bytes / memoryview pass through.
     buf = getattr(frame, "buffer", frame)
-    return memoryview(buf)
+    return buf if type(buf) is memoryview else memoryview(buf)
+
+
+#: validated array metadata -> [(name, dtype, shape tuple, nbytes)]: actors send the same
+#: layout message after message, so the per-array checks run once per layout (bounded)
+_META_CACHE: dict[tuple, list[tuple[str, np.dtype, tuple[int, ...], int]]] = {}
+_META_CACHE_MAX = 256
 
 
 def decode(
@@ -132,66 +147,89 @@ def decode(
     if len(frames) > MAX_ARRAYS + 1:
         raise CodecError(f"too many frames: {len(frames)} > {MAX_ARRAYS + 1}")
     views = [_frame_bytes(f) for f in frames]
-    total = sum(v.nbytes for v in views)
+    total = sum([v.nbytes for v in views])
     if total > max_bytes:
         raise CodecError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes")
     head = views[0]
     if head.nbytes > max_header_bytes:
         raise CodecError(f"header of {head.nbytes} bytes exceeds the limit of {max_header_bytes}")
     try:
-        header = msgpack.unpackb(
-            head, raw=False, strict_map_key=True,
-            use_list=True,
-        )
+        header = _unpackb(head, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CodecError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise CodecError("header is not a map")
-    version = header.get("v")
+    version = header.pop("v", None)
     # type-exact: 1.0 and true compare equal to 1 in Python but are not protocol 1
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise CodecError(
             f"protocol version mismatch: message has {version!r}, this side speaks {PROTOCOL_VERSION}"
         )
-    msg_type = header.get("type")
-    schema = schemas.get(msg_type) if isinstance(msg_type, str) else None
+    msg_type = header.pop("type", None)
+    schema = schemas.get(msg_type) if type(msg_type) is str else None
     if schema is None:
         raise CodecError(f"unknown message type {msg_type!r}")
+    bounds = schema.bounds
     for key, typ in schema.fields.items():
         if key not in header:
             raise CodecError(f"{msg_type}: missing field {key!r}")
-        _check_field(msg_type, key, typ, header[key], schema.bounds)
+        value = header[key]
+        # the common case inline: the exact type, an int within bounds
+        if type(value) is typ and bounds is not None and typ is not float:
+            if typ is int:
+                lo, hi = bounds.get(key, INT64_BOUNDS)
+                if lo <= value <= hi:
+                    continue
+            elif typ is bool or typ is str or (typ is list and len(value) <= MAX_LIST_LEN):
+                continue
+        _check_field(msg_type, key, typ, value, bounds)
     meta = header.pop("arrays", [])
-    if not isinstance(meta, list) or len(meta) != len(views) - 1:
+    if type(meta) is not list or len(meta) != len(views) - 1:
         raise CodecError(
             f"{msg_type}: array metadata lists {len(meta) if isinstance(meta, list) else '?'} "
             f"arrays but the message has {len(views) - 1} buffers"
         )
+    try:
+        key = tuple([(e[0], e[1], tuple(e[2])) for e in meta])
+        layout = _META_CACHE.get(key)
+    except Exception:  # malformed metadata (not hashable, too short): the checks name it
+        key, layout = None, None
+    if layout is None:
+        layout = _check_layout(msg_type, meta, max_bytes)
+        if key is not None and len(_META_CACHE) < _META_CACHE_MAX:
+            _META_CACHE[key] = layout
     arrays: dict[str, np.ndarray] = {}
+    frombuffer = np.frombuffer
+    for (name, dtype, shape, expected), buf in zip(layout, views[1:]):
+        if buf.nbytes != expected:
+            raise CodecError(
+                f"{msg_type}: array {name!r} {_DTYPE_NAME[dtype]}{shape} needs {expected} bytes, "
+                f"buffer has {buf.nbytes}"
+            )
+        arrays[name] = frombuffer(buf, dtype=dtype).reshape(shape)
+    for a in schema.arrays:
+        if a not in arrays:
+            raise CodecError(f"{msg_type}: missing arrays {[a for a in schema.arrays if a not in arrays]}")
+    return Message(msg_type, header, arrays)
+
+
+def _check_layout(msg_type: str, meta: list, max_bytes: int) -> list[tuple[str, np.dtype, tuple[int, ...], int]]:
+    """Every array's metadata checked (name, dtype, shape, size claim, no duplicates)."""
+    out = []
+    names: set[str] = set()
     for i, entry in enumerate(meta):
-        arrays_name = _check_meta(msg_type, i, entry)
-        name, dtype_name, shape = arrays_name
+        name, dtype_name, shape = _check_meta(msg_type, i, entry)
         dtype = _NAME_DTYPE[dtype_name]
-        buf = views[i + 1]
-        # the size claim is checked against the buffer before numpy sees the shape
+        # the size claim is checked before numpy sees the shape
         nonzero = math.prod(d for d in shape if d)
         if nonzero * dtype.itemsize > max_bytes:
             raise CodecError(f"{msg_type}: array {name!r} claims shape {tuple(shape)}, over the "
                              f"limit of {max_bytes} bytes")
-        expected = math.prod(shape) * dtype.itemsize
-        if buf.nbytes != expected:
-            raise CodecError(
-                f"{msg_type}: array {name!r} {dtype_name}{tuple(shape)} needs {expected} bytes, "
-                f"buffer has {buf.nbytes}"
-            )
-        if name in arrays:
+        if name in names:
             raise CodecError(f"{msg_type}: duplicate array name {name!r}")
-        arrays[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
-    missing = [a for a in schema.arrays if a not in arrays]
-    if missing:
-        raise CodecError(f"{msg_type}: missing arrays {missing}")
-    fields = {k: v for k, v in header.items() if k not in ("v", "type")}
-    return Message(msg_type, fields, arrays)
+        names.add(name)
+        out.append((name, dtype, tuple(shape), math.prod(shape) * dtype.itemsize))
+    return out
 
 
 def _check_field(msg_type: str, key: str, typ: type, value: Any,
@@ -265,3 +303,31 @@ def frames_from_bytes(blob: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     if pos != mv.nbytes:
         raise CodecError("stored message has trailing bytes")
     return frames
+
+
+# ---- frames on a ZMQ socket (passed in; the codec opens none) -------------------------------
+# pyzmq's send_multipart/recv_multipart combine flags through Python-level enum code
+# (``zmq.SNDMORE | flags``) and check every part's type: several microseconds per message on
+# the act path. These take plain ints (libzmq's values) and do no more than the frames need.
+_SNDMORE, _RCVMORE = 2, 13  # ZMQ_SNDMORE, ZMQ_RCVMORE
+
+
+def send_frames(sock: Any, frames: Sequence[Any], flags: int = 0, *, copy: bool = False) -> None:
+    """Send ``frames`` (bytes, memoryviews, zmq Frames) as one multipart message; with
+    ``copy=False`` frames under the socket's ``copy_threshold`` are still copied (pyzmq)."""
+    send = sock.send
+    last = len(frames) - 1
+    if last < 0:
+        raise ValueError("a message needs at least one frame")
+    for i, f in enumerate(frames):
+        send(f, flags | _SNDMORE if i < last else flags, copy=copy)
+
+
+def recv_frames(sock: Any, flags: int = 0, *, copy: bool = True) -> list[Any]:
+    """Receive one multipart message (bytes with ``copy``, else zmq Frames)."""
+    recv = sock.recv
+    parts = [recv(flags, copy=copy)]
+    more = sock.getsockopt
+    while more(_RCVMORE):
+        parts.append(recv(flags, copy=copy))
+    return parts

@@ -18,17 +18,18 @@ class ZeroPolicy:
     def __init__(self, chunk: int, action_dim: int):
         import torch
 
+        from agents.base import ActionChunk
+
         self.torch = torch
+        self.chunk_cls = ActionChunk
         self.chunk_size = chunk
         self.action_dim = action_dim
         self.t_act: list[float] = []
 
     def act(self, obs, *, deterministic: bool = False):
-        from agents.base import ActionChunk
-
         self.t_act.append(perf())
         b = obs[OBS_STATE].shape[0]
-        return ActionChunk(self.torch.zeros(b, self.chunk_size, self.action_dim))
+        return self.chunk_cls(self.torch.zeros(b, self.chunk_size, self.action_dim))
 
     def trainable_state_dict(self):
         return {}
