@@ -326,7 +326,7 @@ class LearnerClient:
                 break
             if key[1] < self._next_send:
                 continue
-            self.sock.send_multipart(self.spool.read(key), copy=False)
+            send_frames(self.sock, self.spool.read(key))
             if not self._in_flight:
                 self._last_progress = time.monotonic()
             self._in_flight.append(key)

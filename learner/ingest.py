@@ -438,24 +438,24 @@ class Ingest:
     # ---- statistics -------------------------------------------------------------------------
 
     def _track(self, b: TransitionBatch, keep: np.ndarray) -> None:
-        a = b.arrays
-        for i in range(len(b)):
-            ep = int(a["episode"][i])
-            key = (b.actor_id, ep)
-            self.max_episode[b.actor_id] = max(self.max_episode.get(b.actor_id, -1), ep)
-            if not keep[i]:
+        a, actor, kept = b.arrays, b.actor_id, keep.tolist()
+        cols = [a[k].tolist() for k in ("episode", "is_last", "reward", "success", "terminated", "truncated")]
+        for i, (ep, last, rew, succ, term, trunc) in enumerate(zip(*cols, strict=True)):
+            if ep > self.max_episode.get(actor, -1):
+                self.max_episode[actor] = ep
+            if not kept[i]:
                 continue
-            if a["is_last"][i]:
-                self._running.pop(key, None)
+            if last:
+                self._running.pop((actor, ep), None)
                 continue
             self.steps += 1
-            run = self._running.setdefault(key, [0.0, False, 0])
-            run[0] += float(a["reward"][i])
-            run[1] = run[1] or bool(a["success"][i])
+            run = self._running.setdefault((actor, ep), [0.0, False, 0])
+            run[0] += rew
+            run[1] = run[1] or bool(succ)
             run[2] += 1
-            if a["terminated"][i] or a["truncated"][i]:
+            if term or trunc:
                 self.stats.add(b.tasks[i] or "default", run[0], run[1], run[2])
-                self._running.pop(key, None)
+                self._running.pop((actor, ep), None)
         if self.on_records is not None:
             try:
                 self.on_records(b, keep)
