@@ -216,7 +216,7 @@ class EpisodeRounds:
 
     def __init__(self, queue: RolloutQueue, *, batch_episodes: int, horizon: int, gamma: float,
                  lam: float, estimator: str = "gae", value_fn: Callable | None = None,
-                 device: torch.device | str = "cpu", min_chunks: int = 0):
+                 device: torch.device | str = "cpu", min_chunks: int = 0, episode_mean: bool = False):
         if estimator not in ("gae", "reinforce_pp"):
             raise ValueError(f"PPO without job groups supports estimator gae or reinforce_pp, "
                              f"got {estimator!r} (group estimators need algo=grpo)")
@@ -227,6 +227,7 @@ class EpisodeRounds:
         self.min_chunks = int(min_chunks)
         self.horizon, self.gamma, self.lam = int(horizon), float(gamma), float(lam)
         self.estimator = estimator
+        self.episode_mean = bool(episode_mean)
         self.value_fn = value_fn
         self.device = torch.device(device)
         self._carry: list[RolloutEpisode] = []
@@ -257,9 +258,9 @@ class EpisodeRounds:
             finals = batched_values(self.value_fn, cb.final_obs, cb.num_episodes, self.device)
             adv, ret = gae_advantages(cb, values, finals, self.gamma, self.lam)
             m["value_rollout_mean"] = float(values.mean())
-            return Round(ppo_batch(cb, adv, returns=ret, old_values=values), m)
+            return Round(ppo_batch(cb, adv, returns=ret, old_values=values, episode_mean=self.episode_mean), m)
         adv, ret = reinforce_pp(cb.padded(cb.reward), cb.mask(), self.gamma)
-        return Round(ppo_batch(cb, cb.flat(adv)), m)
+        return Round(ppo_batch(cb, cb.flat(adv), episode_mean=self.episode_mean), m)
 
     def state_dict(self) -> dict:
         return {}

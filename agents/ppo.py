@@ -101,6 +101,9 @@ class PPOConfig:
     ratio_level: str = "auto"
     #: advantage estimator, a key of :data:`agents.advantages.ESTIMATORS`
     estimator: str = "gae"
+    #: "chunk_mean" (every chunk alike) or "episode_mean" (every episode alike: long failures
+    #: do not outweigh short successes; the builders pass the weights as ``chunk_weight``)
+    loss_agg: str = "chunk_mean"
     #: whiten the advantages of each batch (mean 0, std 1 over the real chunks)
     normalize_advantages: bool = True
     #: update rounds between published weight versions
@@ -120,6 +123,8 @@ class PPOConfig:
             raise ValueError("kl_coef, entropy_coef and value_coef must be >= 0")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {self.estimator!r}")
+        if self.loss_agg not in ("chunk_mean", "episode_mean"):
+            raise ValueError(f"loss_agg must be chunk_mean or episode_mean, got {self.loss_agg!r}")
         if min(self.epochs, self.minibatch_size, self.batch_episodes, self.publish_every) < 1:
             raise ValueError("epochs, minibatch_size, batch_episodes and publish_every must be >= 1")
         if self.max_staleness < 0:

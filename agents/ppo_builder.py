@@ -102,7 +102,8 @@ class PPOBuilder:
                                horizon=int(getattr(networks.policy, "chunk_size", 1)),
                                gamma=self.cfg.gamma, lam=self.cfg.lam,
                                estimator=self.cfg.estimator, value_fn=value_fn,
-                               device=agent.device, min_chunks=self.cfg.min_batch_chunks)
+                               device=agent.device, min_chunks=self.cfg.min_batch_chunks,
+                               episode_mean=self.cfg.loss_agg == "episode_mean")
         return OnPolicyLearner(agent, rounds, publish_every=self.cfg.publish_every)
 
     def jobs(self):

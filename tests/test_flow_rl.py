@@ -188,3 +188,20 @@ def test_ppo_update_moves_chain_log_probs_with_the_advantages(ckpts):
     # the value head moved toward the returns
     v1 = p.value(o).detach()
     assert ((v1 - adv).abs().mean() < (v0 - adv).abs().mean()), (v0, v1)
+
+
+def test_init_noise_scale_zero_starts_every_chain_at_zero(ckpts):
+    """init_noise_scale=0: stochastic acts start at x_0 = 0 (the deterministic act's start) and
+    still explore through the chain's Gaussians, whose log-prob the update recomputes."""
+    p = build(ckpts["pi0"], init_noise_scale=0.0)
+    perturb(p)
+    p.eval()
+    o = obs()
+    torch.manual_seed(0)
+    a, b = p.act(o), p.act(o)
+    assert torch.count_nonzero(a.extras["noise"]) == 0 and torch.count_nonzero(a.extras["chain"][:, 0]) == 0
+    assert not torch.allclose(a.actions, b.actions)  # the step noise still explores
+    with torch.no_grad():
+        assert torch.allclose(p.log_prob(with_extras(o, a), a.actions), a.log_prob, atol=1e-4)
+    with pytest.raises(ValueError, match="init_noise_scale"):
+        build(ckpts["pi0"], init_noise_scale=1.5)

@@ -356,3 +356,31 @@ def test_remax_groups_get_a_greedy_baseline_job():
     got = rounds.collect(0)
     assert got.metrics["round_episodes"] == 2  # the greedy episode is the baseline, not trained on
     np.testing.assert_allclose(got.batch["advantages"], [0.0, 0.0, -1.0, -1.0])
+
+
+@pytest.mark.parametrize("loss_agg", ["chunk_mean", "episode_mean"])
+def test_ppo_rounds_weigh_episodes_alike_with_episode_mean(loss_agg, tmp_path):
+    """algo=ppo loss_agg=episode_mean: each chunk's weight is 1 / its episode's chunk count (scaled
+    to a chunk mean of 1), so a 1-chunk success counts as much as a 4-chunk failure."""
+    from agents import registry
+    from agents.on_policy import EpisodeRounds
+    from agents.value import ValueNet
+    from data.core.spec import EnvSpec
+    from data.rollouts import RolloutQueue
+
+    with pytest.raises(ValueError, match="loss_agg"):
+        registry.build_builder({"name": "ppo", "loss_agg": "token_sum"})
+    spec = EnvSpec(state_dim=3, action_dim=A)
+    q = RolloutQueue()
+    rounds = EpisodeRounds(q, batch_episodes=2, horizon=1, gamma=0.99, lam=0.95, estimator="gae",
+                           value_fn=ValueNet(registry.build_builder({"name": "ppo"}).cfg.value_net_config(), spec),
+                           episode_mean=loss_agg == "episode_mean")
+    q.add(batch("a", 0, records(0, 1, success=True)))
+    q.add(batch("a", 10, records(1, 4)))
+    b = rounds.collect(0).batch
+    if loss_agg == "chunk_mean":
+        assert "chunk_weight" not in b
+        return
+    w = b["chunk_weight"]
+    assert w.shape == (5,) and torch.isclose(w.mean(), torch.tensor(1.0))
+    assert torch.isclose(w[0], 4 * w[1]) and torch.allclose(w[1:], w[1:2].expand(4))

@@ -69,7 +69,8 @@ def demo_windows(env_cfg, episodes: int, seed: int, horizon: int) -> dict:
     return out
 
 
-def bc_checkpoint(out: Path, env_cfg, *, demos: int, bc_steps: int, seed: int) -> tuple[Path, dict]:
+def bc_checkpoint(out: Path, env_cfg, *, demos: int, bc_steps: int, seed: int,
+                  device: str = "cpu") -> tuple[Path, dict]:
     """The weak starting policy: a tiny PI0 whose heads saw ``bc_steps`` BC steps on the demos."""
     from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, save_lerobot_checkpoint
     from envs.registry import env_spec
@@ -79,19 +80,20 @@ def bc_checkpoint(out: Path, env_cfg, *, demos: int, bc_steps: int, seed: int) -
     base = make_pi0(out / "tiny_pi0", spec, chunk_size=CHUNK, seed=seed)
     data = demo_windows(env_cfg, demos, seed=5000, horizon=CHUNK)
     torch.manual_seed(seed)
-    p = Pi0Policy(Pi0PolicyConfig(checkpoint=str(base), chunk_size=CHUNK, lora_rank=0, device="cpu"), spec).train()
+    p = Pi0Policy(Pi0PolicyConfig(checkpoint=str(base), chunk_size=CHUNK, lora_rank=0, device=device), spec).train()
     opt = torch.optim.Adam([q for q in p.parameters() if q.requires_grad], lr=1e-3)
     n, losses = len(data["action"]), []
     for _ in range(bc_steps):
         idx = torch.randint(0, n, (32,))
         batch = {k: ([v[i] for i in idx.tolist()] if isinstance(v, list) else v[idx])
                  for k, v in data.items() if not k.startswith("_")}
-        loss = p.bc_loss(batch)
+        loss = p.bc_loss({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    path = save_lerobot_checkpoint(p.inner, out / "bc_pi0", p.arch, p.stats)
+    path = save_lerobot_checkpoint(p.inner.cpu(), out / "bc_pi0", p.arch,
+                                  p.stats and {k: v.cpu() for k, v in p.stats.items()})
     (path / "tokenizer").symlink_to((base / "tokenizer").resolve())
     info = {"demo_episodes": demos, "demo_windows": n, "expert_success": data["_expert_success"],
             "bc_steps": bc_steps, "bc_loss_first": float(np.mean(losses[:10] or [0])),
@@ -102,6 +104,7 @@ def bc_checkpoint(out: Path, env_cfg, *, demos: int, bc_steps: int, seed: int) -
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = run_args(__doc__, minutes=14.0, demos=5, target=0.9, window=50)
     ap.add_argument("--bc-steps", type=int, default=100)
+    ap.add_argument("--bc-device", default=None, help="device of the BC fit (default: --device)")
     ap.add_argument("--algo", choices=("ppo", "grpo"), default="ppo",
                     help="grpo: the same policy under group-relative advantages (no critic), a diagnostic")
     a = ap.parse_args(argv)
@@ -111,11 +114,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     env_cfg = env_config(ENV_O)
     t0 = time.monotonic()
-    ckpt, bc = bc_checkpoint(out, env_cfg, demos=a.demos, bc_steps=a.bc_steps, seed=a.seed)
+    ckpt, bc = bc_checkpoint(out, env_cfg, demos=a.demos, bc_steps=a.bc_steps, seed=a.seed,
+                              device=a.bc_device or a.device)
     bc["bc_s"] = round(time.monotonic() - t0, 1)
     print("weak BC policy:", json.dumps(bc), flush=True)
     common = [*ENV_O, "policy=pi0", f"policy.checkpoint={ckpt}", f"policy.chunk_size={CHUNK}",
-              "policy.flow_rl=noise", "policy.lora_rank=4", "policy.num_inference_steps=4", "policy.device=cpu"]
+              "policy.flow_rl=noise", "policy.lora_rank=4", "policy.num_inference_steps=4", f"policy.device={a.device}"]
     algo = (["algo=ppo", "algo.batch_episodes=16", "algo.minibatch_size=64", "algo.epochs=2",
              "algo.lr=2e-5", "algo.max_staleness=1"] if a.algo == "ppo" else
             ["algo=grpo", "algo.group_size=8", "algo.batch_groups=2", "algo.minibatch_size=64", "algo.epochs=2",
@@ -123,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     algo += a.overrides
     res = run(out, common, algo, minutes=rl_minutes(a, t0), actors=a.actors,
               updates=a.updates, target=a.target, window=a.window,
-              seed=a.seed)
+              seed=a.seed, device=a.device)
     summary = {"bc": bc, **res}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))

@@ -81,20 +81,21 @@ def success_windows(by_v: dict[int, list[bool]], size: int) -> list[list]:
 
 def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: float, actors: int,
         target: float, window: int, seed: int, updates: int | None = None,
-        windows: int = 200) -> dict:
+        windows: int = 200, device: str = "cpu") -> dict:
     """``python -m learner`` + ``actors`` actor processes on loopback with the shared overrides
     ``common_o`` (env, policy) and the learner's ``algo_o``, for ``minutes``, until ``updates``
     updates are done (when given: a machine's speed does not change what is measured) or until
     the learner's success over its last ``window`` episodes reaches ``target``; success by policy
     version from the run's dataset (version 0: the starting policy), also in consecutive
-    windows of ``windows`` episodes. Cameras are stored as PNG (lossless; no video encoder
+    windows of ``windows`` episodes. ``device``: the learner's (a GPU only speeds the search for
+    settings; the learning proofs run on CPUs). Cameras are stored as PNG (lossless; no video encoder
     processes competing for the CPU)."""
     run_dir = out / "run"
     port, pub = free_port(), free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     common = [*common_o, f"run_dir={run_dir}", f"transport.port={port}", f"transport.pub_port={pub}",
               "transport.timeout_s=2.0", "transport.heartbeat_s=0.5"]
-    learner_o = [*algo_o, "device=cpu", "logging.wandb=disabled",
+    learner_o = [*algo_o, f"device={device}", "logging.wandb=disabled",
                  "logging.every_s=5", "trainer.num_threads=1", f"logging.stats_window={window}",
                  f"trainer.stop_at_success={target}", f"trainer.stop_min_episodes={window}",
                  "buffer.commit_interval_s=2", "buffer.video=false", f"seed={seed}"]
@@ -166,6 +167,7 @@ def run_args(doc: str, *, minutes: float, demos: int, target: float, window: int
     ap.add_argument("--target", type=float, default=target)
     ap.add_argument("--window", type=int, default=window)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="the learner's and policy's device (cpu, cuda)")
     ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
     return ap
 

@@ -21,6 +21,15 @@ x_{k+1} ~ N(mu_k, std_k^2) on the *real* action dims (the first ``action_dim`` o
   terms (sigma is infinite at t = 1). One step k* per chunk, drawn uniformly, is sampled from
   it; the others are ODE steps. log pi(chunk) = log N(x_{k*+1}; mu_k*, std_k*^2).
 
+The chain's start. lerobot draws x_0 ~ N(0, I); here x_0 ~ ``init_noise_scale`` * N(0, I).
+x_0's density does not depend on the weights, so it is left out of log pi, and whatever part of
+the action's spread x_0 causes is invisible to the policy gradient. A weakly trained flow passes
+most of x_0 through to the action (a tiny PI0 after 100 BC steps: action std 0.46 from x_0 with
+the step noise off, 0.10 from the step noise with x_0 fixed), so success then correlates mostly
+with x_0 and the chain's Gaussians see little of it. ``init_noise_scale: 0`` starts every chain
+at 0 (the deterministic act's start): all of the randomness is then in the Gaussians that log pi
+counts, and the policy trained is the one deployed.
+
 Extras (``extras_spec``; they ride on the act reply into every step's record as
 ``extra.<name>``): ``noise`` [H, D] (x_0, as plain PI0), ``chain`` [K+1, H, D] (x_0 .. x_K,
 D = max_action_dim), ``log_prob`` [] and, for SDE, ``sde_step`` [1] (k*). Deterministic acts
@@ -84,6 +93,8 @@ def validate_flow_config(cfg) -> None:
     if not 0 < cfg.noise_std_min < cfg.noise_std_max:
         raise ValueError(f"{who}: need 0 < noise_std_min < noise_std_max, got {cfg.noise_std_min}, "
                          f"{cfg.noise_std_max}")
+    if not 0.0 <= cfg.init_noise_scale <= 1.0:
+        raise ValueError(f"{who}: init_noise_scale must be in [0, 1], got {cfg.init_noise_scale}")
     if cfg.sde_noise_level <= 0:
         raise ValueError(f"{who}: sde_noise_level must be > 0, got {cfg.sde_noise_level}")
     if cfg.value_features not in VALUE_FEATURES:
@@ -218,7 +229,8 @@ class _FlowRL:
         b, a, dt = inputs[2].shape[0], self.action_dim, -1.0 / self.num_steps
         shape = (b, self.chunk_size, self.max_dim)
         if noise is None:
-            noise = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
+            noise = (torch.zeros(shape, device=self.device) if deterministic
+                     else float(self.cfg.init_noise_scale) * torch.randn(shape, device=self.device))
         x = noise.to(self.device, torch.float32)
         ctx = self._context(inputs)
         if self.mode == "sde" and not deterministic:

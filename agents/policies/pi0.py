@@ -112,8 +112,7 @@ class Pi0PolicyConfig:
     trainable_heads: tuple[str, ...] = _HEADS["pi0"] + ("time_mlp_in", "time_mlp_out")
     #: clip un-normalised actions to [-1, 1] (Tandem's action space)
     clip_actions: bool = True
-    #: in eval mode, act with the adapters folded into the base weights (no adapter code in
-    #: the forward; keeps a copy of the adapted base weights on the device)
+    #: eval-mode acts with the adapters folded into the base weights (a copy kept on the device)
     fold_lora_for_serving: bool = True
     #: the serving path of eval-mode ``act`` (agents/policies/pi0_fast.py): "auto" (CUDA graphs
     #: on a GPU, lerobot's sample_actions on a CPU) | "graphs" | "eager" (the fast path without
@@ -128,8 +127,7 @@ class Pi0PolicyConfig:
     #: seed of the random initial weights (both learner copies must agree)
     seed: int = 0
     # -- flow RL (πRL; agents/policies/flow_rl.py documents the maths) --
-    #: None: plain PI0 (no log-probability); "noise": Flow-Noise (a learned noise head makes
-    #: every Euler step Gaussian); "sde": Flow-SDE (one random step per chunk stochastic)
+    #: None: plain PI0; "noise": Flow-Noise (every Euler step Gaussian); "sde": Flow-SDE (one)
     flow_rl: str | None = None
     #: Flow-Noise: bounds of the noise head's per-step std (normalised action space)
     noise_std_min: float = 0.04
@@ -138,6 +136,8 @@ class Pi0PolicyConfig:
     noise_head_hidden: int = 128
     #: Flow-SDE: the a of sigma_t = a * sqrt(t / (1 - t))
     sde_noise_level: float = 0.5
+    #: flow RL: x_0 ~ scale * N(0, I) in stochastic acts (1: lerobot's; 0: fixed start, flow_rl.py)
+    init_noise_scale: float = 1.0
     #: value head input: "expert" (the expert's action-token features at t = 1 from zeros; they
     #: see the prefix and, for PI0, the state) or "prefix" (the VLM's prefix features)
     value_features: str = "expert"
