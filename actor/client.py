@@ -36,6 +36,7 @@ from data.core.security import configure_client_socket
 from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.actor.client")
+_POLLIN = int(zmq.POLLIN)  # a plain int: & with pyzmq's PollEvent flag runs enum code
 
 
 class HandshakeError(RuntimeError):
@@ -297,7 +298,9 @@ class LearnerClient:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = max(0.0, deadline - time.monotonic())
-            if self.sock.poll(int(remaining * 1000)):
+            # without a timeout, ask the socket (Socket.poll builds a Poller per call)
+            if (self.sock.getsockopt(zmq.EVENTS) & _POLLIN if remaining <= 0.0
+                    else self.sock.poll(int(remaining * 1000))):
                 msg = self._recv()
                 if msg is not None:
                     self._dispatch(msg)

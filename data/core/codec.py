@@ -199,14 +199,14 @@ def decode(
         if key is not None and len(_META_CACHE) < _META_CACHE_MAX:
             _META_CACHE[key] = layout
     arrays: dict[str, np.ndarray] = {}
-    frombuffer = np.frombuffer
+    ndarray = np.ndarray  # a view of the buffer (np.frombuffer(...).reshape(...) in one call)
     for (name, dtype, shape, expected), buf in zip(layout, views[1:]):
         if buf.nbytes != expected:
             raise CodecError(
                 f"{msg_type}: array {name!r} {_DTYPE_NAME[dtype]}{shape} needs {expected} bytes, "
                 f"buffer has {buf.nbytes}"
             )
-        arrays[name] = frombuffer(buf, dtype=dtype).reshape(shape)
+        arrays[name] = ndarray(shape, dtype, buf)
     for a in schema.arrays:
         if a not in arrays:
             raise CodecError(f"{msg_type}: missing arrays {[a for a in schema.arrays if a not in arrays]}")
