@@ -37,6 +37,7 @@ import zmq
 
 from data.core.codec import CodecError, FieldRangeError, decode, encode, recv_frames, send_frames
 from data.core.schema import ACT_TOKEN_BYTES
+from data.core.security import configure_server_socket
 from learner.wire_guard import RateLimitedLog
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,6 +57,30 @@ def user_id(frame) -> str | None:
         return frame.get("User-Id")
     except (AttributeError, zmq.ZMQError):
         return None
+
+
+def bind_act_socket(ctx: zmq.Context, host: str, port: int, security: dict, max_message_bytes: int,
+                    fallback: bool) -> zmq.Socket:
+    """The act ROUTER, configured as the main one and bound to ``port`` (``fallback``: to one
+    the OS picks when that is taken). Raises zmq.ZMQError naming the port."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    configure_server_socket(sock, host, security)
+    sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    try:
+        try:
+            sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            if not (fallback and port):
+                raise
+            log.warning("act socket: port %d is taken (%s); using one the OS picks", port, exc)
+            sock.bind(f"tcp://{host}:0")
+    except zmq.ZMQError as exc:
+        sock.close(0)
+        raise zmq.ZMQError(exc.errno, f"the act socket cannot bind {host}:{port} ({exc}); "
+                           "pass another act_port (the main port + 2 by default)") from exc
+    return sock
 
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints

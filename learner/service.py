@@ -61,13 +61,16 @@ from data.core.schema import ACT_TOKEN_BYTES, OBS_STATE
 from data.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
 from learner.ingest import Ingest
-from learner.act_channel import ActChannel, drain as _drain, is_act_token, user_id as _user_id
+from learner.act_channel import (ActChannel, bind_act_socket, drain as _drain, is_act_token,
+                                 user_id as _user_id)
 from learner.wire_guard import RateLimitedLog, check_obs, check_obs_layout, check_transitions_message
 from data.core.security import authorized_actor_ids, configure_server_socket
 
 log = logging.getLogger("tandem.learner.service")
 
 OUTBOX_ADDR = "inproc://tandem-outbox"
+#: messages handled per wake-up between ack sends (acks of a burst of batches are coalesced)
+ACK_EVERY = 4
 __all__ = ["ActRequest", "LearnerService", "Peer", "check_obs"]
 
 
@@ -157,6 +160,8 @@ class LearnerService(threading.Thread):
         self._outbox_local = threading.local()
         self._outbox_socks: list[zmq.Socket] = []
         self._outbox_lock = threading.Lock()
+        #: identity -> (actor id, acked seq): acks owed for transitions handled in this wake-up
+        self._acks_owed: dict[bytes, tuple[str, int]] = {}
         # Bind in the constructor so that port errors surface in the caller's thread.
         self.router = ctx.socket(zmq.ROUTER)
         self.pub = ctx.socket(zmq.PUB)
@@ -176,32 +181,14 @@ class LearnerService(threading.Thread):
         self.pull.bind(OUTBOX_ADDR + "-" + self.learner_id)
         self.act_channel: ActChannel | None = None
         if act_socket:
-            self.act_channel = ActChannel(self, self._bind_act_socket(
-                host, (port + 2 if port else 0) if act_port is None else act_port, security,
-                max_message_bytes, fallback=act_port is None))
-
-    def _bind_act_socket(self, host: str, port: int, security: dict, max_message_bytes: int,
-                         fallback: bool):
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        configure_server_socket(sock, host, security)
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        try:
             try:
-                sock.bind(f"tcp://{host}:{port}")
-            except zmq.ZMQError as exc:
-                if not (fallback and port):
-                    raise
-                log.warning("act socket: port %d is taken (%s); using one the OS picks", port, exc)
-                sock.bind(f"tcp://{host}:0")
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            for s in (self.router, self.pub, self.pull):
-                s.close(0)
-            raise zmq.ZMQError(exc.errno, f"the act socket cannot bind {host}:{port} ({exc}); "
-                               "pass another act_port (the main port + 2 by default)") from exc
-        return sock
+                sock = bind_act_socket(ctx, host, (port + 2 if port else 0) if act_port is None
+                                       else act_port, security, max_message_bytes, fallback=act_port is None)
+            except zmq.ZMQError:
+                for s in (self.router, self.pub, self.pull):
+                    s.close(0)
+                raise
+            self.act_channel = ActChannel(self, sock)
 
     # ---- API for other threads -------------------------------------------------------
 
@@ -269,8 +256,11 @@ class LearnerService(threading.Thread):
                         out = self.router if frames[0].bytes == b"R" else self.pub
                         send_frames(out, frames[1:])
                 if self.router in events:
-                    for frames in _drain(self.router, ready=True):
+                    for i, frames in enumerate(_drain(self.router, ready=True), 1):
                         self._handle_safe(frames[0].bytes, frames[1:])
+                        if i % ACK_EVERY == 0:
+                            self._send_acks()
+                    self._send_acks()
         except BaseException as exc:
             self.error = exc
             log.critical("the learner's socket thread died: %s: %s", type(exc).__name__, exc,
@@ -288,7 +278,15 @@ class LearnerService(threading.Thread):
                 for s in self._outbox_socks:
                     s.close(0)
 
+    def _send_acks(self) -> None:
+        while self._acks_owed:
+            identity, (actor_id, acked) = self._acks_owed.popitem()
+            send_frames(self.router, [identity, *self.ack_frames(actor_id, acked)])
+
     def _send(self, identity: bytes, frames: list) -> None:
+        if identity in self._acks_owed:  # what this peer is owed goes first, in order
+            actor_id, acked = self._acks_owed.pop(identity)
+            send_frames(self.router, [identity, *self.ack_frames(actor_id, acked)])
         send_frames(self.router, [identity, *frames])
 
     def _error(self, identity: bytes, code: str, message: str) -> None:
@@ -457,7 +455,9 @@ class LearnerService(threading.Thread):
                               "policy_version": self.get_version()})
 
     def _ack(self, identity: bytes, actor_id: str, acked: int) -> None:
-        self._send(identity, self.ack_frames(actor_id, acked))
+        """Owe ``identity`` an ack, sent after the messages waiting now (ACK_EVERY at most) or
+        before any other reply to it: one ack (cumulative, the newest) covers that stretch."""
+        self._acks_owed[identity] = (actor_id, acked)
 
     def _on_ping(self, identity: bytes, peer: Peer, msg) -> None:
         if self.finished:

@@ -42,6 +42,8 @@ ALLOWED_DTYPES = frozenset(
 _DTYPE_NAME = {np.dtype(n): n for n in ALLOWED_DTYPES}
 _NAME_DTYPE = {n: np.dtype(n) for n in ALLOWED_DTYPES}
 
+_RESERVED = frozenset(("v", "type", "arrays"))  # header keys the codec writes itself
+
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_HEADER_BYTES = 1024 * 1024
 MAX_ARRAYS = 4096
@@ -90,10 +92,11 @@ def encode(
     if msg_type not in schemas:
         raise CodecError(f"unknown message type {msg_type!r}")
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type}
-    for key, value in (fields or {}).items():
-        if key in ("v", "type", "arrays"):
+    if fields:
+        if not _RESERVED.isdisjoint(fields):
+            key = next(k for k in fields if k in _RESERVED)
             raise CodecError(f"field name {key!r} is reserved")
-        header[key] = value
+        header.update(fields)
     meta = []
     frames: list[Any] = [None]
     for name, arr in (arrays or {}).items():
@@ -273,13 +276,12 @@ def _check_meta(msg_type: str, i: int, entry: Any) -> tuple[str, str, list[int]]
 
 def encode_to_bytes(frames: Sequence[Any]) -> bytes:
     """Length-prefixed concatenation of frames, for storing a message on disk (spool)."""
-    out = bytearray()
-    out += len(frames).to_bytes(4, "little")
+    parts: list[Any] = [len(frames).to_bytes(4, "little")]
     for f in frames:
         mv = _frame_bytes(f)
-        out += mv.nbytes.to_bytes(8, "little")
-        out += mv
-    return bytes(out)
+        parts.append(mv.nbytes.to_bytes(8, "little"))
+        parts.append(mv)
+    return b"".join(parts)  # one copy of the payload (a growing bytearray copied it twice)
 
 
 def frames_from_bytes(blob: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[memoryview]:

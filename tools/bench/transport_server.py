@@ -22,6 +22,7 @@ class ZeroPolicy:
 
         self.torch = torch
         self.chunk_cls = ActionChunk
+        self._zeros: dict[int, object] = {}
         self.chunk_size = chunk
         self.action_dim = action_dim
         self.t_act: list[float] = []
@@ -29,7 +30,10 @@ class ZeroPolicy:
     def act(self, obs, *, deterministic: bool = False):
         self.t_act.append(perf())
         b = obs[OBS_STATE].shape[0]
-        return self.chunk_cls(self.torch.zeros(b, self.chunk_size, self.action_dim))
+        zeros = self._zeros.get(b)
+        if zeros is None:  # the same (never written) zeros for every batch of b
+            zeros = self._zeros[b] = self.torch.zeros(b, self.chunk_size, self.action_dim)
+        return self.chunk_cls(zeros)
 
     def trainable_state_dict(self):
         return {}
