@@ -36,7 +36,8 @@ from data.core.security import configure_client_socket
 from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.actor.client")
-_POLLIN = int(zmq.POLLIN)  # a plain int: & with pyzmq's PollEvent flag runs enum code
+# plain ints: pyzmq's enum members cost Python-level enum code in & and in setsockopt
+_POLLIN, _RCVTIMEO = int(zmq.POLLIN), int(zmq.RCVTIMEO)
 
 
 class HandshakeError(RuntimeError):
@@ -216,6 +217,7 @@ class LearnerClient:
         # observations up to this size are copied on send: cheaper than a zero-copy frame's
         # hand-back through pyzmq's garbage-collector thread
         s.copy_threshold = 1 << 20
+        s.setsockopt(_RCVTIMEO, max(1, int(self.timeout_s * 1000)))  # act()'s first wait
         configure_client_socket(s, self.security)
         s.connect(f"tcp://{self.host}:{port}")
         self.act_sock = s
@@ -354,12 +356,15 @@ class LearnerClient:
             send_frames(sock, encode(
                 "act", {"req_id": req, "deterministic": deterministic, "tasks": list(tasks)}, arrays))
             deadline = time.monotonic() + self.timeout_s
+            wait_set = sock is self.act_sock  # the act socket's RCVTIMEO is timeout_s already
             while True:
                 # a blocking receive with a timeout: no poller to build and tear down per act
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if left_ms <= 0:
                     break
-                sock.setsockopt(zmq.RCVTIMEO, left_ms)
+                if not wait_set:
+                    sock.setsockopt(_RCVTIMEO, left_ms)
+                wait_set = False
                 try:  # act replies are small: bytes are cheaper than zero-copy frames
                     frames = recv_frames(sock, copy=True)
                 except zmq.Again:

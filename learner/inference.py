@@ -132,6 +132,8 @@ class InferenceServer(threading.Thread):
         self._stop_event.set()
 
     def _apply_pending(self) -> None:
+        if self._pending is None:  # (read without the lock: set_weights' next write is seen next batch)
+            return
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:

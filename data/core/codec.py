@@ -30,6 +30,8 @@ import msgpack
 import numpy as np
 from msgpack import unpackb as _unpackb
 
+_isfinite = math.isfinite
+
 from data.core.schema import (INT64_BOUNDS, MAX_BYTES_FIELD, MAX_LIST_LEN, MESSAGE_SCHEMAS,
                               PROTOCOL_VERSION, MessageSchema)
 
@@ -177,13 +179,19 @@ def decode(
         if key not in header:
             raise CodecError(f"{msg_type}: missing field {key!r}")
         value = header[key]
-        # the common case inline: the exact type, an int within bounds
-        if type(value) is typ and bounds is not None and typ is not float:
+        # the common case inline (exact type, within bounds); anything else is named below
+        if type(value) is typ and bounds is not None:
             if typ is int:
                 lo, hi = bounds.get(key, INT64_BOUNDS)
                 if lo <= value <= hi:
                     continue
-            elif typ is bool or typ is str or (typ is list and len(value) <= MAX_LIST_LEN):
+            elif typ is float:
+                if _isfinite(value):
+                    continue
+            elif typ is list or typ is bytes:
+                if len(value) <= (MAX_LIST_LEN if typ is list else MAX_BYTES_FIELD):
+                    continue
+            else:
                 continue
         _check_field(msg_type, key, typ, value, bounds)
     meta = header.pop("arrays", [])
