@@ -11,6 +11,12 @@ Removed files are recycled, up to ``spare_bytes``: an acknowledged file is renam
 the next append renames a spare to its ``.tmp`` name and overwrites it in place (pages and
 blocks already allocated: a fraction of a fresh file's cost). A spare is never a pending
 batch (only ``*.msg`` files are); spares left by a killed actor are deleted at start-up.
+
+The in-memory copies (``cache_bytes``) are recycled too: an acknowledged blob's bytearray is
+kept (within the same budget) and the next append encodes into it, once nothing else holds
+it (a zero-copy send still in flight keeps a reference: then it is let go). Blobs of a few MB
+are beyond malloc's mmap threshold, so each new one costs page faults and each freed one an
+munmap (~0.25 ms for 3 MB) on the actor's thread.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from data.core.codec import CodecError, encode_to_bytes, frames_from_bytes
@@ -52,8 +59,10 @@ class Spool:
         # Blobs appended by this process, kept until acknowledged (up to cache_bytes), so that
         # streaming them does not read back from disk what was just written.
         self.cache_bytes = int(cache_bytes)
-        self._cache: dict[tuple[int, int], bytes] = {}
+        self._cache: dict[tuple[int, int], bytes | bytearray] = {}
         self._cached = 0
+        self._free: list[bytearray] = []  # acknowledged blobs' memory, for the next appends
+        self._free_bytes = 0
         self._files: dict[tuple[int, int], Path] = {}
         self._sizes: dict[tuple[int, int], int] = {}
         for p in self.dir.glob("*.msg"):
@@ -113,7 +122,7 @@ class Spool:
             raise ValueError(f"spool expects seq {self.next_seq}, batch starts at {batch.first_seq}")
         if self.full:
             raise SpoolFull(f"spool {self.dir} holds {self.nbytes} bytes >= {self.max_bytes}")
-        blob = encode_to_bytes(batch.to_frames())
+        blob = encode_to_bytes(batch.to_frames(), self._reuse())
         key = (batch.first_seq, batch.last_seq)
         path = self.dir / f"{key[0]:012d}-{key[1]:012d}.msg"
         tmp = path.with_suffix(".tmp")
@@ -133,6 +142,15 @@ class Spool:
             self._cached += len(blob)
         self.next_seq = batch.last_seq + 1
         self._write_meta()
+
+    def _reuse(self) -> bytearray:
+        """A recycled blob buffer nothing else references (else a new one)."""
+        while self._free:
+            buf = self._free.pop()
+            self._free_bytes -= len(buf)
+            if sys.getrefcount(buf) <= 2:  # this name and the call's argument: no view is alive
+                return buf
+        return bytearray()
 
     def _open_tmp(self, tmp: Path):
         """``tmp`` opened for writing: a spare renamed to it when there is one, else new."""
@@ -186,6 +204,10 @@ class Spool:
             blob = self._cache.pop(k, None)
             if blob is not None:
                 self._cached -= len(blob)
+                if (type(blob) is bytearray
+                        and self._cached + self._free_bytes + len(blob) <= self.cache_bytes):
+                    self._free.append(blob)
+                    self._free_bytes += len(blob)
         # meta.json is not rewritten per ack (write + rename over the old file: 0.3-10 ms of
         # blocking ext4 metadata work each time): pending = the files; next_seq/next_episode
         # change only in append/set_next_episode, which write it.

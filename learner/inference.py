@@ -246,7 +246,13 @@ class InferenceServer(threading.Thread):
             with torch.autocast(self.device.type, dtype=self.autocast_dtype):
                 chunk = self.policy.act(obs, deterministic=deterministic)
         a = chunk.actions
-        actions = (a if a.dtype == torch.float32 and a.is_cpu else a.float().cpu()).numpy()
+        if a.dtype is torch.float32:
+            try:  # one torch call for the usual float32 CPU tensor
+                actions = a.numpy()
+            except TypeError:  # on a GPU
+                actions = a.cpu().numpy()
+        else:
+            actions = a.float().cpu().numpy()
         if self.extras_spec or chunk.extras or chunk.log_prob is not None:
             extras = extras_to_numpy(chunk.extras_with_log_prob(), self.extras_spec, actions.shape[0])
         else:  # nothing declared, nothing returned

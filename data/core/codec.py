@@ -282,14 +282,35 @@ def _check_meta(msg_type: str, i: int, entry: Any) -> tuple[str, str, list[int]]
     return name, dtype_name, shape
 
 
-def encode_to_bytes(frames: Sequence[Any]) -> bytes:
-    """Length-prefixed concatenation of frames, for storing a message on disk (spool)."""
-    parts: list[Any] = [len(frames).to_bytes(4, "little")]
-    for f in frames:
-        mv = _frame_bytes(f)
-        parts.append(mv.nbytes.to_bytes(8, "little"))
-        parts.append(mv)
-    return b"".join(parts)  # one copy of the payload (a growing bytearray copied it twice)
+def encode_to_bytes(frames: Sequence[Any], out: bytearray | None = None) -> bytes | bytearray:
+    """Length-prefixed concatenation of frames, for storing a message on disk (spool).
+
+    ``out``: a bytearray to write it into (resized to fit; it must have no exported
+    buffers; an empty one is replaced by a new one of the right size), returned; without
+    one, a new bytes object."""
+    views = [_frame_bytes(f) for f in frames]
+    if out is None:
+        parts: list[Any] = [len(frames).to_bytes(4, "little")]
+        for mv in views:
+            parts.append(mv.nbytes.to_bytes(8, "little"))
+            parts.append(mv)
+        return b"".join(parts)  # one copy of the payload (a growing bytearray copied it twice)
+    total = 4 + sum([8 + mv.nbytes for mv in views])
+    if len(out) > total:
+        del out[total:]
+    elif not out:
+        out = bytearray(total)
+    elif len(out) < total:
+        out.extend(bytes(total - len(out)))
+    with memoryview(out) as dst:
+        dst[:4] = len(frames).to_bytes(4, "little")
+        pos = 4
+        for mv in views:
+            n = mv.nbytes
+            dst[pos:pos + 8] = n.to_bytes(8, "little")
+            dst[pos + 8:pos + 8 + n] = mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+            pos += 8 + n
+    return out
 
 
 def frames_from_bytes(blob: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[memoryview]:
