@@ -112,3 +112,30 @@ def test_spool_blob_round_trip_and_truncation():
         frames_from_bytes(blob[:-3])
     with pytest.raises(CodecError, match="trailing"):
         frames_from_bytes(blob + b"x")
+
+
+def test_a_cached_layout_still_checks_every_buffer_and_limit():
+    import numpy as np
+
+    frames = encode("act", {"req_id": 1, "deterministic": False, "tasks": [""]},
+                    {"observation.state": np.zeros((1, 4), np.float32)})
+    decode(frames)  # the layout is now cached
+    short = [frames[0], bytes(memoryview(frames[1]))[:-4]]
+    with pytest.raises(CodecError, match="needs 16 bytes"):
+        decode(short)
+    big = encode("act", {"req_id": 2, "deterministic": False, "tasks": [""]},
+                 {"observation.state": np.zeros((1, 0, 1 << 20), np.float32)})
+    decode(big, max_bytes=64 << 20)
+    with pytest.raises(CodecError, match="over the limit"):
+        decode(big, max_bytes=1 << 20)  # the size claim is checked per limit
+
+
+def test_encode_to_bytes_into_a_reused_buffer():
+    import numpy as np
+
+    frames = encode("ping", {"t": 1.0}, {"a": np.arange(600, dtype=np.float32).reshape(20, 30)})
+    blob = encode_to_bytes(frames)
+    for buf in (bytearray(), bytearray(5), bytearray(len(blob) + 100)):
+        out = encode_to_bytes(frames, buf)
+        assert bytes(out) == blob and isinstance(out, bytearray)
+        assert [bytes(f) for f in frames_from_bytes(out)] == [bytes(memoryview(f)) for f in frames]

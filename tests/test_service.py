@@ -434,3 +434,19 @@ def test_job_queue_config_errors_name_the_entry():
     q = JobQueue.from_config([{"seed": 1}, {"seed": 2, "job_id": 40}])
     assert q.next_job("x", 0).job_id == 0 and q.next_job("x", 1).job_id == 40
     assert q.next_job("x", 2) is None and q.pending() == 0
+
+
+def test_acks_of_a_burst_are_coalesced_and_come_before_other_replies(learner):
+    svc, _, ingest, ctx = learner
+    s = dealer(ctx, svc.port)
+    hello(s)
+    for i in range(6):  # six batches back to back, then a ping: nothing read in between
+        s.send_multipart(TransitionBatch.from_records("a0", 2 * i, records(2, start=2 * i)).to_frames())
+    s.send_multipart(encode("ping", {"t": 1.0}))
+    got = []
+    while not got or got[-1].type != "pong":
+        assert s.poll(5000), f"no reply after {[m.type for m in got]}"
+        got.append(decode(s.recv_multipart()))
+    acks = [m["acked_seq"] for m in got if m.type == "ack"]
+    assert acks and acks == sorted(acks) and acks[-1] == 11, acks  # cumulative, in order
+    assert [m.type for m in got][-1] == "pong" and ingest.sink.total_added == 12

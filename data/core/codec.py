@@ -201,13 +201,15 @@ def decode(
             f"arrays but the message has {len(views) - 1} buffers"
         )
     try:
-        key = tuple([(e[0], e[1], tuple(e[2])) for e in meta])
+        key = (max_bytes, tuple([(e[0], e[1], tuple(e[2])) for e in meta]))
         layout = _META_CACHE.get(key)
     except Exception:  # malformed metadata (not hashable, too short): the checks name it
         key, layout = None, None
     if layout is None:
         layout = _check_layout(msg_type, meta, max_bytes)
-        if key is not None and len(_META_CACHE) < _META_CACHE_MAX:
+        # bounded: at most _META_CACHE_MAX layouts of at most 64 arrays with short names
+        if (key is not None and len(_META_CACHE) < _META_CACHE_MAX and len(layout) <= 64
+                and sum([len(e[0]) for e in layout]) <= 4096):
             _META_CACHE[key] = layout
     arrays: dict[str, np.ndarray] = {}
     ndarray = np.ndarray  # a view of the buffer (np.frombuffer(...).reshape(...) in one call)
