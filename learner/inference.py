@@ -144,7 +144,7 @@ class InferenceServer(threading.Thread):
     def _wait(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` for a wake-up or the act socket; move every request
         waiting on the act socket into the queue (the act channel validates them)."""
-        events = dict(self._poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
+        events = dict(zmq.zmq_poll(self._poller.sockets, max(0, int(timeout_s * 1000 + 0.999))))
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):
@@ -212,7 +212,7 @@ class InferenceServer(threading.Thread):
             if not reqs:
                 continue
             det0 = reqs[0].deterministic
-            if all(r.deterministic == det0 for r in reqs):
+            if len(reqs) == 1 or all(r.deterministic == det0 for r in reqs):
                 groups = ((det0, reqs),)
             else:
                 groups = tuple((det, [r for r in reqs if r.deterministic == det]) for det in (False, True))

@@ -218,7 +218,7 @@ class LearnerService(threading.Thread):
     def active_actors(self) -> int:
         now = time.monotonic()
         # list(): one C-level copy, safe while the socket thread adds a peer
-        return sum(1 for p in list(self.peers.values()) if now - p.last_seen < self.peer_timeout_s)
+        return len([p for p in list(self.peers.values()) if now - p.last_seen < self.peer_timeout_s])
 
     def count_rejection(self, code: str, *, internal: bool = False) -> None:
         with self._count_lock:
