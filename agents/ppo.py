@@ -56,16 +56,14 @@ RATIO_LEVELS = ("auto", "token", "chunk")
 class PPOConfig:
     """Hyperparameters of :class:`PPOAgent` and its cadence (the PPO builder)."""
 
-    #: discount factor (per policy step: per chunk for chunked policies)
+    #: discount factor (per policy step: per chunk for chunked policies) and GAE lambda
     gamma: float = 0.99
-    #: GAE lambda
     lam: float = 0.95
     #: the ratio is clipped below at 1 - clip_low
     clip_low: float = 0.2
     #: the ratio is clipped above at 1 + clip_high (DAPO / SimpleVLA-RL "clip higher": 0.28)
     clip_high: float = 0.2
-    #: dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): with A < 0 the loss is capped at
-    #: -A * dual_clip, so a chunk whose ratio exploded cannot dominate the update (None: off)
+    #: dual-clip PPO (verl's clip_ratio_c): A < 0 losses capped at -A * dual_clip (None: off)
     dual_clip: float | None = None
     #: value updates are clipped to +-value_clip around the rollout's values (None: no clipping)
     value_clip: float | None = 0.2
@@ -73,36 +71,33 @@ class PPOConfig:
     value_coef: float = 0.5
     #: weight of the entropy bonus (subtracted from the loss)
     entropy_coef: float = 0.0
-    #: KL estimator of the penalty to the reference policy: "k1", "k2", "k3" or "none"
+    #: KL penalty to the reference policy: estimator "k1", "k2", "k3" or "none", and weight (0:
+    #: off; > 0 needs a ReferencePolicy or "ref_log_prob" in batches)
     kl_kind: str = "none"
-    #: weight of the KL penalty (0: off); > 0 needs a ReferencePolicy or "ref_log_prob" in batches
     kl_coef: float = 0.0
-    #: passes over each batch
+    #: passes over each batch; target_kl: no further pass once one's mean approx_kl exceeds it
     epochs: int = 4
+    target_kl: float | None = None
     #: chunks per minibatch (one optimizer step each)
     minibatch_size: int = 64
     #: finished episodes per update round (the builder waits for this many)
     batch_episodes: int = 8
     #: Adam learning rate of the policy
     lr: float = 3e-4
-    #: Adam learning rate of the value function (also of a ValuePolicy's own head, when the
-    #: policy names it with ``value_parameters()``)
+    #: Adam lr of the value function (also of a ValuePolicy's own ``value_parameters()``)
     value_lr: float = 1e-3
     #: clip the global gradient norm of each network to this value (None: no clipping)
     max_grad_norm: float | None = 0.5
     #: rollouts more than this many policy versions old are dropped (0: strictly on-policy)
     max_staleness: int = 1
-    #: cap on the importance weights pi_prox / pi_behaviour of stale rollouts (None: take the
-    #: ratio against the behaviour log-prob, no reweighting)
+    #: cap of the weights pi_prox / pi_behaviour of stale rollouts (None: ratio against behaviour)
     is_truncation: float | None = 2.0
-    #: "token": one clipped ratio per factor of the chunk's likelihood (needs a
-    #: TokenLogProbPolicy and is_truncation); "chunk": one per chunk; "auto": token when the
-    #: policy has per-token log-probs, else chunk
+    #: "token": a clipped ratio per factor of the chunk's likelihood (TokenLogProbPolicy and
+    #: is_truncation); "chunk": one per chunk; "auto": token when the policy has them
     ratio_level: str = "auto"
     #: advantage estimator, a key of :data:`agents.advantages.ESTIMATORS`
     estimator: str = "gae"
-    #: "chunk_mean" (every chunk alike) or "episode_mean" (every episode alike: long failures
-    #: do not outweigh short successes; the builders pass the weights as ``chunk_weight``)
+    #: "chunk_mean" or "episode_mean" (every episode alike; builders pass ``chunk_weight``)
     loss_agg: str = "chunk_mean"
     #: whiten the advantages of each batch (mean 0, std 1 over the real chunks)
     normalize_advantages: bool = True
@@ -123,6 +118,8 @@ class PPOConfig:
             raise ValueError("kl_coef, entropy_coef and value_coef must be >= 0")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {self.estimator!r}")
+        if self.target_kl is not None and self.target_kl <= 0:
+            raise ValueError(f"target_kl must be > 0 or None, got {self.target_kl}")
         if self.loss_agg not in ("chunk_mean", "episode_mean"):
             raise ValueError(f"loss_agg must be chunk_mean or episode_mean, got {self.loss_agg!r}")
         if min(self.epochs, self.minibatch_size, self.batch_episodes, self.publish_every) < 1:
@@ -385,8 +382,9 @@ class PPOAgent:
                 old_values = (batch["old_values"].float() if "old_values" in batch
                               else self._in_chunks(self._value, obs, None, n))
         sums: dict[str, torch.Tensor] = {}
-        steps = 0
-        for _ in range(cfg.epochs):
+        steps = epochs = 0
+        while epochs < cfg.epochs and not (epochs and self._kl_reached(sums.get("approx_kl", 0.0) - kl0, steps - s0)):
+            epochs, kl0, s0 = epochs + 1, sums.get("approx_kl", 0.0), steps
             perm = torch.randperm(n, device=self.device)
             for s in range(0, n, cfg.minibatch_size):
                 idx = perm[s:s + cfg.minibatch_size]
@@ -398,6 +396,7 @@ class PPOAgent:
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
         out = {k: float(v) / steps for k, v in sums.items()}
+        out["epochs"] = float(epochs)
         if is_w is not None:
             out["is_weight_mean"] = float(masked_mean(is_w, mask))
         if self.has_critic:
@@ -408,6 +407,13 @@ class PPOAgent:
         self.num_updates += 1
         out["num_updates"] = float(self.num_updates)
         return out
+
+    def _kl_reached(self, kl_sum, steps: int) -> bool:
+        """target_kl early stop: the last epoch's mean approx_kl (the same on every rank) > it."""
+        if self.cfg.target_kl is None:
+            return False
+        kl = torch.as_tensor(kl_sum / max(steps, 1), device=self.device, dtype=torch.float32)
+        return float(self.accelerator.reduce(kl, "mean") if self.accelerator.num_processes > 1 else kl) > self.cfg.target_kl
 
     def _minibatch_step(self, obs: Batch, actions, old, adv, mask, is_w, ref, returns,
                         old_values) -> dict[str, torch.Tensor]:

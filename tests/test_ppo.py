@@ -363,3 +363,22 @@ def test_a_policy_value_head_trains_at_value_lr_not_the_policy_lr():
     moved = {n: float((q.detach() - before[n]).abs().max()) for n, q in policy.named_parameters()}
     assert min(v for n, v in moved.items() if n.startswith("value_head.")) > 1e-3, moved
     assert max(v for n, v in moved.items() if not n.startswith("value_head.")) < 1e-4, moved
+
+
+@pytest.mark.parametrize("target_kl,epochs_run", [(None, 6), (1e-6, 1), (10.0, 6)])
+def test_target_kl_stops_the_epochs_of_a_round_early(target_kl, epochs_run):
+    """After each pass, the pass's mean approx_kl is compared with target_kl: a tiny target stops
+    after the first pass (the step there moved the policy), a huge one never stops."""
+    torch.manual_seed(0)
+    policy = MLPPolicy(SMALL, SPEC)
+    agent = PPOAgent(PPOConfig(epochs=6, minibatch_size=16, lr=3e-3, target_kl=target_kl), policy, None,
+                     Accelerator(cpu=True))
+    batch = rollout_batch(policy)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    m = agent.update(batch)
+    assert m["epochs"] == epochs_run
+    assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    if target_kl == 1e-6:
+        assert m["approx_kl"] > target_kl  # why it stopped
+    with pytest.raises(ValueError, match="target_kl"):
+        PPOConfig(target_kl=0.0)
