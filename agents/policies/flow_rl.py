@@ -54,15 +54,14 @@ The weights sync to actors (``trainable_state_dict``) adds the noise head (``flo
 the value head stays on the learner.
 
 Measured (``python -m tools.flow_ppo_demo``: tiny PI0, chunk 4, K = 4, LoRA 4, point_reach with a
-camera + the target in the state, BC on 5 scripted demos, 2 actors): it runs end to end but does
-NOT learn yet. Until the value head got its own lr (``value_parameters()``: PPO trains it at
-value_lr; before, at the policy's 2e-5) its explained variance stayed ~0; now 0.3-0.8. Success
-still stays flat in ~200-episode windows over 28-33 updates (1,200-1,600 episodes): BC 100 / 300 /
-1000 steps (v0 0.17 / 0.32 / 0.55), lr 3e-5..3e-4, GAE or REINFORCE++, 16 or 32 episodes per
-update; after a BC-300 start the first ~200 episodes fall below v0 (0.32 -> 0.19-0.23). GRPO on
-this policy (``--algo grpo``) rose at most slowly (0.17 -> 0.40 in one window, lr 1e-4, 51
-updates). Untried: a fixed (not learned) noise std, early-stopping updates on approx_kl, many
-more updates (a PPO update took ~9 s for 16 episodes on one CPU thread).
+camera + the target in the state, BC on 5 scripted demos, 2 actors; README "Learning"). With
+lerobot's x_0 ~ N(0, I) start, ~30 updates of ~40 episodes stayed flat; with rounds of 16
+episodes, the episode-mean loss and ~100 updates the runs rose slowly (200-episode windows
+0.12-0.19 -> 0.25-0.32). With ``init_noise_scale: 0`` (above) and a per-step std held at 0.15,
+ten runs side by side on a 16-core box rose 0.03 -> 0.27 (lr 3e-4) and 0.11 -> 0.30
+(REINFORCE++) in ~65 updates, ~1,000 episodes; the learned std within [0.1, 0.5] rose 0.14 ->
+0.30 at lr 1e-4 and stayed at 0.04-0.10 at 3e-4 (why was not checked). The rises
+are noisy: a run on the 2-core machine went 0.18 -> 0.35 by window and fell back after update 50.
 """
 
 from __future__ import annotations
