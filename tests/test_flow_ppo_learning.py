@@ -13,6 +13,11 @@ Asserted: the starting policy (the episodes version 0 acted in) succeeds at most
 the best window of >= MIN_WINDOW consecutive episodes from version 1 on succeeds at least MARGIN
 more often. A window of ~200 episodes at p ~ 0.1 has a standard deviation of ~0.02.
 
+Status: NOT MET on the 2-core machine. Seed 0 there: version 0 0.33 (27 episodes), 200-episode
+windows 0.23, 0.18, 0.29, 0.35, 0.21, 0.35 over 65 updates (633 s): this test fails. Version 0's
+27 episodes give a noisy start (0.07-0.42 across runs of the same BC recipe), and at lr 3e-4 the
+first update's per-token KL was 0.1-0.4: it knocks the BC policy down before PPO climbs back.
+
 Measured (the same recipe on the CPUs of the 16-core GPU box, 10 runs at once): version 0 0.07
 (28 episodes) -> 200-episode windows 0.03, 0.05, 0.10, 0.21, 0.27 over 62 updates and 1,019
 episodes in 430 s. With lerobot's x_0 ~ N(0, I) start and the same settings the runs rose

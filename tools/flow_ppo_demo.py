@@ -15,7 +15,8 @@ through the real learner and actor processes on loopback, from a deliberately we
     python -m tools.flow_ppo_demo --out runs/flow_ppo --updates 65 -- algo.lr=1e-4 policy.noise_std_max=0.5
 
 The recipe (:data:`FLOW_O`, :data:`PPO_O`) is tests/test_flow_ppo_learning.py's, which gives the
-measured figures. ``--algo grpo`` trains the same policy with GRPO's group advantages instead (no
+measured figures: runs on a 16-core box rose (0.03 -> 0.27 over ~1,000 episodes), runs on the
+2-core machine did not rise clearly (README "Learning"). ``--algo grpo`` trains the same policy with GRPO's group advantages instead (no
 critic), to tell the critic from the policy.
 
 Prints a JSON summary (before/after success with episode counts, updates, wall time) and
