@@ -383,7 +383,7 @@ class PPOAgent:
                               else self._in_chunks(self._value, obs, None, n))
         sums: dict[str, torch.Tensor] = {}
         steps = epochs = 0
-        while epochs < cfg.epochs and not (epochs and self._kl_reached(sums.get("approx_kl", 0.0) - kl0, steps - s0)):
+        for _ in range(cfg.epochs):
             epochs, kl0, s0 = epochs + 1, sums.get("approx_kl", 0.0), steps
             perm = torch.randperm(n, device=self.device)
             for s in range(0, n, cfg.minibatch_size):
@@ -395,6 +395,8 @@ class PPOAgent:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
+            if cfg.target_kl is not None and self._kl_reached(sums.get("approx_kl", 0.0) - kl0, steps - s0):
+                break  # target_kl: the policy moved far enough from the rollout's this round
         out = {k: float(v) / steps for k, v in sums.items()}
         out["epochs"] = float(epochs)
         if is_w is not None:
@@ -409,9 +411,7 @@ class PPOAgent:
         return out
 
     def _kl_reached(self, kl_sum, steps: int) -> bool:
-        """target_kl early stop: the last epoch's mean approx_kl (the same on every rank) > it."""
-        if self.cfg.target_kl is None:
-            return False
+        """target_kl early stop: the last pass's mean approx_kl (the same on every rank) > it."""
         kl = torch.as_tensor(kl_sum / max(steps, 1), device=self.device, dtype=torch.float32)
         return float(self.accelerator.reduce(kl, "mean") if self.accelerator.num_processes > 1 else kl) > self.cfg.target_kl
 

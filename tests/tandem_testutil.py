@@ -34,3 +34,18 @@ sys.meta_path.insert(0, Block())
 def blocked_loaded():
     return sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
 """
+
+
+def assert_learning_run_lifts(r: dict, *, updates: int, start_max: float, margin: float,
+                              min_window: int, min_start_episodes: int, after_min: float = 0.0) -> None:
+    """The learning tests' verdict on a ``tools.learning_run.run`` summary: ``updates`` were
+    done; version 0 (the starting policy, >= ``min_start_episodes`` episodes) succeeded at most
+    ``start_max``; the best window of >= ``min_window`` episodes from version 1 on succeeded at
+    least ``margin`` more often and at least ``after_min``."""
+    assert r["updates"] >= updates, f"stopped early: {r['updates']} updates in {r['wall_s']} s"
+    before = r["before"]
+    assert before["episodes"] >= min_start_episodes and before["success"] <= start_max, before
+    later = [w for w in r["windows"] if w[0] >= 1 and w[2] >= min_window]  # [first v, last v, n, success]
+    assert later, r["windows"]
+    best = max(later, key=lambda w: w[3])
+    assert best[3] >= before["success"] + margin and best[3] >= after_min, (before, r["windows"])

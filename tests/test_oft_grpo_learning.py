@@ -32,6 +32,7 @@ import json
 import os
 
 import pytest
+from tandem_testutil import assert_learning_run_lifts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
@@ -54,10 +55,5 @@ def test_grpo_lifts_a_weak_tiny_oft(tmp_path):
     r = oft_grpo_demo.main(["--out", str(tmp_path / "run"), "--updates", str(UPDATES),
                             "--minutes", str(MAX_MINUTES), "--seed", str(SEED), "--target", "1.01"])
     print(json.dumps({k: r[k] for k in ("episodes", "updates", "wall_s", "before", "windows")}))
-    assert r["updates"] >= UPDATES, f"stopped early: {r['updates']} updates in {r['wall_s']} s"
-    before = r["before"]
-    assert before["episodes"] >= 30 and before["success"] <= START_MAX, before
-    later = [w for w in r["windows"] if w[0] >= 1 and w[2] >= MIN_WINDOW]  # [first v, last v, n, success]
-    assert later, r["windows"]
-    best = max(later, key=lambda w: w[3])
-    assert best[3] >= before["success"] + MARGIN and best[3] >= AFTER_MIN, (before, r["windows"])
+    assert_learning_run_lifts(r, updates=UPDATES, start_max=START_MAX, margin=MARGIN, min_window=MIN_WINDOW,
+                              min_start_episodes=30, after_min=AFTER_MIN)
