@@ -73,10 +73,14 @@ class GRPOBuilderConfig(GRPOConfig):
     prefetch_rounds: int = 1
     #: finished episodes the rollout queue holds at most (beyond: oldest dropped, counted)
     max_queued_episodes: int = 1024
+    #: updates over which the policy's lr rises linearly from lr / n to lr (0: off)
+    lr_warmup_updates: int = 0
 
     def validate(self) -> None:
         if not self.task_ids or any(int(t) < 0 for t in self.task_ids):
             raise ValueError(f"task_ids must be non-empty task indices, got {self.task_ids}")
+        if self.lr_warmup_updates < 0:
+            raise ValueError(f"lr_warmup_updates must be >= 0, got {self.lr_warmup_updates}")
         if self.seeds not in SEEDS:
             raise ValueError(f"seeds must be one of {SEEDS}, got {self.seeds!r}")
         if not 2 <= self.min_group_size <= self.group_size:
@@ -403,7 +407,8 @@ class GRPOBuilder:
         source = self._jobs or GroupJobSource(self.cfg)
         rounds = GroupRounds(data.queue, source, self.cfg,
                              horizon=int(getattr(networks.policy, "chunk_size", 1)))
-        return OnPolicyLearner(agent, rounds, publish_every=self.cfg.publish_every)
+        return OnPolicyLearner(agent, rounds, publish_every=self.cfg.publish_every,
+                               lr_warmup=self.cfg.lr_warmup_updates)
 
     def jobs(self) -> GroupJobSource | None:
         """The group job source (None outside training: actors then run as they like)."""

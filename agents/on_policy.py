@@ -276,8 +276,10 @@ class OnPolicyLearner:
     start; the learner app publishes a new one whenever :meth:`should_publish` says so).
     """
 
-    def __init__(self, agent: Any, collector: Any, *, publish_every: int = 1):
+    def __init__(self, agent: Any, collector: Any, *, publish_every: int = 1, lr_warmup: int = 0):
         self.agent = agent
+        #: updates over which the policy's lr rises linearly to ``agent.cfg.lr`` (0: none)
+        self.lr_warmup = int(lr_warmup)
         self.policy = agent.policy
         self.collector = collector
         self.publish_every = int(publish_every)
@@ -300,6 +302,8 @@ class OnPolicyLearner:
         metrics = dict(got.metrics)
         if got.batch is not None and bool(torch.as_tensor(got.batch.get("mask", True)).any()):
             t_up = time.monotonic()
+            if self.lr_warmup > 0:
+                metrics["lr"] = self._warm_lr()
             metrics.update(self.agent.update(got.batch))
             metrics["update_s"] = time.monotonic() - t_up
             self.updates += 1
@@ -310,6 +314,14 @@ class OnPolicyLearner:
         metrics.update(self._queue_metrics(), rounds=float(self.rounds),
                        policy_version=float(self.version), round_s=time.monotonic() - t0)
         return metrics
+
+    def _warm_lr(self) -> float:
+        """The policy group's lr for the coming update: ``cfg.lr * (u + 1) / lr_warmup``, capped
+        at ``cfg.lr`` (Adam's first steps move every weight by about the lr, whatever its
+        gradient, which knocks a BC-trained policy down); the value group is left alone."""
+        lr = float(self.agent.cfg.lr) * min(1.0, (self.updates + 1) / self.lr_warmup)
+        self.agent.opt.param_groups[0]["lr"] = lr
+        return lr
 
     def _queue_metrics(self) -> dict[str, float]:
         st = self.collector.queue.status()

@@ -42,6 +42,8 @@ class PPOBuilderConfig(PPOConfig):
     value_task_buckets: int = 0
     #: finished episodes the rollout queue holds at most (beyond: the oldest are dropped)
     max_queued_episodes: int = 1024
+    #: updates over which the policy's lr rises linearly from lr / n to lr (0: off)
+    lr_warmup_updates: int = 0
     #: a round also waits until its episodes hold this many chunks (0: episodes alone decide)
     min_batch_chunks: int = 0
 
@@ -49,6 +51,8 @@ class PPOBuilderConfig(PPOConfig):
         if self.estimator not in PPO_ESTIMATORS:
             raise ValueError(f"algo=ppo runs estimator {' or '.join(PPO_ESTIMATORS)}, got "
                              f"{self.estimator!r} (group estimators need jobs: use algo=grpo)")
+        if self.lr_warmup_updates < 0:
+            raise ValueError(f"lr_warmup_updates must be >= 0, got {self.lr_warmup_updates}")
         if self.max_queued_episodes < self.batch_episodes:
             raise ValueError(f"max_queued_episodes ({self.max_queued_episodes}) < batch_episodes "
                              f"({self.batch_episodes})")
@@ -104,7 +108,8 @@ class PPOBuilder:
                                estimator=self.cfg.estimator, value_fn=value_fn,
                                device=agent.device, min_chunks=self.cfg.min_batch_chunks,
                                episode_mean=self.cfg.loss_agg == "episode_mean")
-        return OnPolicyLearner(agent, rounds, publish_every=self.cfg.publish_every)
+        return OnPolicyLearner(agent, rounds, publish_every=self.cfg.publish_every,
+                               lr_warmup=self.cfg.lr_warmup_updates)
 
     def jobs(self):
         return None
