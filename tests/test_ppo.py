@@ -382,3 +382,38 @@ def test_target_kl_stops_the_epochs_of_a_round_early(target_kl, epochs_run):
         assert m["approx_kl"] > target_kl  # why it stopped
     with pytest.raises(ValueError, match="target_kl"):
         PPOConfig(target_kl=0.0)
+
+
+class _Rounds:
+    """A collector that hands the learner the same fresh batch every round (the learner's lr
+    schedule is under test, not the collector)."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def collect(self, version):
+        from agents.on_policy import Round
+        return Round(batch=self.batch, metrics={})
+
+
+def test_lr_warmup_raises_the_policy_lr_linearly_and_leaves_the_value_lr():
+    from agents.on_policy import OnPolicyLearner
+
+    torch.manual_seed(0)
+    policy = NamedValueMLP(SMALL, SPEC)
+    agent = PPOAgent(PPOConfig(lr=1e-3, value_lr=1e-2, epochs=1, minibatch_size=64), policy, policy,
+                     Accelerator(cpu=True))
+    learner = OnPolicyLearner(agent, _Rounds(rollout_batch(policy)), lr_warmup=4)
+    learner._queue_metrics = dict  # no rollout queue behind the stand-in collector
+    before = {n: q.detach().clone() for n, q in policy.named_parameters() if not n.startswith("value_head.")}
+    lrs, first_step = [], None
+    for _ in range(6):
+        m = learner.step()
+        lrs.append(m["lr"])
+        assert agent.opt.param_groups[1]["lr"] == 1e-2  # the value head's group keeps value_lr
+        if first_step is None:  # one Adam step moves each weight by at most about its lr
+            first_step = max(float((q.detach() - before[n]).abs().max())
+                             for n, q in policy.named_parameters() if n in before)
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert 1e-4 < first_step <= 2.5e-4 * 1.01
+    assert learner.updates == 6 and learner.version == 6
