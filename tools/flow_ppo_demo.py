@@ -110,10 +110,26 @@ def bc_checkpoint(out: Path, env_cfg, *, demos: int, bc_steps: int, seed: int,
     return path, info
 
 
+def start_eval(common: Sequence[str], env_cfg, episodes: int, seed: int) -> list[bool]:
+    """Version 0 measured in process before the RL run: the policy the learner builds from
+    ``common`` (the BC checkpoint under the flow-RL wrapper: LoRA at zero, the noise head at its
+    initial std), sampled as the actors sample it, over ``episodes`` fresh seeds."""
+    from agents.registry import build_policy
+    from envs.registry import env_spec
+    from tools.learning_run import evaluate_policy
+    from tools.sft import learner_config
+
+    policy = build_policy(learner_config(list(common)).policy, env_spec(env_cfg)).eval()
+    return evaluate_policy(policy, env_cfg, episodes, seed=seed)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = run_args(__doc__, minutes=14.0, demos=5, target=0.9, window=50)
     ap.add_argument("--bc-steps", type=int, default=300)
     ap.add_argument("--bc-device", default=None, help="device of the BC fit (default: --device)")
+    ap.add_argument("--start-episodes", type=int, default=200,
+                    help="episodes of the starting policy run in process before RL (0: none); pooled with "
+                         "version 0's stored episodes into 'before'")
     ap.add_argument("--algo", choices=("ppo", "grpo"), default="ppo",
                     help="grpo: the same policy under group-relative advantages (no critic), a diagnostic")
     a = ap.parse_args(argv)
@@ -130,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     common = [*ENV_O, "policy=pi0", f"policy.checkpoint={ckpt}", f"policy.chunk_size={CHUNK}",
               "policy.flow_rl=noise", "policy.lora_rank=4", "policy.num_inference_steps=4", f"policy.device={a.device}"]
     common += FLOW_O
+    t1 = time.monotonic()
+    start = start_eval(common, env_cfg, a.start_episodes, seed=900_000 + 1000 * a.seed) if a.start_episodes else []
+    bc["start_eval_s"] = round(time.monotonic() - t1, 1)
     algo = (PPO_O if a.algo == "ppo" else
             ["algo=grpo", "algo.group_size=8", "algo.batch_groups=2", "algo.minibatch_size=64", "algo.epochs=2",
              "algo.lr=3e-5", "algo.loss_agg=episode_mean", "algo.job_timeout_s=60", "algo.round_timeout_s=120"])
@@ -138,6 +157,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
               updates=a.updates, target=a.target, window=a.window,
               seed=a.seed, device=a.device)
     summary = {"bc": bc, **res}
+    if start:  # version 0 = the in-process episodes + the ones the actors stored under version 0
+        stored = res["before"]
+        wins = sum(start) + (stored["success"] or 0.0) * stored["episodes"]
+        n0 = len(start) + stored["episodes"]
+        summary["before_stored"] = stored
+        summary["before_in_process"] = {"success": float(np.mean(start)), "episodes": len(start)}
+        summary["before"] = {"success": wins / n0, "episodes": n0}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return summary

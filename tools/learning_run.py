@@ -153,6 +153,40 @@ def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: f
 
 
 
+def evaluate_policy(policy, env_cfg, episodes: int, *, seed: int, deterministic: bool = False) -> list[bool]:
+    """In-process rollouts of ``policy`` on ``make_env(env_cfg)``, as an actor runs it (whole
+    chunks executed open-loop, sampled unless ``deterministic``): episode ``i`` resets with seed
+    ``seed + i`` (torch seeded with ``seed``); returns each episode's success."""
+    import torch
+
+    from actor.loop import obs_arrays
+    from envs.registry import make_env
+
+    env = make_env(env_cfg)
+    torch.manual_seed(seed)
+    wins = []
+    try:
+        for i in range(episodes):
+            obs, _ = env.reset(seed=seed + i)
+            done, ok = False, False
+            while not done:
+                arrays, tasks = obs_arrays(obs)
+                batch = {k: torch.from_numpy(v) for k, v in arrays.items()}
+                batch["task"] = tasks
+                with torch.no_grad():
+                    chunk = policy.act(batch, deterministic=deterministic).actions[0].cpu().numpy()
+                for a in chunk:
+                    obs, _, term, trunc, info = env.step(np.asarray(a, np.float32))
+                    ok = bool(info.get("is_success", False))
+                    if term or trunc:
+                        done = True
+                        break
+            wins.append(ok)
+    finally:
+        env.close()
+    return wins
+
+
 def run_args(doc: str, *, minutes: float, demos: int, target: float, window: int) -> argparse.ArgumentParser:
     """The flags every learning-run tool shares (its own go after): ``--out``, ``--minutes``,
     ``--demos``, ``--actors``, ``--target``, ``--window``, ``--seed`` and learner overrides."""

@@ -138,35 +138,11 @@ def make_weak_base(out: Path, demos: Path, steps: int, *, lr: float = 3e-4, batc
 
 def evaluate(policy, episodes: int, *, seed: int = 50_000, deterministic: bool = False) -> float:
     """Success rate over ``episodes`` resets with seeds seed, seed+1, ... (whole chunks run)."""
-    import torch
-
-    from actor.loop import obs_arrays
-    from envs.registry import make_env
+    from tools.learning_run import evaluate_policy
     from tools.record_demos import env_config
 
-    env = make_env(env_config(ENV_O))
-    torch.manual_seed(seed)
-    wins = 0
-    try:
-        for i in range(episodes):
-            obs, _ = env.reset(seed=seed + i)
-            done, ok = False, False
-            while not done:
-                arrays, tasks = obs_arrays(obs)
-                batch = {k: torch.from_numpy(v) for k, v in arrays.items()}
-                batch["task"] = tasks
-                with torch.no_grad():
-                    chunk = policy.act(batch, deterministic=deterministic).actions[0].numpy()
-                for a in chunk:
-                    obs, _, term, trunc, info = env.step(np.asarray(a, np.float32))
-                    ok = bool(info.get("is_success", False))
-                    if term or trunc:
-                        done = True
-                        break
-            wins += ok
-    finally:
-        env.close()
-    return wins / episodes
+    return float(np.mean(evaluate_policy(policy, env_config(ENV_O), episodes, seed=seed,
+                                         deterministic=deterministic)))
 
 
 def train(out: Path, base: Path, train_s: float, algo: list[str], reward: str = "dense", *,
