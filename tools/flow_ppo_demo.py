@@ -20,7 +20,8 @@ measured figures: runs on a 16-core box rose (0.03 -> 0.27 over ~1,000 episodes)
 critic), to tell the critic from the policy.
 
 Prints a JSON summary (before/after success with episode counts, updates, wall time) and
-writes it to ``<out>/summary.json``. Extra Hydra overrides for the learner go after ``--``.
+writes it to ``<out>/summary.json``. Extra Hydra overrides go after ``--``: ``policy.*`` ones
+to the learner and the actors, the rest to the learner.
 """
 
 from __future__ import annotations
@@ -146,13 +147,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     common = [*ENV_O, "policy=pi0", f"policy.checkpoint={ckpt}", f"policy.chunk_size={CHUNK}",
               "policy.flow_rl=noise", "policy.lora_rank=4", "policy.num_inference_steps=4", f"policy.device={a.device}"]
     common += FLOW_O
+    # policy.* overrides are the actors' too (an actor must build the learner's policy)
+    shared = [o for o in a.overrides if o.split("=", 1)[0].lstrip("+~").startswith("policy.")]
+    common += shared
     t1 = time.monotonic()
     start = start_eval(common, env_cfg, a.start_episodes, seed=900_000 + 1000 * a.seed) if a.start_episodes else []
     bc["start_eval_s"] = round(time.monotonic() - t1, 1)
     algo = (PPO_O if a.algo == "ppo" else
             ["algo=grpo", "algo.group_size=8", "algo.batch_groups=2", "algo.minibatch_size=64", "algo.epochs=2",
              "algo.lr=3e-5", "algo.loss_agg=episode_mean", "algo.job_timeout_s=60", "algo.round_timeout_s=120"])
-    algo += a.overrides
+    algo += [o for o in a.overrides if o not in shared]
     res = run(out, common, algo, minutes=rl_minutes(a, t0), actors=a.actors,
               updates=a.updates, target=a.target, window=a.window,
               seed=a.seed, device=a.device)
