@@ -120,7 +120,8 @@ class FeaturePolicy(Protocol):
 class ReferencePolicy(Protocol):
     def reference(self) -> contextlib.AbstractContextManager:
         """Inside ``with policy.reference():`` the policy computes as its reference (for a
-        LoRA model: the same model with the adapters disabled; no second copy)."""
+        LoRA model: the same model with its adapters and trained heads at their starting values,
+        B = 0 or the SFT start it was built from; no second copy)."""
         ...
 
 

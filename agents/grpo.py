@@ -7,8 +7,8 @@ advantage, (score - group mean) / group std (:func:`agents.advantages.grpo`; or 
 ReMax, ``estimator``), is given to every chunk of the episode. Groups whose outcomes are
 all equal carry no signal and are dropped (``dynamic_sampling``, DAPO). The update is
 :func:`agents.ppo.policy_loss` with the clip-higher bounds of DAPO / SimpleVLA-RL, an
-optional KL penalty to the reference (the policy with its LoRA adapters disabled), and the
-same staleness correction as PPO; there is no value function.
+optional KL penalty to the reference (the policy with its adapters and heads at their start),
+and the same staleness correction as PPO; there is no value function.
 
 The batch is PPO's (:mod:`agents.ppo`) without ``returns``: flat per chunk, with the
 episode's advantage precomputed per chunk (:func:`group_advantages` gives the per-episode

@@ -236,7 +236,7 @@ class PPOAgent:
     broadcasts read). With N ranks each holding a share of the round, advantages are whitened
     with the global statistics and each rank's loss is scaled so that the all-reduced gradient
     is the global masked mean's (:meth:`_whiten`, :meth:`_rank_scale`). A reference policy is
-    the same weights with adapters disabled (``policy.reference()``), so it needs no copy.
+    the same weights with adapters and heads at their start (``policy.reference()``), no copy.
     """
 
     name = "ppo"

@@ -154,6 +154,8 @@ def build_policy(policy_cfg: Mapping[str, Any], spec):
         policy = cls(make_config(cfg_cls, values, f"policy={name}"), spec)
     if init:
         load_init_trainable(policy, init, f"policy={name}")
+        if hasattr(policy, "mark_reference"):  # a KL reference is the SFT start, not the model before it
+            policy.mark_reference()
     return policy
 
 

@@ -146,3 +146,30 @@ def test_ppo_update_with_gae_on_the_policy_value_head(ckpt):
     d = after - c.log_prob
     assert d[adv > 0].mean() > d[adv < 0].mean(), d
     assert p.value(o).abs().sum() > 0  # the value head moved towards the returns
+
+
+def test_an_sft_start_loaded_as_init_trainable_is_the_kl_reference(ckpt, tmp_path):
+    """RL after SFT: the reference is the SFT policy the run started from (its adapters and
+    heads as loaded from ``policy.init_trainable``), not the model before SFT."""
+    from safetensors.torch import save_file
+
+    from agents.registry import build_policy
+
+    sft = make(ckpt)
+    perturb_adapters(sft, seed=5)
+    path = tmp_path / "sft.safetensors"
+    save_file({k: v.contiguous() for k, v in sft.trainable_state_dict().items()}, str(path))
+    p = build_policy({"name": "openvla_oft_discrete", "checkpoint": str(ckpt), "lora_rank": 4, "chunk_size": 4,
+                      "init_trainable": str(path)}, SPEC)
+    o = obs()
+    tok = p.act(o, deterministic=True).extras["action_tokens"]
+    with torch.no_grad():
+        at_start = p.log_prob(o, tokens=tok)
+        base = make(ckpt).log_prob(o, tokens=tok)
+        assert not torch.allclose(base, at_start, atol=1e-3)  # SFT changed the policy
+        perturb_adapters(p, seed=6)  # RL moves it on
+        moved = p.log_prob(o, tokens=tok)
+        assert not torch.allclose(moved, at_start, atol=1e-3)
+        with p.reference():
+            torch.testing.assert_close(p.log_prob(o, tokens=tok), at_start, rtol=0, atol=1e-5)
+        torch.testing.assert_close(p.log_prob(o, tokens=tok), moved, rtol=0, atol=1e-5)

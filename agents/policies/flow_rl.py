@@ -46,9 +46,10 @@ log-prob and this one agree (tests/test_flow_rl.py): exactly in eval mode withou
 :meth:`value` (ValuePolicy): an MLP on mean-pooled features (``value_features``: the expert's
 action tokens at t = 1 from x = 0, or the VLM's prefix), detached by default
 (``value_detach``: the value loss trains the head only). :meth:`reference` (ReferencePolicy):
-the same model with the LoRA adapters disabled (peft's ``enable_adapters(False)``) and the
-fully trained heads (action projections, noise head) swapped for their values at construction
-(kept as buffers, a few MB at full size: no second model).
+the same model with its adapters and fully trained heads (action projections, noise head)
+swapped for their values at construction, where LoRA B = 0 (the model without adapters), or at
+:meth:`mark_reference` (the SFT start ``policy.init_trainable`` loaded): a host-memory copy of the
+trained parameters, no second model.
 
 The weights sync to actors (``trainable_state_dict``) adds the noise head (``flow_rl.noise.*``);
 the value head stays on the learner.
@@ -74,6 +75,7 @@ import torch
 from torch import nn
 
 from agents.base import ActionChunk, Batch
+from agents.policies import vla_common as vc
 from agents.policies.pi0 import Pi0Policy, Pi05Policy
 from agents.policies.pi0_lerobot import lerobot_pi_module
 from data.core.schema import EXTRA_PREFIX
@@ -146,15 +148,8 @@ class _FlowRL:
         value_w = expert_w if cfg.value_features == "expert" else int(self.arch.width)
         self.heads = FlowHeads(cfg, expert_w, value_w, self.action_dim).to(self.device)
         self._mod = lerobot_pi_module(self.variant)
-        # the reference's fully trained heads: their values now, as buffers (checkpointed)
-        self.ref_store = nn.Module()
-        for name, p in self._full_params():
-            self.ref_store.register_buffer(name.replace(".", "__"), p.detach().clone())
-
-    def _full_params(self):
-        """Trained-in-full parameters the reference swaps back (not LoRA, not the value head)."""
-        return [(n, p) for n, p in self.named_parameters()
-                if p.requires_grad and ".lora_" not in n and not n.startswith(("heads.value.", "ref_store."))]
+        # the KL reference: adapters, action heads and noise head as they are now (LoRA B = 0)
+        self._reference = vc.ReferenceSnapshot(self, self.lora, skip=("heads.value.",))
 
     # -- the model, step by step ------------------------------------------------------------------
     def _wdtype(self) -> torch.dtype:
@@ -329,26 +324,14 @@ class _FlowRL:
         """The value head's parameters (PPO trains them at its value_lr)."""
         return list(self.heads.value.parameters())
 
-    @contextlib.contextmanager
     def reference(self):
-        """The reference policy: adapters disabled, fully trained heads at their initial values."""
-        self.lora.unfold()
-        layers = [m for _, _, m in self.lora.sites]
-        params = self._full_params()
-        saved = [p.detach().clone() for _, p in params]
-        with torch.no_grad():
-            for n, p in params:
-                p.copy_(getattr(self.ref_store, n.replace(".", "__")))
-        for m in layers:
-            m.enable_adapters(False)
-        try:
-            yield self
-        finally:
-            for m in layers:
-                m.enable_adapters(True)
-            with torch.no_grad():
-                for (_, p), s in zip(params, saved):
-                    p.copy_(s)
+        """The reference policy: adapters, action heads and noise head at their values at
+        construction (LoRA B = 0: the model without adapters) or at :meth:`mark_reference`."""
+        return self._reference.swapped()
+
+    def mark_reference(self) -> None:
+        """The current adapters and heads become the reference (after an SFT start is loaded)."""
+        self._reference.take()
 
     # -- weights ------------------------------------------------------------------------------------
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

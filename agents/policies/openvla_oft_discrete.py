@@ -83,6 +83,7 @@ class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
                 torch.manual_seed(cfg.seed + 1)
                 self.value_head = ValueHead(self.model.llm_dim, cfg.value_head_dim).to(self.device)
             self.value_head.requires_grad_(True)
+        self._reference = vc.ReferenceSnapshot(self, self.lora, skip=("value_head.",))
 
     @torch.no_grad()
     def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
@@ -147,8 +148,13 @@ class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
         return [] if self.value_head is None else list(self.value_head.parameters())
 
     def reference(self):
-        """``with policy.reference():`` computes with the LoRA adapters off (the base VLA)."""
-        return vc.adapters_disabled(self.lora)
+        """``with policy.reference():`` computes as the policy started: adapters and heads at
+        their values at construction (LoRA B = 0: the base VLA) or at :meth:`mark_reference`."""
+        return self._reference.swapped()
+
+    def mark_reference(self) -> None:
+        """The current adapters and heads become the reference (after an SFT start is loaded)."""
+        self._reference.take()
 
     def bc_loss(self, batch: Batch) -> torch.Tensor:
         """Cross-entropy of the demonstrated actions' tokens (padded steps ignored)."""

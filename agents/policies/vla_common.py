@@ -258,22 +258,41 @@ def check_state_layout(expected: Mapping[str, torch.Tensor], got: Mapping[str, A
         raise CheckpointMismatch(f"checkpoint {where} does not match {what}: " + "; ".join(parts))
 
 
-@contextlib.contextmanager
-def adapters_disabled(lora: LoRAServing):
-    """The model computes as its base (every LoRA adapter off), for a KL reference without a
-    second copy of the weights. Unfolds first (a folded adapter is inside the base weights);
-    the parameters' ``requires_grad`` flags are restored on exit (peft's toggle resets them)."""
-    lora.unfold()
-    layers = [m for _, _, m in lora.sites]
-    flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
-    for m in layers:
-        m.enable_adapters(False)
-    lora.pinned = True
-    try:
-        yield
-    finally:
-        lora.pinned = False
-        for m in layers:
-            m.enable_adapters(True)
-        for p, rg in flags:
-            p.requires_grad_(rg)
+class ReferenceSnapshot:
+    """A LoRA policy's KL reference without a second model: the values its trained parameters
+    (adapters and fully trained heads; not those under ``skip``, e.g. a value head) had at one
+    point, in host memory, swapped in for a reference pass. Taken at construction (LoRA B = 0:
+    the base model with the initial heads) and again by :meth:`take` once a start is loaded
+    (``policy.init_trainable``, an SFT run), so that RL after SFT is pulled toward the SFT
+    policy, not the model before it."""
+
+    def __init__(self, module: nn.Module, lora: LoRAServing, skip: Iterable[str] = ()):
+        self.module, self.lora, self.skip = module, lora, tuple(skip)
+        self.take()
+
+    def _params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and not n.startswith(self.skip)]
+
+    def take(self) -> None:
+        """The parameters' values now become the reference's."""
+        self.lora.unfold()  # a folded adapter lives in the base weights
+        self.values = {n: p.detach().to("cpu", copy=True) for n, p in self._params()}
+
+    @contextlib.contextmanager
+    def swapped(self):
+        """Inside: the module computes with the snapshot's values (unfolded; folding pinned
+        off); on exit the current values are back."""
+        self.lora.unfold()
+        params = self._params()
+        saved = [p.detach().clone() for _, p in params]
+        with torch.no_grad():
+            for n, p in params:
+                p.copy_(self.values[n])
+        self.lora.pinned = True
+        try:
+            yield
+        finally:
+            self.lora.pinned = False
+            with torch.no_grad():
+                for (_, p), v in zip(params, saved):
+                    p.copy_(v)
