@@ -3,26 +3,28 @@ real learner and actor processes on loopback (CPU; issue 9, proof (c)).
 
 Task: ``env=point_reach`` (one task, a random target every episode, one 32x32 camera, the target
 also in the state). Policy: the tiny PI0 of :func:`tools.make_tiny_checkpoints.make_pi0` (chunk
-4, 4 Euler steps, LoRA 4 + the action heads + the noise head), 300 BC steps of its heads on 5
+4, 4 Euler steps, LoRA 8 + the action heads + the noise head), 300 BC steps of its heads on 10
 scripted demos as the weak start. Recipe: :data:`tools.flow_ppo_demo.FLOW_O` (every chain starts
-at x_0 = 0, per-step std 0.15) and :data:`tools.flow_ppo_demo.PPO_O` (rounds of 16 episodes,
-GAE with the policy's value head, token-level clipped ratios over the chain's K x H Gaussians,
-lr 3e-4, 2 epochs, episode-mean loss). The run stops at UPDATES updates, not at a time.
+at x_0 = 0, per-step std held at 0.3) and :data:`tools.flow_ppo_demo.PPO_O` (rounds of 32
+episodes, GAE with the policy's value head, token-level clipped ratios over the chain's K x H
+Gaussians, lr 3e-4 warmed up over 5 updates, 2 epochs, episode-mean loss). The run stops at
+UPDATES updates, not at a time.
 
-Asserted: the starting policy (the episodes version 0 acted in) succeeds at most START_MAX, and
-the best window of >= MIN_WINDOW consecutive episodes from version 1 on succeeds at least MARGIN
-more often. A window of ~200 episodes at p ~ 0.1 has a standard deviation of ~0.02.
+Asserted: the starting policy succeeds at most START_MAX over >= 200 episodes (200 run in process
+before the RL run, pooled with the ones version 0 acted in through the actors), and the best window
+of >= MIN_WINDOW consecutive episodes from version 1 on succeeds at least MARGIN more often and at
+least AFTER_MIN. A ~220-episode window at p ~ 0.4 has a standard deviation of ~0.033, version 0's
+~250 episodes ~0.03.
 
-Status: NOT MET on the 2-core machine. Seed 0 there: version 0 0.33 (27 episodes), 200-episode
-windows 0.23, 0.18, 0.29, 0.35, 0.21, 0.35 over 65 updates (633 s): this test fails. Version 0's
-27 episodes give a noisy start (0.07-0.42 across runs of the same BC recipe), and at lr 3e-4 the
-first update's per-token KL was 0.1-0.4: it knocks the BC policy down before PPO climbs back.
+Measured on the 2-core machine (seed 0): start 0.315 (257 episodes: 0.32 of 200 in process, 0.30
+of 57 stored) -> ~220-episode windows 0.35, 0.45, 0.44, 0.52, 0.46, **0.55**, 0.54 (last 3
+versions 0.52), 45 updates, 1,465 episodes, 859 s of RL, 15 min 21 s in all: passes.
 
-Measured (the same recipe on the CPUs of the 16-core GPU box, 10 runs at once): version 0 0.07
-(28 episodes) -> 200-episode windows 0.03, 0.05, 0.10, 0.21, 0.27 over 62 updates and 1,019
-episodes in 430 s. With lerobot's x_0 ~ N(0, I) start and the same settings the runs rose
-0.12-0.19 -> 0.25-0.32 over ~100 updates; the learned noise head within [0.1, 0.5] rose 0.14 ->
-0.30 at lr 1e-4 and stayed at 0.04-0.10 at lr 3e-4.
+The same recipe on the CPUs of the 16-core GPU box, 10 runs at once, 7 minutes each (24-50
+updates): a rise of >= 0.15 in 5 of 12 seeds (seed 0 0.31 -> 0.60, 1 0.42 -> 0.60, 2 0.51 ->
+0.67, 4 0.34 -> 0.61, 5 0.27 -> 0.65), smaller rises in 6 (+0.07 to +0.14) and none in one (seed 10,
+0.45 -> 0.40). BC on 10 demos starts anywhere in 0.27-0.65. The old recipe (std 0.15, LoRA 4,
+rounds of 16, 5 demos; 10 runs on the box, starts measured over ~30 episodes) rose by 0.15 in none.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from tandem_testutil import assert_learning_run_lifts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
-                                 reason="Flow-Noise PPO learning run (~8 min on a free 16-core box, ~20 on 2 "
-                                        "cores): TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s "
+                                 reason="Flow-Noise PPO learning run (~16 min on 2 cores)"
+                                        ": TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s "
                                         "tests/test_flow_ppo_learning.py")]
 
 UPDATES = 45

@@ -101,6 +101,10 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
     it, wu = args.iters, args.warmup
     timed = _timer(args, sync)
     res["gpu_before"] = gpu_state() if cuda else None
+    if callable(getattr(policy, "warm_up", None)):  # as the learner's inference server does first
+        t1 = time.perf_counter()
+        res["warmup_buckets_s"] = {str(k): round(v, 2) for k, v in (policy.warm_up(max_batch=64) or {}).items()}
+        res["warmup_s"] = time.perf_counter() - t1
     with torch.inference_mode():
         inputs = policy.model_inputs(obs)
         res["bare_forward_ms"] = p50_p99(timed(lambda: policy.forward_model(inputs)))
