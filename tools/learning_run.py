@@ -151,8 +151,6 @@ def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: f
             "by_version": {v: [round(float(np.mean(by_v[v])), 3), len(by_v[v])] for v in versions}}
 
 
-
-
 def evaluate_policy(policy, env_cfg, episodes: int, *, seed: int, deterministic: bool = False) -> list[bool]:
     """In-process rollouts of ``policy`` on ``make_env(env_cfg)``, as an actor runs it (whole
     chunks executed open-loop, sampled unless ``deterministic``): episode ``i`` resets with seed
