@@ -8,7 +8,7 @@ wrappers the config asks for, in this order (innermost first)::
     raw env
     -> ImageTransform          (crop / resize: ``crop``, ``image_size``)
     -> TimeLimit               (``max_episode_steps``, else the env's own default)
-    -> RewardClassifierReward  (``reward_classifier: {path, threshold, terminate}``)
+    -> RewardClassifierReward  (``reward_classifier: {path, threshold, terminate, coef, env_coef}``)
     -> SafetyWrapper           (``safety: {clip, workspace_low/high, ...}``)
     -> InterventionWrapper     (``make_env(cfg, intervention=source)``: the actor owns the
                                 input device; human actions pass the safety wrapper too)
@@ -140,8 +140,13 @@ def make_env(env_cfg: Any, *, intervention=None,
     rc = cfg.get("reward_classifier")
     if rc:
         rc = {"path": rc} if isinstance(rc, str) else dict(rc)
+        unknown = sorted(set(rc) - {"path", "threshold", "terminate", "coef", "env_coef"})
+        if unknown:
+            raise ValueError(f"reward_classifier: unknown key(s) {unknown} (path, threshold, terminate, "
+                             "coef, env_coef)")
         env = W.RewardClassifierReward(env, rc["path"], threshold=rc.get("threshold"),
-                                       terminate=bool(rc.get("terminate", True)))
+                                       terminate=bool(rc.get("terminate", True)),
+                                       coef=rc.get("coef", 1.0), env_coef=rc.get("env_coef", 0.0))
 
     safety = cfg.get("safety")
     if safety:

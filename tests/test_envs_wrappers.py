@@ -266,3 +266,30 @@ def test_train_reward_classifier_tool_learns_a_visual_success(tmp_path):
     env.pos = np.zeros(3)
     p_far = model.predict_proba(env._obs())
     assert p_goal > p_far
+
+
+def test_reward_classifier_coefficients_mix_the_learned_and_the_env_reward(tmp_path):
+    pytest.importorskip("torch")
+    from envs.registry import make_env
+    from tools.train_reward_classifier import DEFAULT_CONVS, build_torch_model, export
+
+    path = tmp_path / "rc.npz"
+    export(build_torch_model(1, DEFAULT_CONVS), ["cam"], 64, DEFAULT_CONVS, threshold=0.5).save(path)
+    # the point put on the goal: the env's own reward is 1 on the first step
+    env = W.RewardClassifierReward(PointEnv(goal=(0, 0, 0)), path, threshold=0.0, coef=0.5, env_coef=2.0)
+    env.reset(seed=0)
+    env.unwrapped.pos = np.zeros(3)
+    _, r, term, _, info = env.step(np.zeros(4, np.float32))
+    assert r == pytest.approx(0.5 * 1 + 2.0 * 1) and term and info["env_reward"] == 1.0
+    env = W.RewardClassifierReward(PointEnv(goal=(0, 0, 0)), path, threshold=1.1, coef=0.5, env_coef=2.0)
+    env.reset(seed=0)
+    env.unwrapped.pos = np.zeros(3)
+    _, r, term, _, info = env.step(np.zeros(4, np.float32))
+    assert r == pytest.approx(2.0) and term and info["is_success"] is False  # the env still ends it
+    env = W.RewardClassifierReward(PointEnv(goal=(5, 5, 5)), path, threshold=0.0, coef=0.5)
+    env.reset(seed=0)
+    assert env.step(np.zeros(4, np.float32))[1] == pytest.approx(0.5)  # default env_coef 0
+    with pytest.raises(ValueError, match="reward_classifier.coef must be a finite number"):
+        W.RewardClassifierReward(PointEnv(), path, coef=float("nan"))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['coeff'\]"):
+        make_env({"name": "point_reach", "reward_classifier": {"path": str(path), "coeff": 2.0}})

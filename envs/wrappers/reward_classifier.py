@@ -94,15 +94,22 @@ class RewardClassifier:
 class RewardClassifierReward(gym.Wrapper):
     """Reward from a trained success classifier (``tools/train_reward_classifier.py``).
 
-    Reward = 1.0 when the classifier's success probability is >= ``threshold`` (default:
-    the one saved with it); with ``terminate`` the episode then terminates. The env's own
-    success is kept in ``info["env_success"]``; ``info["is_success"]`` becomes the
-    classifier's verdict and ``info["success_prob"]`` its probability.
+    Reward = ``coef`` * 1[success probability >= ``threshold``] (default threshold: the one
+    saved with it) + ``env_coef`` * the env's own reward (default 1 and 0: the classifier's 0/1
+    alone); with ``terminate`` the episode terminates on a classified success. The env's own
+    success and reward are kept in ``info["env_success"]`` / ``info["env_reward"]``;
+    ``info["is_success"]`` becomes the classifier's verdict and ``info["success_prob"]`` its
+    probability.
     """
 
     def __init__(self, env: gym.Env, path: str | os.PathLike | None = None, threshold: float | None = None,
-                 terminate: bool = True, model: RewardClassifier | None = None):
+                 terminate: bool = True, model: RewardClassifier | None = None, coef: float = 1.0,
+                 env_coef: float = 0.0):
         super().__init__(env)
+        for name, v in (("coef", coef), ("env_coef", env_coef)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v):
+                raise ValueError(f"reward_classifier.{name} must be a finite number, got {v!r}")
+        self.coef, self.env_coef = float(coef), float(env_coef)
         if model is None:
             if path is None:
                 raise ValueError("give a classifier path or model")
@@ -115,12 +122,14 @@ class RewardClassifierReward(gym.Wrapper):
             raise ValueError(f"reward classifier reads cameras {missing} that the env does not have")
 
     def step(self, action):
-        obs, _, terminated, truncated, info = self.env.step(action)
+        obs, env_reward, terminated, truncated, info = self.env.step(action)
         p = self.model.predict_proba(obs)
         success = p >= self.threshold
         info["env_success"] = bool(info.get("is_success", False))
+        info["env_reward"] = float(env_reward)
         info["success_prob"] = p
         info["is_success"] = success
         if success and self.terminate_on_success:
             terminated = True
-        return obs, float(success), bool(terminated), bool(truncated), info
+        reward = self.coef * float(success) + self.env_coef * float(env_reward)
+        return obs, reward, bool(terminated), bool(truncated), info
