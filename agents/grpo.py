@@ -86,6 +86,8 @@ class GRPOConfig:
     #: importance ratio per "token" (each factor of the chunk's likelihood: SimpleVLA-RL / verl),
     #: per "chunk", or "auto" (token when the policy has per-token log-probs)
     ratio_level: str = "auto"
+    #: token-level ratios: tokens of actions never executed leave the policy loss (PPOConfig's)
+    mask_unexecuted: bool = True
     #: update rounds between published weight versions
     publish_every: int = 1
 
@@ -123,7 +125,7 @@ class GRPOConfig:
                          max_grad_norm=self.max_grad_norm, max_staleness=self.max_staleness,
                          is_truncation=self.is_truncation, estimator=self.estimator,
                          normalize_advantages=False, publish_every=self.publish_every,
-                         ratio_level=self.ratio_level)
+                         ratio_level=self.ratio_level, mask_unexecuted=self.mask_unexecuted)
 
 
 def group_advantages(cfg: GRPOConfig, scores: torch.Tensor, group_ids: torch.Tensor,

@@ -63,6 +63,8 @@ class ChunkBatch:
     row: torch.Tensor               # int64: the chunk's episode b
     col: torch.Tensor               # int64: its position t in the episode
     lengths: list[int] = field(default_factory=list)  # chunks per episode [B]
+    steps: torch.Tensor | None = None  # int64 [N]: env steps each chunk executed (1..H)
+    own_mask: torch.Tensor | None = None  # bool [N]: the policy's own chunk, any length (data.rollouts)
 
     def __len__(self) -> int:
         return int(self.row.shape[0])
@@ -131,7 +133,8 @@ def chunk_batch(episodes: list[RolloutEpisode], *, horizon: int, gamma: float) -
     col = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
     return ChunkBatch(obs_t, final_t, cat("action"), cat("reward"), cat("discount"),
                       cat("terminated"), cat("truncated"), cat("behaviour_log_prob"),
-                      cat("policy_version"), cat("policy_mask"), row, col, lengths)
+                      cat("policy_version"), cat("policy_mask"), row, col, lengths,
+                      steps=cat("steps"), own_mask=cat("own_mask"))
 
 
 def _take(obs: dict, s: int, e: int, device) -> dict:
@@ -172,6 +175,8 @@ def ppo_batch(cb: ChunkBatch, advantages: torch.Tensor, *, returns: torch.Tensor
     batch: dict[str, Any] = dict(cb.obs)
     batch.update(action=cb.action, old_log_prob=cb.behaviour_log_prob,
                  advantages=advantages.float(), mask=cb.policy_mask)
+    if cb.steps is not None and cb.own_mask is not None:  # token ratios: the executed actions of
+        batch.update(chunk_steps=cb.steps, own_chunk=cb.own_mask)  # any own chunk (PPOAgent.update)
     if episode_mean:
         batch["chunk_weight"] = episode_mean_weights(cb).to(advantages.device)
     if returns is not None:

@@ -12,6 +12,7 @@ The batch is flat per chunk (N chunks; observation keys as in :mod:`agents.base`
     "advantages"      [N]        from :mod:`agents.advantages` (the builder computes them)
     "returns"         [N]        value targets (needed with a value function)
     optional: "old_values" [N], "ref_log_prob" [N], "is_weight" [N], "mask" [N] bool,
+              "chunk_steps" [N] (env steps each chunk executed: token ratios of later actions are masked),
               "extra.<name>" [N, ...] (the chunk's policy extras; passed to the policy's calls)
 
 Staleness (decoupled PPO, Hilton et al. 2021): rollouts may come from a policy version a few
@@ -39,12 +40,11 @@ from torch import nn
 
 from agents.advantages import ESTIMATORS, masked_mean, masked_whiten
 from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, TokenLogProbPolicy,
-                         ValuePolicy, check_pair, has_capability, low_precision_autocast, uses_deepspeed,
-                         zero3_gathered)
+                         ValuePolicy, check_pair, has_capability, uses_deepspeed, zero3_gathered)
 from agents.kl import KL_KINDS, kl_penalty
+from agents.policy_calls import PolicyCalls, observation_keys, take, to_device
 from agents.ppo_losses import (entropy_bonus, per_token, policy_loss,  # noqa: F401 (re-exported)
                                truncated_is_weights, value_loss)
-from data.core.schema import EXTRA_PREFIX, TASK
 
 log = logging.getLogger("tandem.agents.ppo")
 
@@ -95,6 +95,9 @@ class PPOConfig:
     #: "token": a clipped ratio per factor of the chunk's likelihood (TokenLogProbPolicy and
     #: is_truncation); "chunk": one per chunk; "auto": token when the policy has them
     ratio_level: str = "auto"
+    #: token-level ratios: the tokens of a chunk's actions that were never executed (the episode
+    #: ended mid-chunk, or the actor runs only ``chunk.execute`` of each) leave the policy loss
+    mask_unexecuted: bool = True
     #: advantage estimator, a key of :data:`agents.advantages.ESTIMATORS`
     estimator: str = "gae"
     #: "chunk_mean" or "episode_mean" (every episode alike; builders pass ``chunk_weight``)
@@ -147,66 +150,6 @@ class PPOConfig:
 
 
 # -- the agent ----------------------------------------------------------------------------------
-class PolicyCalls(nn.Module):
-    """The policy's training-time calls (and a separate value net's) behind one ``forward``,
-    so that they run through the one module ``accelerator.prepare`` returns (DDP hooks,
-    DeepSpeed engine). ``what`` names one call or a tuple of calls made in that order in
-    *one* forward (DDP reduces once per forward/backward pair):
-    ``"log_prob"`` (obs, actions) -> [B]; ``"token_log_prob"`` -> [B, T]; ``"sample"`` -> (actions, log_prob);
-    ``"value"`` -> value [B] (the value net's when there is one, else the policy's).
-
-    Why one wrapper for policy and value net: accelerate prepares one model per DeepSpeed
-    engine, and under DDP one forward per backward keeps the reducer's bookkeeping simple."""
-
-    def __init__(self, policy: nn.Module, value: nn.Module | None = None):
-        super().__init__()
-        self.policy = policy
-        self.value = value
-
-    def _call(self, what: str, obs: Batch, actions: torch.Tensor | None):
-        if what == "log_prob":
-            return self.policy.log_prob(obs, actions)
-        if what == "token_log_prob":
-            return self.policy.token_log_prob(obs, actions)
-        if what == "sample":
-            return self.policy.sample(obs)
-        if what == "value":
-            return self.value(obs) if self.value is not None else self.policy.value(obs)
-        raise ValueError(f"unknown call {what!r}")
-
-    def forward(self, obs: Batch, actions: torch.Tensor | None = None, what="log_prob"):
-        # a DeepSpeed bf16 engine casts this module's weights to bf16 while the batch stays
-        # float32: compute under autocast then (no-op for policies that hold bf16 already)
-        with low_precision_autocast(self):
-            if isinstance(what, str):
-                return self._call(what, obs, actions)
-            return tuple(self._call(w, obs, actions) for w in what)
-
-
-def observation_keys(batch: Batch) -> list[str]:
-    """The keys of ``batch`` a policy reads: ``observation.*``, ``task`` and the chunk's policy
-    extras ``extra.*`` (PI0's denoising chain, which its ``log_prob`` recomputes)."""
-    return [k for k in batch if k.startswith(("observation.", EXTRA_PREFIX)) or k == TASK]
-
-
-def take(batch: Batch, idx: torch.Tensor) -> Batch:
-    """Rows ``idx`` of every tensor and list in ``batch``."""
-    rows: list[int] | None = None
-    out: Batch = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = v.index_select(0, idx.to(v.device))
-        else:
-            rows = idx.tolist() if rows is None else rows
-            out[k] = [v[i] for i in rows]
-    return out
-
-
-def _to_device(batch: Batch, device: torch.device) -> Batch:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
-
-
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
@@ -355,7 +298,7 @@ class PPOAgent:
         """``cfg.epochs`` epochs of shuffled minibatches over ``batch`` (layout in the module
         docstring). Returns float metrics averaged over the minibatch steps."""
         cfg = self.cfg
-        batch = _to_device(batch, self.device)
+        batch = to_device(batch, self.device)
         actions = batch["action"]
         n = int(actions.shape[0])
         obs = {k: batch[k] for k in observation_keys(batch)}
@@ -373,9 +316,12 @@ class PPOAgent:
                     given = batch[key].float()
                     is_w = given if is_w is None else is_w * given
             ref = self._reference_log_prob(batch, obs, actions, n)
+            pmask = self._executed_tokens(batch, old)
+            own = mask if pmask is None else batch["own_chunk"].float()  # partial chunks too
             adv = batch["advantages"].float()
             if cfg.normalize_advantages:
-                adv = self._whiten(adv, mask)
+                adv = self._whiten(adv, own)
+            pmask = None if pmask is None else own[:, None] * pmask
             returns = old_values = None
             if self.has_critic:
                 returns = batch["returns"].float()
@@ -391,7 +337,7 @@ class PPOAgent:
                 pick = (lambda x: None if x is None else x[idx])
                 m = self._minibatch_step(take(obs, idx), actions[idx], old[idx], adv[idx],
                                          mask[idx], pick(is_w), pick(ref), pick(returns),
-                                         pick(old_values))
+                                         pick(old_values), pick(pmask))
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
@@ -410,24 +356,38 @@ class PPOAgent:
         out["num_updates"] = float(self.num_updates)
         return out
 
+    def _executed_tokens(self, batch: Batch, old: torch.Tensor) -> torch.Tensor | None:
+        """Token-level ratios: [N, T] 1 at the tokens of the actions each chunk executed (its
+        ``chunk_steps``; ``token_chunk_positions`` gives each token's place in the chunk), so that
+        every own chunk (``own_chunk``: cut short by the episode's end or ``chunk.execute`` too)
+        trains on what ran; None when off, per chunk, or not known (then only full chunks train)."""
+        fn = getattr(self.policy, "token_chunk_positions", None)
+        if not (self.cfg.mask_unexecuted and self.token_level and old.ndim == 2 and callable(fn)
+                and "chunk_steps" in batch and "own_chunk" in batch):
+            return None
+        pos = fn(int(old.shape[1])).to(self.device)
+        return (pos[None, :] < batch["chunk_steps"].to(self.device)[:, None]).float()
+
     def _kl_reached(self, kl_sum, steps: int) -> bool:
         """target_kl early stop: the last pass's mean approx_kl (the same on every rank) > it."""
         kl = torch.as_tensor(kl_sum / max(steps, 1), device=self.device, dtype=torch.float32)
         return float(self.accelerator.reduce(kl, "mean") if self.accelerator.num_processes > 1 else kl) > self.cfg.target_kl
 
     def _minibatch_step(self, obs: Batch, actions, old, adv, mask, is_w, ref, returns,
-                        old_values) -> dict[str, torch.Tensor]:
+                        old_values, pmask=None) -> dict[str, torch.Tensor]:
+        """One optimizer step; ``pmask`` [B, T]: the policy loss's token mask (else ``mask``)."""
         cfg = self.cfg
         sample = cfg.entropy_coef > 0 and self._sampler
         whats = (self._lp_call,) + (("sample",) if sample else ()) + (("value",) if self.has_critic else ())
         outs = dict(zip(whats, self._calls(obs, actions, what=whats)))  # one forward
         logp = outs[self._lp_call].float()
         logp = logp.reshape(logp.shape[0], -1) if self.token_level else logp.reshape(-1)
-        loss, metrics = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, mask, is_w,
+        pm = mask if pmask is None else pmask
+        loss, metrics = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, pm, is_w,
                                     dual_clip=cfg.dual_clip)
         metrics["policy_loss"] = loss.detach()
         if ref is not None:
-            kl = masked_mean(kl_penalty(cfg.kl_kind, logp, ref), per_token(mask, logp))
+            kl = masked_mean(kl_penalty(cfg.kl_kind, logp, ref), per_token(pm, logp))
             loss = loss + cfg.kl_coef * kl
             metrics["kl"] = kl.detach()
         if cfg.entropy_coef > 0:

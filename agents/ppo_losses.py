@@ -22,8 +22,9 @@ from agents.advantages import masked_mean
 
 
 def per_token(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """A per-chunk tensor [N] broadcast to ``like``'s shape ([N] or [N, T]); None stays None."""
-    if x is None or like.ndim == 1:
+    """A per-chunk tensor [N] broadcast to ``like``'s shape ([N] or [N, T]); None, and a tensor
+    of ``like``'s shape already (a token mask), stay as they are."""
+    if x is None or like.ndim == 1 or x.shape == like.shape:
         return x
     return x.reshape(-1, *([1] * (like.ndim - 1))).expand_as(like)
 

@@ -40,6 +40,7 @@ next start, or to the episode's end. For each chunk (numpy, one row per chunk):
 ``behaviour_log_prob`` ``extra.log_prob`` of the chunk-start record (0 without that extra)
 ``policy_version``    the chunk-start record's version
 ``policy_mask``       the chunk may enter the policy loss (see below)
+``own_mask``          the policy's own chunk (started at its query, no human step), any length
 ====================  ==========================================================================
 
 A chunk is masked out of the policy loss (``policy_mask`` False; it still gives rewards,
@@ -47,6 +48,9 @@ value targets and bootstrap values) when a human drove any of its steps, when it
 start at a policy query, or when fewer than H of its actions ran (the episode ended inside
 it, or the actor ran only part of each chunk): its recorded actions are then not the chunk
 the policy sampled, so neither its log-probability nor its importance ratio means anything.
+A policy with per-token log-probs of the chunk it sampled (the records' extras: OFT-discrete
+tokens, a PI0 flow chain) can still learn from such a chunk's executed actions: ``own_mask``
+and ``steps`` say which (:meth:`agents.ppo.PPOAgent.update`, ``mask_unexecuted``).
 """
 
 from __future__ import annotations
@@ -332,6 +336,7 @@ class EpisodeChunks:
     policy_version: np.ndarray     # int64 [K]
     policy_mask: np.ndarray        # bool [K]
     intervened: np.ndarray         # bool [K]: a human drove one of its steps
+    own_mask: np.ndarray           # bool [K]: started at a policy query, no human step (any length)
 
     def __len__(self) -> int:
         return int(self.obs_index.shape[0])
@@ -360,7 +365,7 @@ def episode_chunks(ep: RolloutEpisode, horizon: int, gamma: float = 1.0) -> Epis
         terminated=a["terminated"][ends - 1].astype(bool) if K else np.zeros(0, bool),
         truncated=a["truncated"][ends - 1].astype(bool) if K else np.zeros(0, bool),
         behaviour_log_prob=lp[starts], policy_version=a["policy_version"][starts].astype(np.int64),
-        policy_mask=np.zeros(K, bool), intervened=np.zeros(K, bool))
+        policy_mask=np.zeros(K, bool), intervened=np.zeros(K, bool), own_mask=np.zeros(K, bool))
     for k, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
         n = e - s
         m = min(n, H)
@@ -369,5 +374,6 @@ def episode_chunks(ep: RolloutEpisode, horizon: int, gamma: float = 1.0) -> Epis
         out.reward[k] = float(rew[s:e].sum())
         out.discount[k] = gamma ** (n / H)
         out.intervened[k] = bool(human[s:e].any())
-        out.policy_mask[k] = bool(a["chunk_start"][s]) and not out.intervened[k] and n == H
+        out.own_mask[k] = bool(a["chunk_start"][s]) and not out.intervened[k]
+        out.policy_mask[k] = out.own_mask[k] and n == H
     return out

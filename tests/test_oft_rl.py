@@ -173,3 +173,44 @@ def test_an_sft_start_loaded_as_init_trainable_is_the_kl_reference(ckpt, tmp_pat
         with p.reference():
             torch.testing.assert_close(p.log_prob(o, tokens=tok), at_start, rtol=0, atol=1e-5)
         torch.testing.assert_close(p.log_prob(o, tokens=tok), moved, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_unexecuted", [True, False])
+def test_chunks_cut_short_train_on_their_executed_actions_only(ckpt, mask_unexecuted):
+    """Chunks of which only the first action ran (``chunk_steps`` 1, as with ``chunk.execute=1``
+    or an episode ending there): not full chunks (``mask`` False), but the policy's own. With
+    ``mask_unexecuted`` they train on the executed action's tokens, and what the later actions'
+    tokens were cannot change the update; without it such chunks do not train at all."""
+    from accelerate import Accelerator
+
+    from agents.ppo import PPOAgent, PPOConfig
+
+    o = obs(8, seed=4)
+    base = make(ckpt)
+    with torch.no_grad():
+        tok = base.act(o).extras["action_tokens"]
+    per_action = tok.shape[1] // base.chunk_size
+    other = tok.clone()
+    other[:, per_action:] = (tok[:, per_action:] + 37) % 256  # the never-executed actions differ
+    assert torch.equal(base.token_chunk_positions(tok.shape[1])[:per_action + 1],
+                       torch.tensor([0] * per_action + [1]))
+    start = {n: q.detach().clone() for n, q in base.named_parameters() if q.requires_grad}
+    moved = []
+    for tokens in (tok, other):
+        torch.manual_seed(0)  # the same LoRA init both times
+        p = make(ckpt)
+        p.train()
+        with torch.no_grad():
+            behaviour = p.log_prob(o, tokens=tokens)  # fresh: importance weights 1 in both runs
+        agent = PPOAgent(PPOConfig(lr=1e-3, epochs=1, minibatch_size=8, mask_unexecuted=mask_unexecuted),
+                         p, None, Accelerator(cpu=True))
+        assert agent.token_level
+        agent.update(dict(o, action=torch.zeros(8, base.chunk_size, 2), old_log_prob=behaviour,
+                          advantages=torch.tensor([1.0, -1.0] * 4), mask=torch.zeros(8, dtype=torch.bool),
+                          own_chunk=torch.ones(8, dtype=torch.bool), chunk_steps=torch.ones(8, dtype=torch.long),
+                          **{"extra.action_tokens": tokens}))
+        moved.append({n: q.detach().clone() for n, q in p.named_parameters() if q.requires_grad})
+    assert all(torch.allclose(moved[0][n], moved[1][n], atol=1e-7) for n in moved[0])
+    lora_b = [n for n in moved[0] if ".lora_B" in n]  # zero at the start, whatever the seed
+    trained = any(not torch.allclose(moved[0][n], start[n]) for n in lora_b)
+    assert trained == mask_unexecuted

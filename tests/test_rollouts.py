@@ -140,7 +140,7 @@ def test_episode_chunks_policy_mask_rewards_and_discounts():
 
 
 def test_gae_over_chunk_batches_matches_a_hand_loop():
-    from agents.on_policy import chunk_batch, gae_advantages
+    from agents.on_policy import chunk_batch, gae_advantages, ppo_batch
     from data.rollouts import RolloutEpisode
 
     rng = np.random.default_rng(0)
@@ -180,6 +180,10 @@ def test_gae_over_chunk_batches_matches_a_hand_loop():
     nxt = torch.cat([values[1:], finals])
     np.testing.assert_allclose(adv.numpy(), (cb.reward + cb.discount * nxt - values).numpy(), rtol=1e-5)
     assert cb.discount.tolist() != [cb.discount[0].item()] * len(cb)  # the human's step is 1/3 chunk
+    # each chunk's executed steps ride in PPO's batch (token ratios of unexecuted actions are masked)
+    assert int(cb.steps.sum()) == 7 and cb.steps.min() >= 1 and not cb.own_mask[0]  # the human's chunk
+    np.testing.assert_allclose(cb.discount.numpy(), 0.9 ** (cb.steps.numpy() / 3), rtol=1e-6)
+    assert torch.equal(ppo_batch(cb, adv)["chunk_steps"], cb.steps)
 
 
 class Clock:

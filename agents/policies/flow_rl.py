@@ -275,6 +275,12 @@ class _FlowRL:
             raise ValueError(f"{self.who}: {key!r} has {v.shape[0]} rows, the batch {b}")
         return v
 
+    def token_chunk_positions(self, num_tokens: int) -> torch.Tensor:
+        """Each of :meth:`token_log_prob`'s factors' action index in the chunk (step-major)."""
+        if num_tokens % self.chunk_size:
+            raise ValueError(f"{self.who}: {num_tokens} factors do not split into {self.chunk_size} actions")
+        return torch.arange(num_tokens) % self.chunk_size
+
     def token_log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
         """The factors of :meth:`log_prob`: log N of each action of each stochastic step,
         [B, K * H] with Flow-Noise (step-major), [B, H] with Flow-SDE (its one step)."""

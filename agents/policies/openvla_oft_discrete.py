@@ -130,6 +130,12 @@ class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
         logits = self.action_logits(self.action_hidden(obs))
         return logits.log_softmax(-1).gather(-1, cls[..., None]).squeeze(-1)
 
+    def token_chunk_positions(self, num_tokens: int) -> torch.Tensor:
+        """Each of :meth:`token_log_prob`'s tokens' action index in the chunk (action-major)."""
+        if num_tokens % self.chunk_size:
+            raise ValueError(f"{self.who}: {num_tokens} tokens do not split into {self.chunk_size} actions")
+        return torch.arange(num_tokens) // (num_tokens // self.chunk_size)
+
     def log_prob(self, obs: Batch, actions: torch.Tensor | None = None,
                  tokens: torch.Tensor | None = None) -> torch.Tensor:
         """log pi(chunk | obs) [B] of env actions [B, chunk, A], or of the chunk's tokens
