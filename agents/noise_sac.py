@@ -34,7 +34,8 @@ from torch import nn
 from agents.base import Batch
 from agents.critics import EnsembleCritic
 from agents.noise_actor import NOISE_EXTRA, NoiseSpacePolicy
-from agents.sac import (SACAgent, SACConfig, SACModel, Temperature, _to_device, prepare_sac,
+from agents.policy_calls import to_device
+from agents.sac import (SACAgent, SACConfig, SACModel, Temperature, prepare_sac,
                         sac_actor_step, sac_critic_step, utd_update)
 from data.core.spec import EnvSpec
 
@@ -191,7 +192,7 @@ class NoiseSACAgent:
 
     def update(self, batches: Iterator[Batch]) -> dict[str, float]:
         return utd_update(self, batches, lambda b: attach_features(
-            self.policy, _to_device(b, self.device), self.feature_cache))
+            self.policy, to_device(b, self.device), self.feature_cache))
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:

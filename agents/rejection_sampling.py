@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from agents.base import Batch, BCPolicy, check_pair
+from agents.policy_calls import to_device
 
 LR_SCHEDULES = ("cycle", "run", "constant")
 OUTCOMES = ("success", "return", "either")
@@ -191,11 +192,6 @@ def bc_inputs(batch: Batch) -> Batch:
     return batch
 
 
-def _to_device(batch: Batch, device: torch.device) -> Batch:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
-
-
 class BCLoss(torch.nn.Module):
     """The policy's ``bc_loss`` as the ``forward`` of the module ``accelerator.prepare``
     returns, so the BC gradient is all-reduced across ranks (DDP) or goes through the
@@ -243,7 +239,7 @@ class BCAgent:
 
     def update(self, batch: Batch, lr: float) -> dict[str, float]:
         """One BC step on ``batch`` at learning rate ``lr``; float metrics."""
-        batch = bc_inputs(_to_device(batch, self.device))
+        batch = bc_inputs(to_device(batch, self.device))
         for g in self.opt.param_groups:
             g["lr"] = float(lr)
         self._raw.train()

@@ -31,6 +31,7 @@ from torch import nn
 
 from agents.base import Batch, FeaturePolicy, NoiseConditionedPolicy, ReparamSampler, check_pair
 from agents.critics import EnsembleCritic, make_critic
+from agents.policy_calls import to_device
 from data.core.spec import EnvSpec
 
 
@@ -203,11 +204,6 @@ class Temperature(nn.Module):
 
     def forward(self) -> torch.Tensor:
         return self.log_alpha.exp()
-
-
-def _to_device(batch: Batch, device: torch.device) -> Batch:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
 
 
 def chunk_return(reward: torch.Tensor, gamma: float, step_mask: torch.Tensor | None = None,
@@ -461,7 +457,7 @@ class SACAgent:
     def update(self, batches: Iterator[Batch]) -> dict[str, float]:
         """``utd_ratio`` critic steps (one batch each), then one actor + temperature step on
         the last batch. Returns float metrics of the last critic step and the actor step."""
-        return utd_update(self, batches, lambda b: _to_device(b, self.device))
+        return utd_update(self, batches, lambda b: to_device(b, self.device))
 
     # -- checkpointing ----------------------------------------------------------------------
     def deepspeed_engines(self) -> list:
