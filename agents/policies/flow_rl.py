@@ -64,8 +64,9 @@ ten runs side by side on a 16-core box rose 0.03 -> 0.27 (lr 3e-4) and 0.11 -> 0
 0.30 at lr 1e-4 and stayed at 0.04-0.10 at 3e-4 (why was not checked). At std 0.15 a weak
 policy's outcome hardly depends on its sampled chain (success 0.22 sampled vs 0.16 with no
 noise), so the advantages carry little about the action; held at 0.3, with LoRA 8, rounds of 32
-episodes and 10 demos, the 2-core learning test went 0.315 -> 0.55 in 45 updates (1,465 episodes)
-and 5 of 12 seeds on the box rose by >= 0.15 in 24-50 updates.
+episodes and 10 demos, the 2-core learning test went 0.31 -> 0.66 in 45 updates (1,472 episodes;
+0.55 before chunks cut short trained on their executed actions) and 5 of 12 seeds on the box
+rose by >= 0.15 in 24-50 updates (before that change).
 """
 
 from __future__ import annotations
