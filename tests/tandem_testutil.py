@@ -1,6 +1,7 @@
 """Shared test helpers (a uniquely named module: some installed package ships a top-level
 ``tests`` package, so ``tests.conftest`` cannot be imported by name)."""
 
+import json
 import socket
 from pathlib import Path
 
@@ -34,6 +35,16 @@ sys.meta_path.insert(0, Block())
 def blocked_loaded():
     return sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
 """
+
+
+def run_learning_demo(main, out, *, updates: int, seed: int, max_minutes: float) -> dict:
+    """A learning demo's ``main`` (tools.flow_ppo_demo, tools.oft_grpo_demo) run to ``updates``
+    updates (``max_minutes`` only bounds a stuck run; no success target stops it); prints the
+    figures the verdict reads and returns the summary."""
+    r = main(["--out", str(out), "--updates", str(updates), "--minutes", str(max_minutes),
+              "--seed", str(seed), "--target", "1.01"])
+    print(json.dumps({k: r[k] for k in ("episodes", "updates", "wall_s", "before", "windows")}))
+    return r
 
 
 def assert_learning_run_lifts(r: dict, *, updates: int, start_max: float, margin: float,

@@ -34,11 +34,10 @@ rounds of 16, 5 demos; 10 runs on the box, starts measured over ~30 episodes) ro
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
-from tandem_testutil import assert_learning_run_lifts
+from tandem_testutil import assert_learning_run_lifts, run_learning_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
@@ -58,8 +57,6 @@ MAX_MINUTES = 50.0  # bounds a stuck run only
 def test_flow_noise_ppo_lifts_a_weak_tiny_pi0(tmp_path):
     from tools import flow_ppo_demo
 
-    r = flow_ppo_demo.main(["--out", str(tmp_path / "run"), "--updates", str(UPDATES),
-                            "--minutes", str(MAX_MINUTES), "--seed", str(SEED), "--target", "1.01"])
-    print(json.dumps({k: r[k] for k in ("episodes", "updates", "wall_s", "before", "windows")}))
+    r = run_learning_demo(flow_ppo_demo.main, tmp_path / "run", updates=UPDATES, seed=SEED, max_minutes=MAX_MINUTES)
     assert_learning_run_lifts(r, updates=UPDATES, start_max=START_MAX, margin=MARGIN, min_window=MIN_WINDOW,
                               min_start_episodes=200, after_min=AFTER_MIN)

@@ -35,11 +35,10 @@ window 0.56 by update 11.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
-from tandem_testutil import assert_learning_run_lifts
+from tandem_testutil import assert_learning_run_lifts, run_learning_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
@@ -59,8 +58,6 @@ MAX_MINUTES = 45.0  # bounds a stuck run only
 def test_grpo_lifts_a_weak_tiny_oft(tmp_path):
     from tools import oft_grpo_demo
 
-    r = oft_grpo_demo.main(["--out", str(tmp_path / "run"), "--updates", str(UPDATES),
-                            "--minutes", str(MAX_MINUTES), "--seed", str(SEED), "--target", "1.01"])
-    print(json.dumps({k: r[k] for k in ("episodes", "updates", "wall_s", "before", "windows")}))
+    r = run_learning_demo(oft_grpo_demo.main, tmp_path / "run", updates=UPDATES, seed=SEED, max_minutes=MAX_MINUTES)
     assert_learning_run_lifts(r, updates=UPDATES, start_max=START_MAX, margin=MARGIN, min_window=MIN_WINDOW,
                               min_start_episodes=30, after_min=AFTER_MIN)
