@@ -365,18 +365,18 @@ class LearnerClient:
                 if not wait_set:
                     sock.setsockopt(_RCVTIMEO, left_ms)
                 wait_set = False
-                try:  # act replies are small: bytes are cheaper than zero-copy frames
-                    frames = recv_frames(sock, copy=True)
+                try:  # frames: each says whether more follow (no getsockopt per part)
+                    frames = recv_frames(sock, copy=False)
                 except zmq.Again:
                     break
                 msg = self._decode(frames)
                 if msg is None:
                     continue
-                if msg.type == "act_reply" and msg["req_id"] == req:
+                if msg.type == "act_reply" and msg.fields["req_id"] == req:
                     self.last_act_ms = (time.perf_counter() - t0) * 1000.0
-                    self.policy_version = msg["policy_version"]
+                    version = self.policy_version = msg.fields["policy_version"]
                     actions = np.array(msg.arrays["actions"])
-                    return actions, msg["policy_version"], self._reply_extras(msg, len(actions))
+                    return actions, version, self._reply_extras(msg, len(actions))
                 if msg.type == "error" and msg["code"] in ("bad_observation", "inference_failed"):
                     raise ValueError(f"learner could not serve the act request: {msg['code']}: "
                                      f"{msg['message']}")
@@ -392,8 +392,11 @@ class LearnerClient:
                 self.reconnect()
 
     def _reply_extras(self, msg: Message, n: int) -> dict[str, np.ndarray]:
+        declared = self.spec.extras if self.spec else {}
+        if len(msg.arrays) == 1 and not declared:  # actions only, as declared: nothing to check
+            return {}
         extras = {k: np.array(v) for k, v in msg.arrays.items() if k.startswith(EXTRA_PREFIX)}
-        for name, (dt, shape) in (self.spec.extras if self.spec else {}).items():
+        for name, (dt, shape) in declared.items():
             a = extras.get(EXTRA_PREFIX + name)
             if a is None or a.dtype != np.dtype(dt) or a.shape != (n, *shape):
                 got = "nothing" if a is None else f"{a.dtype.name}{tuple(a.shape)}"

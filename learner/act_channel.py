@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from data.core.codec import CodecError, FieldRangeError, decode, encode, recv_frames, send_frames
+from data.core.codec import CodecError, FieldRangeError, decode, encode, recv_frames
 from data.core.schema import ACT_TOKEN_BYTES
 from data.core.security import configure_server_socket
 from learner.wire_guard import RateLimitedLog
@@ -84,6 +84,7 @@ def bind_act_socket(ctx: zmq.Context, host: str, port: int, security: dict, max_
 
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints
+_SNDMORE = int(zmq.SNDMORE)
 
 
 def drain(sock: zmq.Socket, limit: int = 256, *, ready: bool = False):
@@ -144,13 +145,16 @@ class ActChannel:
 
     # ---- the inference thread's side ------------------------------------------------------
 
-    def read(self, *, ready: bool = False) -> int:
-        """Decode and validate every request waiting, without blocking; valid ones go to the
-        service's ``submit_act`` (the inference server's queue), bad ones get their error
-        reply. ``ready``: a poll has just said one is waiting. Returns how many messages were
-        read."""
+    def read(self, *, ready: bool = False, limit: int = 256) -> int:
+        """Decode and validate up to ``limit`` waiting requests, without blocking; valid ones
+        go to the service's ``submit_act`` (the inference server's queue), bad ones get their
+        error reply. ``ready``: a poll has just said one is waiting. Returns how many messages
+        were read. (The inference server passes as ``limit`` the requests it still waits for:
+        one actor's request is read without asking the socket whether another one waits;
+        any others stay queued for the next poll.)"""
         sock, n = self.sock, 0
-        while n < 256:  # (drain's loop, inline: this is the act path)
+        limit = min(limit, 256)
+        while n < limit:  # (drain's loop, inline: this is the act path)
             if (n or not ready) and not sock.getsockopt(_EVENTS) & _POLLIN:
                 break
             try:
@@ -175,7 +179,14 @@ class ActChannel:
         return n
 
     def send(self, identity: bytes, frames: list) -> None:
-        send_frames(self.sock, [identity, *frames])
+        last = len(frames) - 1
+        if last < 0:
+            raise ValueError("a message needs at least one frame")
+        send = self.sock.send
+        send(identity, _SNDMORE)  # (copied: the routing id is a few bytes)
+        for i in range(last):
+            send(frames[i], _SNDMORE, copy=False)
+        send(frames[last], 0, copy=False)
 
     def _error(self, identity: bytes, code: str, message: str, who: str = "") -> None:
         self.service.count_rejection(code)
@@ -186,7 +197,7 @@ class ActChannel:
     def _handle(self, identity: bytes, frames: list) -> None:
         """One message: ``frames[0]`` is the routing id (``identity``), the rest the message."""
         svc = self.service
-        frames = frames[1:]
+        del frames[0]
         peer = svc.act_sessions.get(identity) if frames else None
         if peer is None:
             self._error(identity, "handshake_required",

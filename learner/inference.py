@@ -64,6 +64,7 @@ class InferenceServer(threading.Thread):
         self.reply = reply
         self.active_actors = active_actors
         self.device = device
+        self._on_cpu = device.type == "cpu"
         self.max_batch = max_batch
         self.window_s = batch_window_ms / 1000.0
         self.autocast_dtype = autocast_dtype
@@ -141,18 +142,19 @@ class InferenceServer(threading.Thread):
             self.policy.load_trainable_state_dict(state)
             self.version = version
 
-    def _wait(self, timeout_s: float) -> None:
-        """Block up to ``timeout_s`` for a wake-up or the act socket; move every request
-        waiting on the act socket into the queue (the act channel validates them)."""
-        events = dict(zmq.zmq_poll(self._poller.sockets, max(0, int(timeout_s * 1000 + 0.999))))
-        if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 4096):
+    def _wait(self, timeout_s: float, limit: int = 256) -> None:
+        """Block up to ``timeout_s`` for a wake-up or the act socket; move up to ``limit``
+        requests waiting on the act socket into the queue (the act channel validates them)."""
+        wake_r, ch = self._wake_r, self.channel
+        for sock, _ in zmq.zmq_poll(self._poller.sockets, max(0, int(timeout_s * 1000 + 0.999))):
+            if sock is wake_r or sock == wake_r:
+                try:
+                    while os.read(wake_r, 4096):
+                        pass
+                except BlockingIOError:
                     pass
-            except BlockingIOError:
-                pass
-        if self.channel is not None and self.channel.sock in events:
-            self.channel.read(ready=True)
+            elif ch is not None and sock is ch.sock:
+                ch.read(ready=True, limit=limit)
 
     def _take(self, reqs: list[ActRequest], n: int) -> int:
         q = self.requests
@@ -166,13 +168,18 @@ class InferenceServer(threading.Thread):
         reqs: list[ActRequest] = []
         n = self._take(reqs, 0)
         if not reqs:
-            self._wait(0.1)
+            # read as many act requests as there are active actors (all waiting ones when
+            # none is known to be active): with one actor, no second look at the socket
+            want = self.active_actors()
+            self._wait(0.1, want if want > 0 else 256)
             n = self._take(reqs, 0)
             if not reqs:
                 return []
-        if n >= self.max_batch:
+            if n >= self.max_batch or len(reqs) >= want > 0:
+                return reqs
+        elif n >= self.max_batch:
             return reqs
-        want = self.active_actors()
+        want = self.active_actors()  # (senders just read count as active now)
         if len(reqs) >= want:  # every active actor's request is here: no lingering
             return reqs
         deadline = time.perf_counter() + self.window_s
@@ -180,7 +187,7 @@ class InferenceServer(threading.Thread):
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
-            self._wait(left)
+            self._wait(left, want - len(reqs))
             n = self._take(reqs, n)
         return reqs
 
@@ -232,14 +239,19 @@ class InferenceServer(threading.Thread):
             # one request: hand torch its arrays as they are when they own writable, aligned
             # memory (views of the received zero-copy frames, kept alive by the tensors); a
             # read-only or unaligned one (a small frame, bytes) is copied
-            obs = {k: torch.from_numpy(a if a.flags.writeable and a.flags.aligned else a.copy())
-                   for k, a in group[0].arrays.items()}
+            from_numpy = torch.from_numpy
+            obs = {}
+            for k, a in group[0].arrays.items():
+                flags = a.flags
+                obs[k] = from_numpy(a if flags.writeable and flags.aligned else a.copy())
+            tasks = list(group[0].tasks)
         else:
             keys = list(group[0].arrays)
             obs = {k: torch.from_numpy(np.concatenate([r.arrays[k] for r in group])) for k in keys}
-        if self.device.type != "cpu":
+            tasks = [t for r in group for t in r.tasks]
+        if not self._on_cpu:
             obs = {k: v.to(self.device, non_blocking=True) for k, v in obs.items()}
-        obs[TASK] = [t for r in group for t in r.tasks]
+        obs[TASK] = tasks
         if self.autocast_dtype is None:
             chunk = self.policy.act(obs, deterministic=deterministic)
         else:
@@ -258,7 +270,7 @@ class InferenceServer(threading.Thread):
         else:  # nothing declared, nothing returned
             extras = {}
         infer_ms = (time.perf_counter() - t0) * 1000.0
-        self.batches += 1
+        self.batches += 1  # (before the replies: whoever has a reply sees its batch counted)
         self.served += len(group)
         self.batch_sizes.append(len(group))
         if len(self.batch_sizes) > 1000:
@@ -267,7 +279,7 @@ class InferenceServer(threading.Thread):
             r = group[0]
             self.reply(r.identity, encode(
                 "act_reply", {"req_id": r.req_id, "policy_version": self.version, "infer_ms": infer_ms,
-                              "batch": 1}, {"actions": actions, **extras}))
+                              "batch": 1}, {"actions": actions, **extras} if extras else {"actions": actions}))
             return
         i = 0
         for r in group:

@@ -63,7 +63,7 @@ from data.core.spec import EnvSpec
 from learner.ingest import Ingest
 from learner.act_channel import (ActChannel, bind_act_socket, drain as _drain, is_act_token,
                                  user_id as _user_id)
-from learner.wire_guard import RateLimitedLog, check_obs, check_obs_layout, check_transitions_message
+from learner.wire_guard import RateLimitedLog, check_act_obs, check_obs, check_transitions_message
 from data.core.security import authorized_actor_ids, configure_server_socket
 
 log = logging.getLogger("tandem.learner.service")
@@ -207,7 +207,7 @@ class LearnerService(threading.Thread):
     def reply(self, identity: bytes, frames: list) -> None:
         """Send from any thread: via the outbox, or straight on the act socket (its thread)."""
         ch = self.act_channel
-        if ch is not None and is_act_token(identity) and ch.owns_thread():
+        if ch is not None and ch.owner == threading.get_ident() and is_act_token(identity):
             ch.send(identity, frames)
             return
         self.outbox().send_multipart([b"R", identity, *frames], copy=False)
@@ -230,7 +230,7 @@ class LearnerService(threading.Thread):
         """(error code, message) for an ``act`` request that must not be served, else None."""
         if self.finished:
             return "finished", "evaluation is done"
-        err = check_obs_layout(msg.arrays) or check_obs(msg.arrays, msg["tasks"], self.spec)
+        err = check_act_obs(msg, self.spec)
         return ("bad_observation", err) if err else None
 
     def act_request(self, identity: bytes, msg, actor_id: str) -> ActRequest:  # counted

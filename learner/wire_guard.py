@@ -78,6 +78,47 @@ def _expected(spec: EnvSpec):
     return hit
 
 
+#: (id(spec), id(layout)) -> (spec, layout, batch size, names of the float arrays): act request
+#: layouts (the codec's cached array metadata, :attr:`data.core.codec.Message.layout`) whose
+#: structure passed :func:`check_obs_layout` and :func:`check_obs` against that spec. Names,
+#: dtypes and shapes are the layout's, so only the values are checked again.
+_ACT_LAYOUTS: dict[tuple[int, int], tuple[EnvSpec, object, int, tuple[str, ...]]] = {}
+
+
+def check_act_obs(msg: Message, spec: EnvSpec) -> str | None:
+    """:func:`check_obs_layout` then :func:`check_obs` of an ``act`` request, the same errors;
+    a layout seen before (the same spec) has its values checked only: floats finite, one
+    instruction string per row (non-empty where the env needs them)."""
+    arrays, tasks, layout = msg.arrays, msg["tasks"], msg.layout
+    if layout is not None:
+        hit = _ACT_LAYOUTS.get((id(spec), id(layout)))
+        if hit is not None and hit[0] is spec and hit[1] is layout:
+            return _check_obs_values(arrays, tasks, spec, hit[2], hit[3])
+    err = check_obs_layout(arrays) or check_obs(arrays, tasks, spec)
+    if err is None and layout is not None:
+        _, expected, _ = _expected(spec)
+        if len(_ACT_LAYOUTS) >= 256:
+            _ACT_LAYOUTS.clear()
+        _ACT_LAYOUTS[(id(spec), id(layout))] = (
+            spec, layout, arrays[OBS_STATE].shape[0],
+            tuple(k for k, (dt, _) in expected.items() if dt.kind == "f"))
+    return err
+
+
+def _check_obs_values(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec, b: int,
+                      floats: tuple[str, ...]) -> str | None:
+    """The value checks of :func:`check_obs` (its messages), for a layout that passed it."""
+    for k in floats:
+        a = arrays[k]
+        if not (all(map(math.isfinite, a.ravel().tolist())) if a.size <= 64 else np.isfinite(a).all()):
+            return f"{k}: contains NaN or Inf"
+    if len(tasks) != b or not all([isinstance(t, str) for t in tasks]):
+        return f"{TASK}: expected {b} instruction strings"
+    if spec.has_task and not all(tasks):
+        return "missing task instruction: this env needs one per observation"
+    return None
+
+
 def check_obs(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec) -> str | None:
     """Validate an act request's observation batch (after :func:`check_obs_layout`); return an
     error message or None. Both act paths (the socket thread's ROUTER and the inference

@@ -23,6 +23,7 @@ names what is wrong; the caller replies with an error and keeps serving.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -31,6 +32,22 @@ import numpy as np
 from msgpack import unpackb as _unpackb
 
 _isfinite = math.isfinite
+
+
+def _check_unpackb_defaults() -> None:
+    """decode() calls unpackb without arguments: its defaults must be raw=False (str keys and
+    values), strict_map_key=True (str/bytes map keys only) and use_list=True."""
+    try:
+        _unpackb(b"\x81\x01\x02")  # {1: 2}: an int map key
+    except ValueError:
+        pass
+    else:  # pragma: no cover - msgpack < 1.0
+        raise ImportError("msgpack >= 1.0 is required (strict_map_key must default to True)")
+    if _unpackb(b"\x91\xa1s") != ["s"]:  # ["s"]: a list of str
+        raise ImportError("msgpack >= 1.0 is required (raw=False, use_list=True by default)")
+
+
+_check_unpackb_defaults()
 
 from data.core.schema import (INT64_BOUNDS, MAX_BYTES_FIELD, MAX_LIST_LEN, MESSAGE_SCHEMAS,
                               PROTOCOL_VERSION, MessageSchema)
@@ -71,6 +88,10 @@ class Message:
     type: str
     fields: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the codec's cached (checked) array layout this message was decoded with, the same
+    #: object for every message of that layout (None when not cached): lets a receiver
+    #: check a layout's structure once (:func:`learner.wire_guard.check_act_obs`)
+    layout: Any = field(default=None, repr=False, compare=False)
 
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]
@@ -93,34 +114,50 @@ def encode(
     """
     if msg_type not in schemas:
         raise CodecError(f"unknown message type {msg_type!r}")
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type}
     if fields:
         if not _RESERVED.isdisjoint(fields):
             key = next(k for k in fields if k in _RESERVED)
             raise CodecError(f"field name {key!r} is reserved")
-        header.update(fields)
+        header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type, **fields}
+    else:
+        header = {"v": PROTOCOL_VERSION, "type": msg_type}
     meta = []
     frames: list[Any] = [None]
-    for name, arr in (arrays or {}).items():
-        if type(arr) is not np.ndarray:
-            arr = np.asarray(arr)
-        dtype_name = _DTYPE_NAME.get(arr.dtype)
-        if dtype_name is None:
-            raise CodecError(f"array {name!r}: dtype {arr.dtype} is not allowed on the wire")
-        meta.append([name, dtype_name, list(arr.shape)])
-        if arr.nbytes <= SMALL_ARRAY_BYTES:
-            # one call instead of a contiguous view chain; ZMQ copies frames this small anyway
-            frames.append(arr.tobytes())
-            continue
-        if not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
-        frames.append(memoryview(arr.reshape(-1).view(np.uint8)))
+    if arrays:
+        dtype_names = _DTYPE_NAME
+        for name, arr in arrays.items():
+            if type(arr) is not np.ndarray:
+                arr = np.asarray(arr)
+            dtype_name = dtype_names.get(arr.dtype)
+            if dtype_name is None:
+                raise CodecError(f"array {name!r}: dtype {arr.dtype} is not allowed on the wire")
+            meta.append([name, dtype_name, list(arr.shape)])
+            if arr.nbytes <= SMALL_ARRAY_BYTES:
+                # one call instead of a contiguous view chain; ZMQ copies frames this small anyway
+                frames.append(arr.tobytes())
+            elif arr.flags.c_contiguous:
+                frames.append(memoryview(arr).cast("B"))  # a flat byte view, no copy
+            else:
+                frames.append(memoryview(np.ascontiguousarray(arr)).cast("B"))
     header["arrays"] = meta
     try:
-        frames[0] = msgpack.packb(header, use_bin_type=True)
+        frames[0] = _packer().pack(header)
     except (TypeError, ValueError) as exc:
         raise CodecError(f"header of {msg_type!r} is not msgpack-serialisable: {exc}") from exc
     return frames
+
+
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's msgpack Packer (building one per message costs more than the packing;
+    a Packer resets itself after each ``pack``, also after one that raised)."""
+    try:
+        return _local.packer
+    except AttributeError:
+        p = _local.packer = msgpack.Packer(use_bin_type=True)
+        return p
 
 
 def _frame_bytes(frame: Any) -> memoryview:
@@ -133,6 +170,31 @@ def _frame_bytes(frame: Any) -> memoryview:
 #: layout message after message, so the per-array checks run once per layout (bounded)
 _META_CACHE: dict[tuple, list[tuple[str, np.dtype, tuple[int, ...], int]]] = {}
 _META_CACHE_MAX = 256
+
+_MISSING = object()
+#: id(schema) -> [schema, ((field, type, lo, hi), ...), last layout]: a schema's field checks,
+#: prepared once (lo/hi: an int field's bounds, the length limit of a list or bytes field as
+#: hi; lo None when the schema has no bounds, which leaves everything to ``_check_field``),
+#: and the (max_bytes, array metadata, layout) of its last message with a cached layout
+_PLANS: dict[int, list] = {}
+
+
+def _plan(schema: MessageSchema) -> list:
+    bounds = schema.bounds
+    steps = []
+    for key, typ in schema.fields.items():
+        if bounds is None:
+            lo = hi = None
+        elif typ is int:
+            lo, hi = bounds.get(key, INT64_BOUNDS)
+        else:
+            lo, hi = 0, MAX_LIST_LEN if typ is list else MAX_BYTES_FIELD
+        steps.append((key, typ, lo, hi))
+    plan = [schema, tuple(steps), None]
+    if len(_PLANS) > 256:
+        _PLANS.clear()
+    _PLANS[id(schema)] = plan
+    return plan
 
 
 def decode(
@@ -147,11 +209,13 @@ def decode(
     ``schemas`` lets another protocol on the same codec (the robot driver) name its own
     message types.
     """
-    if len(frames) == 0:
+    nframes = len(frames)
+    if nframes == 0:
         raise CodecError("empty message")
-    if len(frames) > MAX_ARRAYS + 1:
-        raise CodecError(f"too many frames: {len(frames)} > {MAX_ARRAYS + 1}")
-    views = [_frame_bytes(f) for f in frames]
+    if nframes > MAX_ARRAYS + 1:
+        raise CodecError(f"too many frames: {nframes} > {MAX_ARRAYS + 1}")
+    # every frame type in use (bytes, memoryview, bytearray, zmq.Frame) has the buffer protocol
+    views = [memoryview(f) for f in frames]
     total = sum([v.nbytes for v in views])
     if total > max_bytes:
         raise CodecError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes")
@@ -159,61 +223,75 @@ def decode(
     if head.nbytes > max_header_bytes:
         raise CodecError(f"header of {head.nbytes} bytes exceeds the limit of {max_header_bytes}")
     try:
-        header = _unpackb(head, raw=False, strict_map_key=True, use_list=True)
+        # msgpack >= 1.0's defaults: raw=False, strict_map_key=True, use_list=True (checked at
+        # import); passing them costs a microsecond of keyword parsing per message
+        header = _unpackb(head)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CodecError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from exc
     if type(header) is not dict:
         raise CodecError("header is not a map")
-    version = header.pop("v", None)
+    pop = header.pop
+    version = pop("v", None)
     # type-exact: 1.0 and true compare equal to 1 in Python but are not protocol 1
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise CodecError(
             f"protocol version mismatch: message has {version!r}, this side speaks {PROTOCOL_VERSION}"
         )
-    msg_type = header.pop("type", None)
+    msg_type = pop("type", None)
     schema = schemas.get(msg_type) if type(msg_type) is str else None
     if schema is None:
         raise CodecError(f"unknown message type {msg_type!r}")
-    bounds = schema.bounds
-    for key, typ in schema.fields.items():
-        if key not in header:
-            raise CodecError(f"{msg_type}: missing field {key!r}")
-        value = header[key]
+    plan = _PLANS.get(id(schema))
+    if plan is None or plan[0] is not schema:
+        plan = _plan(schema)
+    get = header.get
+    for key, typ, lo, hi in plan[1]:
+        value = get(key, _MISSING)
         # the common case inline (exact type, within bounds); anything else is named below
-        if type(value) is typ and bounds is not None:
+        if type(value) is typ and lo is not None:  # (lo None: a schema without bounds)
             if typ is int:
-                lo, hi = bounds.get(key, INT64_BOUNDS)
                 if lo <= value <= hi:
                     continue
             elif typ is float:
                 if _isfinite(value):
                     continue
             elif typ is list or typ is bytes:
-                if len(value) <= (MAX_LIST_LEN if typ is list else MAX_BYTES_FIELD):
+                if len(value) <= hi:
                     continue
             else:
                 continue
-        _check_field(msg_type, key, typ, value, bounds)
-    meta = header.pop("arrays", [])
-    if type(meta) is not list or len(meta) != len(views) - 1:
+        if value is _MISSING:
+            raise CodecError(f"{msg_type}: missing field {key!r}")
+        _check_field(msg_type, key, typ, value, schema.bounds)
+    meta = pop("arrays", [])
+    if type(meta) is not list or len(meta) != nframes - 1:
         raise CodecError(
             f"{msg_type}: array metadata lists {len(meta) if isinstance(meta, list) else '?'} "
-            f"arrays but the message has {len(views) - 1} buffers"
+            f"arrays but the message has {nframes - 1} buffers"
         )
-    try:
-        key = (max_bytes, tuple([(e[0], e[1], tuple(e[2])) for e in meta]))
-        layout = _META_CACHE.get(key)
-    except Exception:  # malformed metadata (not hashable, too short): the checks name it
-        key, layout = None, None
-    if layout is None:
-        layout = _check_layout(msg_type, meta, max_bytes)
-        # bounded: at most _META_CACHE_MAX layouts of at most 64 arrays with short names
-        if (key is not None and len(_META_CACHE) < _META_CACHE_MAX and len(layout) <= 64
-                and sum([len(e[0]) for e in layout]) <= 4096):
-            _META_CACHE[key] = layout
+    last = plan[2]  # this type's last cached layout: (max_bytes, metadata, layout)
+    if last is not None and last[1] == meta and last[0] == max_bytes:
+        layout = cached = last[2]  # (list equality: no key to build and hash)
+    else:
+        try:
+            key = (max_bytes, tuple([(e[0], e[1], tuple(e[2])) for e in meta]))
+            layout = cached = _META_CACHE.get(key)
+        except Exception:  # malformed metadata (not hashable, too short): the checks name it
+            key, layout, cached = None, None, None
+        if layout is None:
+            layout = _check_layout(msg_type, meta, max_bytes)
+            # bounded: at most _META_CACHE_MAX layouts of at most 64 arrays with short names
+            if (key is not None and len(_META_CACHE) < _META_CACHE_MAX and len(layout) <= 64
+                    and sum([len(e[0]) for e in layout]) <= 4096):
+                _META_CACHE[key] = cached = layout
+        if cached is not None:
+            plan[2] = (max_bytes, meta, cached)
     arrays: dict[str, np.ndarray] = {}
     ndarray = np.ndarray  # a view of the buffer (np.frombuffer(...).reshape(...) in one call)
-    for (name, dtype, shape, expected), buf in zip(layout, views[1:]):
+    i = 0
+    for name, dtype, shape, expected in layout:
+        i += 1
+        buf = views[i]
         if buf.nbytes != expected:
             raise CodecError(
                 f"{msg_type}: array {name!r} {_DTYPE_NAME[dtype]}{shape} needs {expected} bytes, "
@@ -223,7 +301,7 @@ def decode(
     for a in schema.arrays:
         if a not in arrays:
             raise CodecError(f"{msg_type}: missing arrays {[a for a in schema.arrays if a not in arrays]}")
-    return Message(msg_type, header, arrays)
+    return Message(msg_type, header, arrays, cached)
 
 
 def _check_layout(msg_type: str, meta: list, max_bytes: int) -> list[tuple[str, np.dtype, tuple[int, ...], int]]:
@@ -357,10 +435,19 @@ def send_frames(sock: Any, frames: Sequence[Any], flags: int = 0, *, copy: bool 
 
 
 def recv_frames(sock: Any, flags: int = 0, *, copy: bool = True) -> list[Any]:
-    """Receive one multipart message (bytes with ``copy``, else zmq Frames)."""
+    """Receive one multipart message (bytes with ``copy``, else zmq Frames). Without ``copy``
+    each Frame says whether more parts follow (``Frame.more``, filled in by the receive):
+    pyzmq's ``getsockopt`` turns every option into an enum first, microseconds per part."""
     recv = sock.recv
-    parts = [recv(flags, copy=copy)]
-    more = sock.getsockopt
-    while more(_RCVMORE):
-        parts.append(recv(flags, copy=copy))
+    if copy:
+        parts = [recv(flags)]
+        more = sock.getsockopt
+        while more(_RCVMORE):
+            parts.append(recv(flags))
+        return parts
+    frame = recv(flags, copy=False)
+    parts = [frame]
+    while frame.more:
+        frame = recv(flags, copy=False)
+        parts.append(frame)
     return parts
