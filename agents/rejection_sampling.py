@@ -42,6 +42,7 @@ the deterministic evaluation jobs, baseline = the pretrained version):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ class RejectionSamplingConfig:
     # -- the BC update --
     #: transitions (chunk windows for chunked policies) per BC batch
     batch_size: int = 64
+    #: split each batch into pieces of this many rows, one backward each and one optimizer step
+    #: (gradient accumulation; full-size PI0 at batch 64 does not fit an 80 GB GPU); None: whole
+    micro_batch_size: int | None = None
     #: peak learning rate (AdamW) of the cosine schedule
     lr: float = 1e-3
     #: final learning rate of the cosine schedule
@@ -128,6 +132,8 @@ class RejectionSamplingConfig:
             raise ValueError(f"success_from must be one of {OUTCOMES}, got {self.success_from!r}")
         if self.batch_size < 1 or self.sft_steps_per_cycle < 1 or self.env_steps_per_cycle < 1:
             raise ValueError("batch_size, sft_steps_per_cycle and env_steps_per_cycle must be >= 1")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 or null, got {self.micro_batch_size}")
         if self.pretrain_steps < 0 or self.eval_episodes < 0 or self.lr_decay_steps < 1:
             raise ValueError("pretrain_steps and eval_episodes must be >= 0, lr_decay_steps >= 1")
         if not 0 < self.lr_min <= self.lr:
@@ -238,15 +244,25 @@ class BCAgent:
         self.opt.state.clear()
 
     def update(self, batch: Batch, lr: float) -> dict[str, float]:
-        """One BC step on ``batch`` at learning rate ``lr``; float metrics."""
+        """One BC step on ``batch`` at learning rate ``lr``; float metrics. With
+        ``micro_batch_size``, the gradient of the batch's loss is accumulated over pieces of
+        that many rows, each piece's loss weighted by its share of the rows."""
         batch = bc_inputs(to_device(batch, self.device))
         for g in self.opt.param_groups:
             g["lr"] = float(lr)
         self._raw.train()
-        loss = self._model(batch)
         self.opt.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
-        metrics = {"bc_loss": float(loss.detach()), "lr": float(lr)}
+        pieces = self._pieces(batch)
+        loss_sum = 0.0
+        for i, (part, share) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(self._model):
+                loss = self._model(part)
+                self.accelerator.backward(loss * share if len(pieces) > 1 else loss)
+            loss_sum += float(loss.detach()) * share
+        metrics = {"bc_loss": loss_sum, "lr": float(lr)}
+        if len(pieces) > 1:
+            metrics["micro_batches"] = float(len(pieces))
         if self.cfg.max_grad_norm is not None:
             norm = self.accelerator.clip_grad_norm_(self._params, self.cfg.max_grad_norm)
             metrics["grad_norm"] = float(norm)
@@ -254,6 +270,21 @@ class BCAgent:
         if "is_demo" in batch:
             metrics["demo_fraction"] = float(batch["is_demo"].float().mean())
         return metrics
+
+    def _pieces(self, batch: Batch) -> list[tuple[Batch, float]]:
+        """[(rows s..s+m of every per-row entry, m / n)]; one piece without ``micro_batch_size``."""
+        m = self.cfg.micro_batch_size
+        n = next(len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list)))
+        if not m or m >= n:
+            return [(batch, 1.0)]
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError("algo.micro_batch_size: under DeepSpeed set gradient_accumulation_steps in its "
+                             "config instead (its engine steps inside every backward)")
+        rows = lambda v: isinstance(v, (torch.Tensor, list)) and len(v) == n  # noqa: E731
+        return [({k: (v[s:s + m] if rows(v) else v) for k, v in batch.items()}, min(m, n - s) / n)
+                for s in range(0, n, m)]
 
     # -- weights and checkpoints --------------------------------------------------------------
     def trainable(self) -> dict[str, torch.Tensor]:

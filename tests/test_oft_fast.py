@@ -153,7 +153,7 @@ def _no_graph(p, o, gumbel=None):
 
 @gpu
 def test_graphs_equal_eager_on_gpu_l1(ckpt):
-    p = make(ckpt, "l1", device="cuda", dtype="bfloat16", fast_serving="auto")
+    p = make(ckpt, "l1", device="cuda", dtype="bfloat16", fast_serving="auto", fast_compile=False)
     fast = p.act(obs()).actions
     assert p._fast.captures == 1  # batch 3 -> the bucket of 4
     torch.testing.assert_close(fast, _no_graph(p, obs())["actions"], atol=1e-2, rtol=1e-2)
@@ -184,7 +184,7 @@ def test_graphs_equal_eager_on_gpu_l1(ckpt):
 
 @gpu
 def test_graphs_equal_eager_on_gpu_discrete(ckpt):
-    p = make(ckpt, "discrete", device="cuda", dtype="bfloat16", fast_serving="graphs")
+    p = make(ckpt, "discrete", device="cuda", dtype="bfloat16", fast_serving="graphs", fast_compile=False)
     o = obs(3)
     greedy = p.act(o, deterministic=True)
     assert p._fast.captures == 1
@@ -205,6 +205,30 @@ def test_graphs_equal_eager_on_gpu_discrete(ckpt):
     with torch.no_grad():
         upd = p.log_prob(dict(o, **{"extra.action_tokens": s1.extras["action_tokens"]}), s1.actions)
     torch.testing.assert_close(upd, s1.log_prob, atol=0.15, rtol=0.02)
+
+
+@gpu
+def test_default_config_compiles_and_warms_up_on_gpu(ckpt):
+    """The default config on a GPU compiles the LM layers with the batch (>= 2) and the token
+    length symbolic: warm-up compiles batch 1 and 2, then a bucket of 4 or a longer prompt costs
+    a capture and no compile; the compiled graphs equal the ungraphed, uncompiled computation
+    within bf16 tolerance."""
+    from agents.policies.fast_common import compiled_graphs
+
+    p = make(ckpt, "l1", device="cuda", dtype="bfloat16")
+    assert p.cfg.fast_compile == "auto" and p.cfg.fast_warmup_buckets == (1, 2, 4, 8)
+    assert sorted(p.warm_up([1, 2])) == [1, 2]
+    fast = p._fast
+    assert fast.compile == "dynamic" and fast.captures == 2 and fast.compiles > 0
+    compiled = compiled_graphs()
+    assert sorted(p.warm_up([3, 128], max_batch=64)) == [4]  # 128: above max_batch, skipped
+    long = dict(obs(1), task=["pick up the black bowl between the plate and the ramekin and place it " * 3])
+    ids_short, ids_long = (fast._prepare(p.model_inputs(o), None)["ids"].shape[1] for o in (obs(1), long))
+    assert ids_long > ids_short  # another token bucket
+    for o in (obs(3), obs(1), long):
+        torch.testing.assert_close(p.act(o).actions, _no_graph(p, o)["actions"], atol=3e-2, rtol=3e-2)
+    # the long prompt (and any other token bucket met): captures only
+    assert fast.captures == len(fast._graphs) >= 4 and compiled_graphs() == compiled
 
 
 @pytest.mark.slow

@@ -34,11 +34,12 @@ def obs(b=3, seed=0):
 def make(ckpt, variant, **kw):
     cls, cfg_cls = CLASSES[variant]
     p = cls(cfg_cls(checkpoint=str(ckpt), chunk_size=CHUNK, lora_rank=4, **kw), SPEC)
-    # trained-looking adapters and heads (fresh LoRA B is zero: folding would be a no-op)
+    # trained-looking adapters and heads (fresh LoRA B is zero: folding would be a no-op), and
+    # PI0.5's AdaRMS condition layers (lerobot initialises them to zero: the time would not count)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for name, prm in p.inner.named_parameters():
-            if prm.requires_grad:
+            if prm.requires_grad or ".dense.weight" in name:
                 prm.add_(0.05 * torch.randn(prm.shape, generator=g).to(prm))
     return p.eval()
 
@@ -90,7 +91,7 @@ def test_fast_path_is_not_used_for_training(ckpts):
 def test_fast_compile_setting():
     """``fast_compile``: auto compiles where graphs are captured (a GPU), true / false as said;
     anything else is refused when the config is validated."""
-    from agents.policies.pi0_fast import COMPILE_MODE, resolve_compile
+    from agents.policies.fast_common import COMPILE_MODE, resolve_compile
 
     assert resolve_compile("auto", True) == COMPILE_MODE and resolve_compile("auto", False) is None
     assert resolve_compile(True, False) == COMPILE_MODE and resolve_compile("true", False) == COMPILE_MODE
@@ -134,7 +135,7 @@ def test_default_config_compiles_and_warms_up_on_gpu(ckpts):
     """The default config on a GPU compiles the fast path; ``warm_up`` captures the listed
     buckets (3 pads to 4); with the batch dimension dynamic the bucket after 2 needs no compile;
     a later act at a warmed size neither captures nor compiles; actions match lerobot's."""
-    from agents.policies.pi0_fast import _compiled_graphs
+    from agents.policies.fast_common import compiled_graphs as _compiled_graphs
 
     p = make(ckpts["pi0"], "pi0", device="cuda", dtype="bfloat16")
     assert p.cfg.fast_compile == "auto" and p.cfg.fast_serving == "auto"
@@ -152,6 +153,13 @@ def test_default_config_compiles_and_warms_up_on_gpu(ckpts):
         torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
         p.act(obs(b))
     assert fast.captures == 3 and _compiled_graphs() == compiled
+    # a prompt of more token columns (another padded length): a capture, no compile
+    long = dict(obs(1), task=["pick up the black bowl between the plate and the ramekin and put it " * 3])
+    assert p.model_inputs(long)[2].shape[1] > p.model_inputs(obs(1))[2].shape[1]
+    noise = torch.randn(1, CHUNK, d, generator=torch.Generator().manual_seed(9)).cuda()
+    out, ref = both(p, long, noise)
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+    assert fast.captures == 4 and _compiled_graphs() == compiled
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

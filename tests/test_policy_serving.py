@@ -112,7 +112,9 @@ def test_bench_policy_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     res = bench_policy.main(["--tiny", "--device", "cpu", "--actors", "1,2", "--seconds", "1", "--iters", "6",
                              "--max-iters", "12", "--warmup", "1", "--train-batch", "2", "--json", str(out)])
-    assert json.loads(out.read_text())["policies"].keys() == {"pi0", "openvla_oft"}
+    data = json.loads(out.read_text())
+    assert data["policies"].keys() == {"pi0", "pi05", "openvla_oft"}
+    assert data["peak_matmul"]["tflops"] > 0 and data["peak_matmul"]["dtype"] == "float32"
     for name, r in res["policies"].items():
         assert r["bare_forward_ms"]["p50"] > 0 and r["act_ms"]["p50"] > 0 and r["train_step_ms"]["p50"] > 0
         assert [a["actors"] for a in r["actors"]] == [1, 2] and all(a["chunks"] > 0 for a in r["actors"])
@@ -125,4 +127,12 @@ def test_bench_policy_smoke_on_cpu(tmp_path):
             assert isinstance(s["stable"], bool) and s["ci_rel"] >= 0
         assert r["gpu_before"] is None and r["gpu_after"] is None
         assert isinstance(r["warnings"], list)
-    assert res["policies"]["pi0"]["lerobot_select_action_ms"]["p50"] > 0
+        # FLOPs per call grow with the batch; MFU per batch size and per actor level
+        assert set(r["flops"]) == set(r["by_batch"]) == {"1", "4", "8"}
+        assert r["flops"]["1"] > 0 and r["flops"]["4"] > 3 * r["flops"]["1"]
+        assert all(0 < x["mfu"] and x["tflops"] > 0 for x in r["by_batch"].values())
+        assert all(a["tflops"] > 0 and a["mfu"] > 0 for a in r["actors"])
+    for v in ("pi0", "pi05"):
+        r = res["policies"][v]
+        assert r["lerobot_select_action_ms"]["p50"] > 0 and r["speedup_vs_lerobot"] > 0
+        assert 0 < r["prompt_tokens"] < r["prompt_tokens_full"] == (48 if v == "pi0" else 200)

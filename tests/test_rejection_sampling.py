@@ -6,6 +6,8 @@ keep or roll back) with its checkpoints, and the pairing check."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -271,6 +273,22 @@ def test_bc_agent_update_lowers_the_loss_and_chunks_mark_padding(tmp_path):
     for _ in range(50):
         last = agent.update(batch, 1e-2)["bc_loss"]
     assert last < first - 1.0
+    # gradient accumulation: the same step in pieces of 10, 10, 10, 2 rows
+    torch.manual_seed(1)
+    whole = registry.build_policy({**POLICY, "chunk_size": 3}, SPEC)
+    pieces = copy.deepcopy(whole)
+    a_whole = BCAgent(RejectionSamplingConfig(), whole, Accelerator(cpu=True))
+    a_pieces = BCAgent(RejectionSamplingConfig(micro_batch_size=10), pieces, Accelerator(cpu=True))
+    batch["task"] = ["t"] * 32
+    for _ in range(3):
+        m_whole, m_pieces = a_whole.update(batch, 1e-2), a_pieces.update(batch, 1e-2)
+        assert m_pieces["micro_batches"] == 4 and "micro_batches" not in m_whole
+        assert abs(m_whole["bc_loss"] - m_pieces["bc_loss"]) < 1e-5 * m_whole["bc_loss"]
+        assert abs(m_whole["grad_norm"] - m_pieces["grad_norm"]) < 1e-5 * m_whole["grad_norm"]
+    for (k, p), q in zip(whole.named_parameters(), pieces.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=k)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        RejectionSamplingConfig(micro_batch_size=0).validate()
     # windows from the replay: the MLP learner samples [B, 3, A] with step_mask
     builder, data, learner, spec, steps = build(tmp_path, rs_cfg(eval_episodes=0))
     assert learner.horizon == 1

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from agents.base import ActionChunk, Batch
+from agents.policies.fast_common import (compiled_graphs, gpu_kernels, mark_dynamic, prepare_compile, resolve_compile,
+                                         static_shapes_only)
 
 log = logging.getLogger("tandem.policies.oft_fast")
 
@@ -45,6 +47,8 @@ log = logging.getLogger("tandem.policies.oft_fast")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MODES = ("auto", "graphs", "eager", "off")
 _IN = ("pix", "ids", "valid", "amask", "state", "gumbel")
+#: SDPA backends in priority order for the decoder layers (fast_common.gpu_kernels)
+SDPA_ORDER = ("efficient", "flash", "cudnn", "math")
 
 
 def fast_path(policy) -> "FastOFT | None":
@@ -59,8 +63,8 @@ def fast_path(policy) -> "FastOFT | None":
         return None
     fast = policy.__dict__.get("_fast")
     if fast is None:
-        fast = FastOFT(policy, graphs=cuda and mode in ("auto", "graphs"),
-                       compile=bool(getattr(policy.cfg, "fast_compile", False)))
+        graphs = cuda and mode in ("auto", "graphs")
+        fast = FastOFT(policy, graphs=graphs, compile=resolve_compile(getattr(policy.cfg, "fast_compile", False), graphs))
         policy.__dict__["_fast"] = fast  # not a submodule: no state_dict entry
     return fast
 
@@ -71,7 +75,7 @@ class FastOFT:
     runs eagerly."""
 
     def __init__(self, policy, *, graphs: bool = True, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-                 compile: bool = False, token_multiple: int = 32):
+                 compile: bool | str | None = False, token_multiple: int = 32):
         self.p = policy
         self.discrete = policy.action_head is None
         self.buckets = tuple(sorted(int(b) for b in buckets))
@@ -81,13 +85,18 @@ class FastOFT:
         self._pool = None
         self._zeros: dict[tuple, torch.Tensor] = {}
         self.captures = 0  # graphs captured so far (tests and the bench read it)
+        self.compiles = 0  # graphs dynamo compiled during those captures
         self.capture_s = 0.0  # seconds spent warming up and capturing
+        # the LM layer stack through torch.compile (norms, rotary, SiLU, residuals fused):
+        # "dynamic" with the batch (>= 2) and token length symbolic, "static" one per shape
+        mode = "dynamic" if compile is True else (compile or None)
+        if mode not in (None, "static", "dynamic"):
+            raise ValueError(f"FastOFT: compile must be static, dynamic or off, got {compile!r}")
+        self.compile = mode
         self._layers_fn = self._layers
-        if compile:
-            try:
-                self._layers_fn = torch.compile(self._layers, dynamic=False)
-            except Exception as exc:  # noqa: BLE001 - compile support varies: eager layers then
-                log.warning("OFT fast path: torch.compile unavailable (%s); running without", exc)
+        if mode:
+            prepare_compile()
+            self._layers_fn = torch.compile(self._layers, dynamic=None if mode == "dynamic" else False)
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
     def _layers(self, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -117,6 +126,9 @@ class FastOFT:
         neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=x.device)
         mask = torch.where(keep[:, None, None, :], zero, neg).expand(b, 1, t, t)
         pos = torch.arange(t, device=x.device)[None]
+        if self.compile == "dynamic":
+            mark_dynamic((0, 1), x, pos)
+            mark_dynamic((0, 2, 3), mask)
         h = self._layers_fn(x, mask, pos)
         # the K action positions: the first True of amask (ids coordinates) + n patch tokens
         start = amask.to(torch.int32).argmax(dim=1) + n
@@ -133,6 +145,10 @@ class FastOFT:
         return {"logits": logits, "cls": cls, "logp": logp, "actions": p._finish(a)}
 
     # -- serving -----------------------------------------------------------------------------------
+    def bucket(self, b: int) -> int | None:
+        """The captured batch size a request of ``b`` rows is padded to (None: beyond them)."""
+        return next((s for s in self.buckets if s >= b), None)
+
     def _prepare(self, inputs: tuple, gumbel: torch.Tensor | None) -> dict:
         """The model inputs as a dict, token rows right-padded to the length bucket."""
         pix, ids, valid, amask, st = inputs
@@ -174,7 +190,7 @@ class FastOFT:
         x = self._prepare(inputs, gumbel)
         b = x["ids"].shape[0]
         cuda = x["ids"].is_cuda
-        bucket = next((s for s in self.buckets if s >= b), None)
+        bucket = self.bucket(b)
         if not (self.graphs and cuda) or bucket is None:
             with _kernels(cuda):
                 return self.compute(*(x[k] for k in _IN))
@@ -198,12 +214,12 @@ class FastOFT:
         return {k: v[:b].clone() for k, v in out.items()}
 
     def _capture(self, static: dict):
-        t0 = time.perf_counter()
+        t0, graphs0 = time.perf_counter(), compiled_graphs()
         # tensors the head caches lazily (action bounds) are made before the capture
         self.p._bounds("action", static["ids"].device)
 
         def run():
-            with _kernels(True):
+            with _kernels(True), static_shapes_only():
                 return self.compute(*(static[k] for k in _IN))
 
         side = torch.cuda.Stream()
@@ -220,8 +236,11 @@ class FastOFT:
             out = run()
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
-        log.info("OFT fast path: captured a CUDA graph for batch %d, %d tokens (%.1f s)",
-                 static["ids"].shape[0], static["ids"].shape[1], time.perf_counter() - t0)
+        new = compiled_graphs() - graphs0
+        self.compiles += new
+        log.info("OFT fast path: captured a CUDA graph for batch %d, %d tokens (%.1f s)%s",
+                 static["ids"].shape[0], static["ids"].shape[1], time.perf_counter() - t0,
+                 f", {new} graph(s) compiled ({self.compile})" if self.compile else "")
         return graph, static, out
 
     def forward(self, inputs: tuple) -> torch.Tensor:
@@ -246,10 +265,8 @@ class FastOFT:
 
 
 def _kernels(cuda: bool):
-    """SDPA's memory-efficient kernel first and TF32 for the float32 heads (pi0_fast's choice)."""
-    from agents.policies.pi0_fast import _gpu_kernels
-
-    return _gpu_kernels(cuda)
+    """TF32 for the float32 heads and SDPA's backends in ``SDPA_ORDER``."""
+    return gpu_kernels(cuda, SDPA_ORDER)
 
 
 def _signature(x: dict) -> tuple:

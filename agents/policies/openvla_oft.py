@@ -34,6 +34,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from torch import nn
 
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
+from agents.policies.fast_common import resolve_compile, warm_up
 from agents.policies.prismatic import (DEFAULT_TIMM_IDS, L1RegressionActionHead, OpenVLA, PrismaticConfig,
                                        ProprioProjector)
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
@@ -102,8 +104,11 @@ class OpenVLAOFTPolicyConfig:
     #: "auto" (CUDA graphs on a GPU, the eager path on a CPU) | "graphs" | "eager" (the fast
     #: computation without graphs) | "off"
     fast_serving: str = "auto"  # CUDA graphs on a GPU (H100: act 25.8 vs 37.0 ms eager), old path on a CPU
-    #: torch.compile the language model's layers inside the fast path's graphs
-    fast_compile: bool = False
+    #: torch.compile the language model's layers inside the fast path's graphs: "auto" (where
+    #: graphs are captured: a GPU) | true | false (agents/policies/fast_common.py)
+    fast_compile: Any = "auto"
+    #: batch sizes whose graphs ``warm_up`` compiles and captures before serving (others: lazily)
+    fast_warmup_buckets: tuple[int, ...] = (1, 2, 4, 8)
     seed: int = 0
 
     def validate(self) -> None:
@@ -115,6 +120,7 @@ class OpenVLAOFTPolicyConfig:
             raise ValueError("temperature must be > 0, chunk_size >= 1, lora_rank >= 0")
         if self.fast_serving not in ("auto", "graphs", "eager", "off"):
             raise ValueError(f"policy.fast_serving must be auto, graphs, eager or off, got {self.fast_serving!r}")
+        resolve_compile(self.fast_compile, False)  # raises on anything but auto / true / false
 
 
 def _torch_load_local(path: Path) -> dict:
@@ -379,6 +385,12 @@ class OpenVLAOFTPolicy(nn.Module):
         from agents.policies.oft_fast import fast_path
 
         return fast_path(self)
+
+    def warm_up(self, batch_sizes=None, *, max_batch: int | None = None) -> dict[int, float]:
+        """Compile and capture the serving graphs of ``batch_sizes`` (default
+        ``fast_warmup_buckets``) now, not on the first act of each size ({bucket: seconds})."""
+        return warm_up(self, self.fast_path, self.cfg.fast_warmup_buckets if batch_sizes is None else batch_sizes,
+                       max_batch=max_batch)
 
     # -- heads ------------------------------------------------------------------------------------
     def action_logits(self, hidden: torch.Tensor) -> torch.Tensor:

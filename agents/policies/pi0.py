@@ -45,14 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
-from agents.policies.pi0_fast import FastPiSampler, resolve_compile, warm_up
+from agents.policies.fast_common import resolve_compile, warm_up
+from agents.policies.pi0_fast import FastPiSampler
+from agents.policies.pi0_prompt import PromptTokens, prompts
 from agents.policies.pi0_lerobot import (ARCH_FILE, Pi0Arch, build_lerobot_pi, lerobot_config,  # noqa: F401
                                          lerobot_pi_module, save_lerobot_checkpoint)
 from data.core.schema import OBS_STATE
@@ -87,6 +88,9 @@ class Pi0PolicyConfig:
     num_inference_steps: int = 10
     #: prompt tokens (None: lerobot's default, 48 for PI0 and 200 for PI0.5)
     tokenizer_max_length: int | None = None
+    #: prompts padded to the batch's longest rounded up to this (0: to tokenizer_max_length,
+    #: lerobot's padding); the output does not depend on it (agents/policies/pi0_prompt.py)
+    prompt_pad_multiple: int = 32
     #: square image resolution the model sees (fresh models; a checkpoint has its own)
     image_size: int = 224
     #: reduced sizes (fields of :class:`Pi0Arch`) for a fresh model; a checkpoint's
@@ -150,6 +154,8 @@ class Pi0PolicyConfig:
         if self.fast_serving not in ("auto", "graphs", "eager", "off"):
             raise ValueError(f"policy.fast_serving must be auto, graphs, eager or off, got {self.fast_serving!r}")
         resolve_compile(self.fast_compile, False)  # raises on anything but auto / true / false
+        if self.prompt_pad_multiple < 0:
+            raise ValueError(f"policy.prompt_pad_multiple must be >= 0, got {self.prompt_pad_multiple}")
         if self.variant not in ("pi0", "pi05"):
             raise ValueError(f"variant must be pi0 or pi05, got {self.variant!r}")
         if self.chunk_size < 1 or self.num_inference_steps < 1 or self.lora_rank < 0:
@@ -238,8 +244,7 @@ class Pi0Policy(nn.Module):
         self.tokenizer = vc.load_local_tokenizer(tok, self.who)
         if len(self.tokenizer) > arch.vocab_size:
             raise ValueError(f"{self.who}: tokenizer has {len(self.tokenizer)} tokens, model vocabulary {arch.vocab_size}")
-        self.max_len = int(lr_cfg.tokenizer_max_length)
-        self._tok_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prompt_tokens = PromptTokens(self.tokenizer, int(lr_cfg.tokenizer_max_length), cfg.prompt_pad_multiple)
         if cfg.lora_rank > 0:
             regex = vc.lora_regex(_LORA_SCOPES, cfg.lora_scopes, cfg.lora_target_modules)
             vc.add_lora(self.inner, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
@@ -344,21 +349,9 @@ class Pi0Policy(nn.Module):
     def device(self) -> torch.device:
         return self.inner.model.action_out_proj.weight.device
 
-    def _tokens(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.device
-        todo = [p for p in dict.fromkeys(prompts) if p not in self._tok_cache]
-        if todo:
-            enc = self.tokenizer(todo, max_length=self.max_len, truncation=True, padding="max_length",
-                                 padding_side="right", return_tensors="pt")
-            if len(self._tok_cache) > 4096:
-                self._tok_cache.clear()
-            for i, p in enumerate(todo):
-                self._tok_cache[p] = (enc["input_ids"][i].to(dev), enc["attention_mask"][i].to(dev, torch.bool))
-        ids, masks = zip(*(self._tok_cache[p] for p in prompts))
-        return torch.stack(ids), torch.stack(masks)
-
-    def lerobot_batch(self, obs: Batch) -> dict[str, Any]:
-        """Tandem observation -> the batch lerobot's PI0Policy reads (tokens included)."""
+    def lerobot_batch(self, obs: Batch, *, full_prompt: bool = False) -> dict[str, Any]:
+        """Tandem observation -> the batch lerobot's PI0Policy reads (tokens included; padded to
+        lerobot's length with ``full_prompt``, else only as far as ``prompt_pad_multiple`` says)."""
         b = vc.check_obs(obs, self.spec, self.who)
         tasks = vc.get_tasks(obs, b, self.cfg.default_task, self.who)
         dev = self.device
@@ -367,13 +360,8 @@ class Pi0Policy(nn.Module):
             out[lk] = obs[k].to(dev, non_blocking=True).permute(0, 3, 1, 2).float().div_(255.0)
         state = self.norm(obs[OBS_STATE].to(dev).float(), OBS_STATE)
         out[OBS_STATE] = state
-        if self.variant == "pi05":  # openpi's prompt: the state discretised into 256 bins
-            disc = np.digitize(state.clamp(-1, 1).cpu().numpy(), bins=np.linspace(-1, 1, 257)[:-1]) - 1
-            prompts = [f"Task: {t.strip().replace('_', ' ').replace(chr(10), ' ')}, State: "
-                       f"{' '.join(map(str, d))};\nAction: " for t, d in zip(tasks, disc)]
-        else:
-            prompts = [t if t.endswith("\n") else t + "\n" for t in tasks]
-        out["observation.language.tokens"], out["observation.language.attention_mask"] = self._tokens(prompts)
+        out["observation.language.tokens"], out["observation.language.attention_mask"] = self.prompt_tokens(
+            prompts(self.variant, tasks, state), dev, full=full_prompt)
         return out
 
     def model_inputs(self, obs: Batch) -> tuple:
@@ -412,8 +400,8 @@ class Pi0Policy(nn.Module):
         ``fast_warmup_buckets``) now, not on the first act of each size ({bucket: seconds})."""
         if type(self).act is not Pi0Policy.act:  # flow RL acts through its own chain
             return {}
-        return warm_up(self, self.cfg.fast_warmup_buckets if batch_sizes is None else batch_sizes,
-                       max_batch=max_batch)
+        return warm_up(self, self._fast_sampler, self.cfg.fast_warmup_buckets if batch_sizes is None
+                       else batch_sizes, max_batch=max_batch)
 
     def _serving_weights(self) -> None:
         """Adapters folded into the weights in eval mode without gradients, live otherwise."""

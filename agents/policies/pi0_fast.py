@@ -28,12 +28,15 @@ rotary embeddings, projections), so loaded checkpoints and LoRA folding apply un
 
 With ``compile`` (``policy.fast_compile``: ``auto`` compiles on a GPU), SigLIP, the prefix layer
 stack and one denoising step run through ``torch.compile`` inside the graph. In ``"dynamic"``
-mode (the default) the batch dimension is symbolic for batches >= 2, so one compile serves every
-bucket from 2 up (batch 1 is always specialised by dynamo: a second, static compile), and each
-further bucket costs only a capture; ``"static"`` compiles each bucket on its own. Compiled
-kernels go to a persistent inductor cache (``TORCHINDUCTOR_CACHE_DIR``, default
-``~/.cache/tandem/inductor``), so a restart mostly reads them back. :func:`warm_up` compiles and
-captures the buckets a server will use before it serves (``Pi0Policy.warm_up``).
+mode (the default) the batch dimension (for batches >= 2) and the prefix length are symbolic
+(:mod:`agents.policies.fast_common`), so one compile serves every bucket from 2 up and every
+prompt length (batch 1 is always specialised by dynamo: a second compile), and each further
+bucket or prompt length costs only a capture; ``"static"`` compiles each shape on its own.
+Prompts are padded only to the batch's longest, rounded up (``policy.prompt_pad_multiple``,
+:mod:`agents.policies.pi0_prompt`), not to lerobot's 48 / 200 tokens. Compiled kernels go to a
+persistent inductor cache (``TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/tandem/inductor``),
+so a restart mostly reads them back. ``Pi0Policy.warm_up`` compiles and captures the buckets a
+server will use before it serves.
 
 The result equals lerobot's ``sample_actions`` on the same noise: to float32 round-off on a
 CPU (tests/test_pi0_fast.py), within bf16 tolerance on a GPU (the GPU test in the same file).
@@ -42,67 +45,20 @@ RTC (real-time chunking) is not supported on this path; ``Pi0Policy`` falls back
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from agents.policies.fast_common import (CACHE_DIR, COMPILE_MODE, compiled_graphs, gpu_kernels, mark_dynamic,
+                                         prepare_compile, static_shapes_only)
+
 log = logging.getLogger("tandem.policies.pi0_fast")
 
 #: served batch sizes a graph is captured for (a request pads up to the next one)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-#: compile mode when ``fast_compile`` is on: "dynamic" (symbolic batch >= 2) or "static"
-COMPILE_MODE = "dynamic"
-#: where compiled kernels persist when TORCHINDUCTOR_CACHE_DIR is unset ("" / None: torch's own
-#: default, under /tmp)
-CACHE_DIR = "~/.cache/tandem/inductor"
-
-
-def resolve_compile(value: Any, cuda: bool) -> str | None:
-    """``policy.fast_compile`` (auto | true | false) -> the sampler's compile mode or None:
-    ``auto`` compiles on a GPU only (on a CPU the fast path is not the default anyway)."""
-    v = str(value).strip().lower()
-    if v not in ("auto", "true", "false", "1", "0", "yes", "no", "on", "off", "static", "dynamic"):
-        raise ValueError(f"policy.fast_compile must be auto, true or false, got {value!r}")
-    if v in ("static", "dynamic"):
-        return v
-    on = cuda if v == "auto" else v in ("true", "1", "yes", "on")
-    return COMPILE_MODE if on else None
-
-
-def use_cache_dir(path: str | None = CACHE_DIR) -> str | None:
-    """Point inductor's cache (FX graphs, Triton kernels, autotuning) at ``path`` unless
-    TORCHINDUCTOR_CACHE_DIR is set to somewhere else than torch's default (importing lerobot
-    already sets it to that default, under /tmp); returns the directory in use."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    if path and os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-        d = os.path.expanduser(path)
-        os.makedirs(d, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-
-
-def _compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process (a new bucket that needs none was a capture)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def _mark_batch(*tensors) -> None:
-    """Batch dimension (0) symbolic for the next compile: each tensor, or list of tensors
-    (all of them: one left static would specialise the batch through a cat or a broadcast)."""
-    for t in tensors:
-        for x in (t if isinstance(t, (list, tuple)) else [t]):
-            if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] > 1:
-                torch._dynamo.maybe_mark_dynamic(x, 0)  # noqa: SLF001
-
-
 class _PrefixKV:
     """What GemmaAttention asks of a cache (``update(k, v, layer_idx)``). Recording: keep each
     layer's prefix keys/values and attend over them. Extending: attend over prefix ⊕ new, keep
@@ -126,6 +82,14 @@ def _additive(mask2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     neg = torch.finfo(dtype).min if dtype != torch.float32 else -2.3819763e38
     zero = torch.zeros((), dtype=dtype, device=mask2d.device)
     return torch.where(mask2d[:, None], zero, torch.full((), neg, dtype=dtype, device=mask2d.device))
+
+
+def _ada_norm(norm: nn.Module, x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """lerobot's ``PiGemmaRMSNorm.forward(x, cond)`` with ``mod = norm.dense(cond)`` given
+    ([1 or B, 3 * width]): (normed, gate)."""
+    scale, shift, gate = mod.unsqueeze(1).chunk(3, dim=-1)
+    normed = norm._norm(x) * (1 + scale.float()) + shift.float()  # noqa: SLF001
+    return normed.to(x.dtype), gate.to(x.dtype)
 
 
 #: queries per key/value head (heads sharing it x query tokens) up to which ``mqa_attention``
@@ -206,9 +170,7 @@ class FastPiSampler:
             raise ValueError(f"FastPiSampler: compile must be static, dynamic or off, got {compile!r}")
         self.compile = mode
         if mode:
-            use_cache_dir(cache_dir)
-            # every (instance, bucket) is a guard set of the same code objects: keep them all
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # noqa: SLF001
+            prepare_compile(cache_dir)
         dyn = None if mode == "dynamic" else False
 
         def comp(fn):
@@ -233,15 +195,15 @@ class FastPiSampler:
         """The VLM pass: each layer's keys/values, and the prefix pad mask [B, P]."""
         pwe = self.model.paligemma_with_expert
         embs, pads = [], []
-        dyn = self.compile == "dynamic" and tokens.shape[0] > 1  # batch 1: static (dynamo's rule)
+        dyn = self.compile == "dynamic"  # symbolic: batch (>= 2: dynamo's rule) and prompt length
         if len(images) > 1 and len({tuple(i.shape) for i in images}) == 1:  # one SigLIP pass
             cat = torch.cat(list(images), dim=0)
             if dyn:
-                _mark_batch(cat)
+                mark_dynamic((0,), cat)
             feats = self._embed_image(cat).chunk(len(images), dim=0)
         else:
             if dyn:
-                _mark_batch(list(images))
+                mark_dynamic((0,), list(images))
             feats = [self._embed_image(img) for img in images]
         for e, m in zip(feats, img_masks, strict=True):
             embs.append(e)
@@ -253,7 +215,7 @@ class FastPiSampler:
         self._set_attn(ATTN_NAME)
         cache = _PrefixKV(len(self.vlm.layers))
         if dyn:
-            _mark_batch(embs, pad)
+            mark_dynamic((0, 1), embs, pad)
         cache.k, cache.v = self._prefix_kv(embs, pad)
         cache.recording = False
         return cache, pad
@@ -266,54 +228,93 @@ class FastPiSampler:
         self._layers(self.vlm, embs, mask2d, pos, cache, None)
         return cache.k, cache.v
 
-    def _suffix(self, state, x_t, t) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Suffix embeddings, AdaRMS condition and the suffix's ar-mask (lerobot's embed_suffix,
-        with the constant ar-mask built on the device)."""
+    def _suffix(self, state, x_t, t) -> tuple[torch.Tensor, torch.Tensor]:
+        """Suffix embeddings and the suffix's ar-mask (lerobot's embed_suffix, with the constant
+        ar-mask built on the device; PI0.5's time condition is :meth:`modulations`)."""
         from lerobot.policies.common.vla_utils import create_sinusoidal_pos_embedding
 
         m = self.model
-        time_emb = create_sinusoidal_pos_embedding(t, m.action_in_proj.out_features, min_period=m.config.min_period,
-                                                   max_period=m.config.max_period, device=t.device).type(t.dtype)
         action_emb = m.action_in_proj(x_t)
         if self.variant == "pi05":
-            cond = nn.functional.silu(m.time_mlp_out(nn.functional.silu(m.time_mlp_in(time_emb))))
-            ar = (torch.arange(self.chunk, device=x_t.device) < 1).float()  # no host copy (capture)
-            return action_emb, cond, ar
+            return action_emb, (torch.arange(self.chunk, device=x_t.device) < 1).float()  # no host copy (capture)
+        time_emb = create_sinusoidal_pos_embedding(t, m.action_in_proj.out_features, min_period=m.config.min_period,
+                                                   max_period=m.config.max_period, device=t.device).type(t.dtype)
         if m.state_proj.weight.dtype == torch.float32:
             state = state.to(torch.float32)
         state_emb = m.state_proj(state)[:, None, :]
         te = time_emb[:, None, :].expand_as(action_emb)
         at = m.action_time_mlp_out(nn.functional.silu(m.action_time_mlp_in(torch.cat([action_emb, te], dim=2))))
         ar = (torch.arange(self.chunk + 1, device=x_t.device) < 2).float()
-        return torch.cat([state_emb, at], dim=1), None, ar
+        return torch.cat([state_emb, at], dim=1), ar
 
-    def velocity(self, cache: _PrefixKV, pad: torch.Tensor, state, x_t: torch.Tensor,
-                 t: torch.Tensor) -> torch.Tensor:
-        """One denoising step's velocity (lerobot's denoise_step)."""
+    def modulations(self, times: torch.Tensor) -> list[torch.Tensor]:
+        """PI0.5: every AdaRMS norm's ``dense(cond)`` for every flow time at once, [S, 3 * width]
+        each (input and post-attention norm of each expert layer, then the final norm). The
+        condition depends on the time alone (the same for every row), so the 37 small GEMMs of
+        each step become 37 for the whole call."""
+        from lerobot.policies.common.vla_utils import create_sinusoidal_pos_embedding
+
+        m = self.model
+        emb = create_sinusoidal_pos_embedding(times, m.action_in_proj.out_features, min_period=m.config.min_period,
+                                              max_period=m.config.max_period, device=times.device).type(times.dtype)
+        cond = nn.functional.silu(m.time_mlp_out(nn.functional.silu(m.time_mlp_in(emb))))
+        norms = [n for layer in self.expert.layers[: self.expert.config.num_hidden_layers]
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.expert.norm]
+        return [n.dense(cond) for n in norms]
+
+    def _ada_layers(self, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor, cache: _PrefixKV,
+                    mods: list[torch.Tensor]) -> torch.Tensor:
+        """The PI0.5 expert's layers (lerobot's decoder layer and AdaRMS norm arithmetic) with
+        each norm's modulation given, [1, 3 * width], instead of computed from the condition."""
+        from lerobot.policies.pi_gemma import _gated_residual
+
+        lm = self.expert
+        dtype = lm.layers[0].self_attn.q_proj.weight.dtype
+        hidden = hidden.to(dtype) if dtype == torch.bfloat16 else hidden
+        mask = _additive(mask2d, hidden.dtype)
+        pe = lm.rotary_emb(hidden, pos)
+        for i, layer in enumerate(lm.layers[: lm.config.num_hidden_layers]):
+            h, gate = _ada_norm(layer.input_layernorm, hidden, mods[2 * i])
+            h, _ = layer.self_attn(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                                   position_embeddings=pe)
+            hidden = _gated_residual(hidden, h, gate)
+            h, gate = _ada_norm(layer.post_attention_layernorm, hidden, mods[2 * i + 1])
+            hidden = _gated_residual(hidden, layer.mlp(h), gate)
+        return _ada_norm(lm.norm, hidden, mods[-1])[0]
+
+    def velocity(self, cache: _PrefixKV, pad: torch.Tensor, state, x_t: torch.Tensor, t: torch.Tensor,
+                 mods: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """One denoising step's velocity (lerobot's denoise_step); PI0.5: ``mods`` are this
+        step's rows of :meth:`modulations`."""
         from lerobot.policies.common.vla_utils import make_att_2d_masks
 
-        embs, cond, ar = self._suffix(state, x_t, t)
+        embs, ar = self._suffix(state, x_t, t)
         b, s = embs.shape[:2]
         ones = torch.ones(b, s, dtype=torch.bool, device=embs.device)
         mask2d = torch.cat([pad[:, None, :].expand(b, s, pad.shape[1]),
                             make_att_2d_masks(ones, ar[None].expand(b, s))], dim=2)
         pos = pad.sum(dim=-1, keepdim=True) + torch.arange(s, device=embs.device)[None]
-        h = self._layers(self.expert, embs, mask2d, pos, cache, cond)
-        h, _ = self.expert.norm(h, cond)
+        if mods is not None:
+            h = self._ada_layers(embs, mask2d, pos, cache, mods)
+        else:
+            h, _ = self.expert.norm(self._layers(self.expert, embs, mask2d, pos, cache, None), None)
         return self.model.action_out_proj(h[:, -self.chunk:].to(torch.float32))
 
     def _sample(self, images, img_masks, tokens, lang_masks, state, noise, num_steps: int) -> torch.Tensor:
-        with _gpu_kernels(noise.is_cuda):
+        with gpu_kernels(noise.is_cuda):
             cache, pad = self.prefix(images, img_masks, tokens, lang_masks)
             self._set_attn(ATTN_NAME)
             dt = -1.0 / num_steps
             times = 1.0 + dt * torch.arange(num_steps, dtype=torch.float32, device=noise.device)
+            mods = self.modulations(times) if self.variant == "pi05" else None
             x = noise
             for step in range(num_steps):
                 t = times[step].expand(x.shape[0])
-                if self.compile == "dynamic" and x.shape[0] > 1:
-                    _mark_batch(cache.k, cache.v, pad, state, x, t)
-                v = self._velocity(cache, pad, state, x, t)
+                if self.compile == "dynamic":
+                    mark_dynamic((0, 2), cache.k, cache.v)  # [B, heads, prefix length, D]
+                    mark_dynamic((0, 1), pad)
+                    mark_dynamic((0,), state, x, t)
+                v = self._velocity(cache, pad, state, x, t, None if mods is None else [m[step:step + 1] for m in mods])
                 x = x + dt * v
             return x
 
@@ -353,11 +354,11 @@ class FastPiSampler:
 
     def _capture(self, static: dict, num_steps: int):
         def run():
-            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # noqa: SLF001
+            with static_shapes_only():
                 return self._sample(static["images"], static["img_masks"], static["tokens"],
                                     static["lang_masks"], static["state"], static["noise"], num_steps)
 
-        t0, graphs0 = time.perf_counter(), _compiled_graphs()
+        t0, graphs0 = time.perf_counter(), compiled_graphs()
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -371,34 +372,12 @@ class FastPiSampler:
         with torch.cuda.graph(graph, pool=self._pool):
             out = run()
         self.captures += 1
-        new = _compiled_graphs() - graphs0
+        new = compiled_graphs() - graphs0
         self.compiles += new
         log.info("PI fast path: captured a CUDA graph for batch %d (%d steps) in %.1f s%s",
                  static["noise"].shape[0], num_steps, time.perf_counter() - t0,
                  f", {new} graph(s) compiled ({self.compile})" if self.compile else "")
         return graph, static, out
-
-
-@contextlib.contextmanager
-def _gpu_kernels(cuda: bool):
-    """On a GPU: TF32 matmuls and convolutions (lerobot keeps SigLIP and the projector in
-    float32; plain fp32 GEMMs were 26 of 69 ms of a PI0 call on an H100, and TF32 keeps more
-    mantissa than the bf16 the rest of the model runs in), and SDPA's memory-efficient kernel
-    first (cuDNN's took 65 us per denoising-step attention of 51 queries). Restored after."""
-    if not cuda:
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    try:
-        order = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                 SDPBackend.MATH]
-        with sdpa_kernel(order, set_priority=True):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _signature(inputs: dict) -> tuple:
@@ -432,33 +411,3 @@ def _copy_into(static: dict, inputs: dict, b: int) -> None:
                 dst[:b].copy_(src, non_blocking=True)
         else:
             static[k][:b].copy_(v, non_blocking=True)
-
-
-def warm_up(policy, batch_sizes, *, max_batch: int | None = None) -> dict[int, float]:
-    """Compile and capture the fast path's graphs for ``batch_sizes`` (each padded to its
-    bucket; sizes above ``max_batch`` are skipped) before a server takes requests: one
-    deterministic forward of a blank observation per bucket, timed and logged. Returns
-    {bucket: seconds}; {} where the policy serves without graphs (a CPU, fast_serving off/eager,
-    training mode)."""
-    from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
-
-    with torch.no_grad():
-        fast = policy._fast_sampler()  # noqa: SLF001
-        if fast is None or not fast.graphs or policy.device.type != "cuda":
-            log.info("%s: no warm-up (the fast path captures no graphs here)", policy.who)
-            return {}
-        sizes = sorted({fast.bucket(int(b)) for b in batch_sizes
-                        if int(b) >= 1 and (max_batch is None or int(b) <= max_batch)} - {None})
-        spec, dev, out = policy.spec, policy.device, {}
-        for b in sizes:
-            obs = {OBS_STATE: torch.zeros(b, spec.state_dim, device=dev),
-                   TASK: [policy.cfg.default_task or "warm up"] * b}
-            for cam, (h, w, c) in spec.cameras.items():
-                obs[OBS_IMAGE_PREFIX + cam] = torch.zeros(b, h, w, c, dtype=torch.uint8, device=dev)
-            t0, captures, compiles = time.perf_counter(), fast.captures, fast.compiles
-            policy.act(obs, deterministic=True)
-            torch.cuda.synchronize(dev)
-            out[b] = time.perf_counter() - t0
-            log.info("%s: warm-up batch %d ready in %.1f s (%d capture(s), %d compiled graph(s), compile=%s)",
-                     policy.who, b, out[b], fast.captures - captures, fast.compiles - compiles, fast.compile)
-        return out

@@ -107,6 +107,27 @@ def ci_warning(name: str, stats: dict, target: float = CI_REL_TARGET) -> str | N
     return None
 
 
+def matmul_peak(device: str, n: int, reps: int = 10) -> dict:
+    """TFLOP/s of ``torch.mm`` on n x n matrices (bf16 on a GPU, float32 on a CPU), median."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    dt = torch.bfloat16 if cuda else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dt) for _ in range(2))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        torch.mm(a, b)
+    sync()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        ts.append(time.perf_counter() - t0)
+    med = median(ts)
+    return {"n": n, "dtype": str(dt).replace("torch.", ""), "median_ms": med * 1e3, "tflops": 2 * n ** 3 / med / 1e12}
+
+
 def timed_ms(fn: Callable[[], Any], iters: int, warmup: int,
              sync: Callable[[], Any] = lambda: None, *, max_iters: int | None = None,
              max_s: float = 120.0, target: float = CI_REL_TARGET) -> list[float]:

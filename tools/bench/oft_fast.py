@@ -17,7 +17,9 @@ Figures, per head (``l1``, ``discrete``):
   through the learner's serving path (LearnerService + InferenceServer on loopback, the actor
   client; tools/bench/policy_actors.py), chunks/s, mean served batch, and achieved TFLOP/s /
   MFU counting each served chunk as FLOPs(B=1);
-- with ``--compile``: the same graphs over a torch.compile'd LM (``compiled_act_ms``);
+- the fast path compiles the LM layers by default on a GPU (``policy.fast_compile=auto``);
+  ``--no-compile``: graphs alone; ``--compile``: also a second, freshly compiled instance
+  (``compiled_act_ms``); ``--sdpa cudnn,efficient``: the decoder's SDPA backend order;
 - with ``--profile``: the top CUDA kernels of 5 fast batch-1 calls (where the time goes).
 
 Every section is guarded: an error is recorded under ``errors`` and the JSON is written anyway.
@@ -37,28 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-
-def matmul_peak(device: str, n: int, reps: int = 10) -> dict:
-    """TFLOP/s of ``torch.mm`` on n x n matrices (bf16 on a GPU, float32 on a CPU), median."""
-    import statistics
-
-    import torch
-
-    cuda = device.startswith("cuda")
-    dt = torch.bfloat16 if cuda else torch.float32
-    a, b = (torch.randn(n, n, device=device, dtype=dt) for _ in range(2))
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(3):
-        torch.mm(a, b)
-    sync()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        ts.append(time.perf_counter() - t0)
-    med = statistics.median(ts)
-    return {"n": n, "dtype": str(dt).replace("torch.", ""), "median_ms": med * 1e3, "tflops": 2 * n ** 3 / med / 1e12}
+from tools.bench.common import matmul_peak
 
 
 def _timed(fn, sync, iters: int, max_iters: int, max_s: float, warmup: int = 3) -> dict:
@@ -81,12 +62,13 @@ def build(head: str, args, tmp: Path, spec):
         ck = tmp / "oft_tiny"
         if not ck.exists():
             make_openvla_oft(ck, spec)
-        cfg = cfg_cls(checkpoint=str(ck), device=args.device, lora_rank=4, fast_serving=mode)
+        cfg = cfg_cls(checkpoint=str(ck), device=args.device, lora_rank=4, fast_serving=mode,
+                      fast_compile=not args.no_compile and "auto")
     else:
         tok = tmp / "oft_tok"
         if not tok.exists():
             build_tokenizer(tok, kind="llama", vocab_size=2000)
-        cfg = cfg_cls(tokenizer=str(tok), device=args.device, fast_serving=mode)
+        cfg = cfg_cls(tokenizer=str(tok), device=args.device, fast_serving=mode, fast_compile=not args.no_compile and "auto")
     return cls(cfg, spec).eval()
 
 
@@ -258,10 +240,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-seconds", type=float, default=60.0)
     ap.add_argument("--matmul-n", type=int, default=None, help="peak matmul size (default 8192, tiny 256)")
     ap.add_argument("--compile", action="store_true", help="also time a torch.compile'd LM in the graphs")
+    ap.add_argument("--sdpa", default=None, help="SDPA backend order for the decoder, e.g. cudnn,efficient")
+    ap.add_argument("--no-compile", action="store_true", help="the default graphs without torch.compile")
     ap.add_argument("--profile", action="store_true", help="top CUDA kernels of 5 fast batch-1 calls")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
+
+    from agents.policies import oft_fast
+
+    if args.sdpa:
+        oft_fast.SDPA_ORDER = tuple(x.strip() for x in args.sdpa.split(","))
 
     from tools.bench.common import bench_spec
 

@@ -17,8 +17,15 @@ configs, plus small local tokenizers; nothing is downloaded. Per policy, in one 
   the baseline (``build_peak_gpu_gb``: while building);
 - ``snapshot_mb`` vs ``model_mb``: the trainable (LoRA + heads) weight snapshot vs the model,
   and ``load_weights_ms``: loading a snapshot into the serving copy (adapters re-folded);
-- PI0 only, ``lerobot_select_action_ms``: lerobot's own ``PI0Policy.select_action`` (queue
-  reset every call, so each call computes a chunk) on the same inputs, built without LoRA.
+- PI0 / PI0.5, ``lerobot_select_action_ms``: lerobot's own ``PI0Policy`` / ``PI05Policy``
+  ``select_action`` (queue reset every call, so each call computes a chunk) on the same inputs
+  with lerobot's prompt padding, built without LoRA, and ``speedup_vs_lerobot`` = its p50 / the
+  act p50 (target >= 8); ``prompt_tokens`` (served prompt columns) against ``prompt_tokens_full``;
+- ``peak_matmul``: bf16 ``torch.mm`` of 8192^2 matrices in the same run (float32 256^2 on a CPU);
+  ``flops``: FLOPs of one call per batch size in ``--batches`` (FlopCounterMode over the fast
+  computation without graphs or compile); ``by_batch``: the bare forward's p50 at each, its
+  achieved TFLOP/s and ``mfu`` (that / the peak); each actor level's ``tflops`` / ``mfu``
+  count every served chunk as FLOPs(batch 1).
 
 Timings that hold still: each latency takes ``--iters`` (100) timed calls after ``--warmup``,
 then more (up to ``--max-iters`` / ``--max-seconds``) until the 95% interval of its median
@@ -46,22 +53,24 @@ from pathlib import Path
 import numpy as np
 
 from tools.bench.common import (CI_REL_TARGET, LoopbackLearner, bench_spec, ci_warning, emit_json, gpu_state,
-                                p50_p99, random_obs, timed_ms)
+                                matmul_peak, p50_p99, random_obs, timed_ms)
 from tools.bench.policy_actors import HASH, TASK, client_main, run_actors
 
 
 def build(name: str, tiny: bool, device: str, tmp: Path, spec):
     """(policy, config) for ``name`` at full size (random weights) or tiny (test checkpoint)."""
     from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
     from tools.make_tiny_checkpoints import build_tokenizer, make_openvla_oft, make_pi0
 
-    if name == "pi0":
+    if name in ("pi0", "pi05"):
+        cls, cfg_cls = (Pi0Policy, Pi0PolicyConfig) if name == "pi0" else (Pi05Policy, Pi05PolicyConfig)
         if tiny:
-            cfg = Pi0PolicyConfig(checkpoint=str(make_pi0(tmp / "pi0", spec)), chunk_size=8, device=device, lora_rank=4)
+            ck = make_pi0(tmp / name, spec, variant=name, chunk_size=8)
+            cfg = cfg_cls(checkpoint=str(ck), chunk_size=8, device=device, lora_rank=4)
         else:
-            cfg = Pi0PolicyConfig(tokenizer=str(build_tokenizer(tmp / "pi0_tok", kind="gemma")), device=device)
-        return Pi0Policy(cfg, spec), cfg
+            cfg = cfg_cls(tokenizer=str(build_tokenizer(tmp / f"{name}_tok", kind="gemma")), device=device)
+        return cls(cfg, spec), cfg
     if tiny:
         cfg = OpenVLAOFTPolicyConfig(checkpoint=str(make_openvla_oft(tmp / "oft", spec)), device=device, lora_rank=4)
     else:
@@ -109,6 +118,10 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
         inputs = policy.model_inputs(obs)
         res["bare_forward_ms"] = p50_p99(timed(lambda: policy.forward_model(inputs)))
         res["act_ms"] = p50_p99(timed(lambda: policy.act(obs)))
+        if name != "openvla_oft":
+            res["prompt_tokens"] = int(inputs[2].shape[1])
+            res["prompt_tokens_full"] = int(policy.prompt_tokens.max_len)
+        res["flops"], res["by_batch"] = throughput(policy, obs_np, args, sync)
     with torch.no_grad():  # a new weights version on the serving copy: unfold, load, fold
         res["load_weights_ms"] = p50_p99(timed_ms(lambda: policy.load_trainable_state_dict(snap), 3, 1, sync))
     res["overhead_ratio"] = res["act_ms"]["p50"] / res["bare_forward_ms"]["p50"]
@@ -136,6 +149,10 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
             res["actors"].append(r)
     finally:
         learner.close()
+    peak = args.peak_tflops
+    for r in res["actors"]:
+        r["tflops"] = r["chunks_per_s"] * res["flops"]["1"] / 1e12
+        r["mfu"] = r["tflops"] / peak if peak else None
     by_n = {r["actors"]: r["actions_per_s"] for r in res["actors"]}
     if 1 in by_n and 8 in by_n:
         res["scaling_8_vs_1"] = by_n[8] / by_n[1]
@@ -158,14 +175,48 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
     del opt
     policy.eval()
 
-    if name == "pi0" and not args.no_baseline:
+    if name in ("pi0", "pi05") and not args.no_baseline:
         res["lerobot_select_action_ms"] = lerobot_baseline(policy, obs, args, sync)
+        res["speedup_vs_lerobot"] = res["lerobot_select_action_ms"]["p50"] / res["act_ms"]["p50"]
     if cuda:
         res["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
     res["gpu_after"] = gpu_state() if cuda else None
     res["warnings"] = _warnings(name, res)
     del policy
     return res
+
+
+def throughput(policy, obs_np: dict, args, sync) -> tuple[dict, dict]:
+    """({batch: FLOPs of one call}, {batch: bare forward p50, TFLOP/s, MFU}) for ``--batches``.
+    FLOPs are counted on the fast computation run without graphs or compile (what the graphs
+    replay; FlopCounterMode sees no kernels inside a graph), then the served path is timed."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from agents.policies.oft_fast import FastOFT
+    from agents.policies.pi0_fast import FastPiSampler
+
+    flops, by = {}, {}
+    for b in args.batches:
+        ob = {k: torch.from_numpy(np.repeat(v, b, axis=0)) for k, v in obs_np.items()}
+        ob["task"] = [TASK] * b
+        with torch.inference_mode():
+            inputs = policy.model_inputs(ob)
+            served = policy.__dict__.get("_fast")
+            policy.__dict__["_fast"] = (FastOFT(policy, graphs=False) if hasattr(policy, "head_kind") else
+                                        FastPiSampler(policy.inner.model, policy.variant, graphs=False))
+            mode, policy.cfg.fast_serving = policy.cfg.fast_serving, "eager"
+            try:
+                with FlopCounterMode(display=False) as fc:
+                    policy.forward_model(inputs)
+            finally:
+                policy.__dict__["_fast"], policy.cfg.fast_serving = served, mode
+            flops[str(b)] = float(fc.get_total_flops())
+            t = p50_p99(timed_ms(lambda: policy.forward_model(inputs), max(3, args.iters // 4), args.warmup, sync,
+                                 max_iters=max(3, args.max_iters // 4), max_s=args.max_seconds / 2))
+        tf = flops[str(b)] / (t["p50"] / 1e3) / 1e12
+        by[str(b)] = {"forward_ms": t, "tflops": tf, "mfu": tf / args.peak_tflops if args.peak_tflops else None}
+    return flops, by
 
 
 def _timer(args, sync):
@@ -193,17 +244,18 @@ def _warnings(name: str, res: dict) -> list[str]:
 
 
 def lerobot_baseline(policy, obs, args, sync) -> dict:
-    """lerobot's own PI0Policy.select_action (a copy without LoRA, same weights) on the same batch."""
+    """lerobot's own PI0Policy / PI05Policy.select_action (a copy without LoRA, same weights) on the
+    same batch, its prompt padded as lerobot pads it."""
     import torch
 
     from agents.policies.pi0 import build_lerobot_pi
 
-    plain = build_lerobot_pi("pi0", policy.lr_cfg, policy.arch, seed=policy.cfg.seed)
+    plain = build_lerobot_pi(policy.variant, policy.lr_cfg, policy.arch, seed=policy.cfg.seed)
     base = {k: v for k, v in policy.inner.state_dict().items() if ".lora_" not in k}
     plain.load_state_dict({k.replace(".base_layer", ""): v for k, v in base.items()}, strict=True)
     plain.eval()
     with torch.inference_mode():
-        lb = policy.lerobot_batch(obs)
+        lb = policy.lerobot_batch(obs, full_prompt=True)
 
         def call():
             plain.reset()
@@ -215,7 +267,8 @@ def lerobot_baseline(policy, obs, args, sync) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policies", default="pi0,openvla_oft")
+    ap.add_argument("--policies", default="pi0,pi05,openvla_oft")
+    ap.add_argument("--batches", default="1,4,8", help="bare forward batch sizes for TFLOP/s and MFU")
     ap.add_argument("--tiny", action="store_true", help="tiny test-size models (CPU smoke test)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--actors", default="1,4,8,16")
@@ -249,11 +302,15 @@ def main(argv=None) -> dict:
     if args.tiny and args.device == "cpu":
         torch.set_num_threads(1)  # tiny models: threads only fight the actor processes for cores
     args.actors = [int(x) for x in args.actors.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
     s = args.image_size
     spec = bench_spec(8, 7, ["image", "wrist_image"], s, has_task=True)
     out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "tiny": args.tiny, "image_size": s, "policies": {}}
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json == "-" else print
+    out["peak_matmul"] = matmul_peak(args.device, 256 if args.tiny else 8192)
+    args.peak_tflops = out["peak_matmul"]["tflops"]
+    say(f"peak matmul {args.peak_tflops:.1f} TFLOP/s ({out['peak_matmul']['dtype']}, n {out['peak_matmul']['n']})")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.policies.split(","):
             say(f"== {name} ({'tiny' if args.tiny else 'full size'}, {out['device']})", flush=True)
@@ -282,10 +339,19 @@ def report(name: str, r: dict) -> str:
     if "scaling_8_vs_1" in r:
         lines.append(f"  8 vs 1 actors: x{r['scaling_8_vs_1']:.2f} (target >= 4: "
                      f"{'ok' if r['scaling_8_vs_1'] >= 4 else 'MISSED'})")
+    for b, x in r.get("by_batch", {}).items():
+        lines.append(f"  batch {b:>2}: forward p50 {x['forward_ms']['p50']:.2f} ms, {r['flops'][b] / 1e12:.3f} TFLOP/call, "
+                     f"{x['tflops']:.1f} TFLOP/s" + (f" = {x['mfu']:.1%} of the matmul peak" if x["mfu"] else ""))
+    for a in r["actors"]:
+        if a.get("mfu"):
+            lines.append(f"  {a['actors']:>2} actors: {a['tflops']:.1f} TFLOP/s = {a['mfu']:.1%} of the matmul peak")
+    if "prompt_tokens" in r:
+        lines.append(f"  prompt: {r['prompt_tokens']} token columns served (lerobot pads to {r['prompt_tokens_full']})")
     lines.append(f"  LoRA train step (batch {r['train_batch']}) p50 {r['train_step_ms']['p50']:.1f} ms")
     if "lerobot_select_action_ms" in r:
         b = r["lerobot_select_action_ms"]
-        lines.append(f"  lerobot PI0 select_action p50 {b['p50']:.2f} ms p99 {b['p99']:.2f} ms (no LoRA)")
+        lines.append(f"  lerobot {name} select_action p50 {b['p50']:.2f} ms p99 {b['p99']:.2f} ms (no LoRA): act is "
+                     f"x{r['speedup_vs_lerobot']:.1f} faster (target >= 8: {'ok' if r['speedup_vs_lerobot'] >= 8 else 'MISSED'})")
     for when in ("gpu_before", "gpu_after"):
         g = r.get(when)
         if g and "sm_clock_mhz" in g:

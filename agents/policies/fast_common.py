@@ -1,0 +1,143 @@
+"""What the two fast serving paths (:mod:`agents.policies.pi0_fast`, :mod:`agents.policies.oft_fast`)
+share: the ``fast_compile`` setting, the persistent inductor cache, marking dimensions dynamic
+for ``torch.compile``, the GPU kernel choices, and the warm-up a server runs before it serves.
+
+Dynamic dimensions: a compile is made with ``dynamic=None`` and only the dimensions marked here
+symbolic (automatic dynamic is switched off during a capture), so one compile serves every batch
+>= 2 (dynamo always specialises a size of 1: batch 1 gets a compile of its own) and every prompt
+length; a new batch bucket or prompt length then costs a CUDA graph capture, not a compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+log = logging.getLogger("tandem.policies.fast")
+
+#: compile mode when ``fast_compile`` is on: "dynamic" (symbolic batch >= 2 and prompt length)
+#: or "static" (one compile per shape)
+COMPILE_MODE = "dynamic"
+#: where compiled kernels persist when TORCHINDUCTOR_CACHE_DIR is unset ("" / None: torch's own
+#: default, under /tmp)
+CACHE_DIR = "~/.cache/tandem/inductor"
+
+
+def resolve_compile(value: Any, cuda: bool) -> str | None:
+    """``policy.fast_compile`` (auto | true | false) -> the compile mode or None: ``auto``
+    compiles on a GPU only (on a CPU the fast path is not the default anyway)."""
+    v = str(value).strip().lower()
+    if v not in ("auto", "true", "false", "1", "0", "yes", "no", "on", "off", "static", "dynamic"):
+        raise ValueError(f"policy.fast_compile must be auto, true or false, got {value!r}")
+    if v in ("static", "dynamic"):
+        return v
+    on = cuda if v == "auto" else v in ("true", "1", "yes", "on")
+    return COMPILE_MODE if on else None
+
+
+def use_cache_dir(path: str | None = CACHE_DIR) -> str | None:
+    """Point inductor's cache (FX graphs, Triton kernels, autotuning) at ``path`` unless
+    TORCHINDUCTOR_CACHE_DIR is set to somewhere else than torch's default (importing lerobot
+    already sets it to that default, under /tmp); returns the directory in use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if path and os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        d = os.path.expanduser(path)
+        os.makedirs(d, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def prepare_compile(cache_dir: str | None = CACHE_DIR) -> None:
+    """Before the first compile: the persistent cache, and room for every (instance, bucket)
+    guard set of the same code objects."""
+    use_cache_dir(cache_dir)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # noqa: SLF001
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (a new bucket that needs none was a capture)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def mark_dynamic(dims: tuple[int, ...], *tensors) -> None:
+    """Dimensions ``dims`` of each tensor (or list of tensors) symbolic for the next compile; a
+    batch dimension (0) only where it is > 1 (dynamo specialises 1). All tensors that meet in a
+    cat or a broadcast must be marked: one left static would specialise the others."""
+    for t in tensors:
+        for x in (t if isinstance(t, (list, tuple)) else [t]):
+            if not isinstance(x, torch.Tensor):
+                continue
+            for d in dims:
+                if d < x.dim() and (d != 0 or x.shape[0] > 1) and x.shape[d] > 1:
+                    torch._dynamo.maybe_mark_dynamic(x, d)  # noqa: SLF001
+
+
+def static_shapes_only():
+    """Context of a capture: no automatic dynamic shapes (only what :func:`mark_dynamic` marked)."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False)  # noqa: SLF001
+
+
+#: SDPA backends in priority order (the first that supports a call runs it)
+SDPA_ORDER = ("efficient", "flash", "cudnn", "math")
+
+
+@contextlib.contextmanager
+def gpu_kernels(cuda: bool, order: tuple[str, ...] = SDPA_ORDER):
+    """On a GPU: TF32 matmuls and convolutions (lerobot keeps SigLIP and the projector in
+    float32; plain fp32 GEMMs were 26 of 69 ms of a PI0 call on an H100, and TF32 keeps more
+    mantissa than the bf16 the rest of the model runs in), and SDPA's memory-efficient kernel
+    first (cuDNN's took 65 us per denoising-step attention of 51 queries), or ``order``. Restored
+    after."""
+    if not cuda:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        names = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+        with sdpa_kernel([names[n] for n in order], set_priority=True):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def warm_up(policy, get_fast, batch_sizes, *, max_batch: int | None = None) -> dict[int, float]:
+    """Compile and capture the fast path's graphs for ``batch_sizes`` (each padded to its bucket;
+    sizes above ``max_batch`` are skipped) before a server takes requests: one deterministic
+    ``policy.act`` of a blank observation per bucket, timed and logged. ``get_fast()`` (called
+    without gradients) is the policy's fast path or None; it has ``graphs``, ``bucket(b)``,
+    ``captures``, ``compiles`` and ``compile``. Returns {bucket: seconds}; {} where the policy
+    serves without graphs (a CPU, fast serving off or eager, training mode)."""
+    from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
+
+    with torch.no_grad():
+        fast = get_fast()
+        if fast is None or not fast.graphs or policy.device.type != "cuda":
+            log.info("%s: no warm-up (the fast path captures no graphs here)", policy.who)
+            return {}
+        sizes = sorted({fast.bucket(int(b)) for b in batch_sizes
+                        if int(b) >= 1 and (max_batch is None or int(b) <= max_batch)} - {None})
+        spec, dev, out = policy.spec, policy.device, {}
+        for b in sizes:
+            obs = {OBS_STATE: torch.zeros(b, spec.state_dim, device=dev),
+                   TASK: [policy.cfg.default_task or "warm up"] * b}
+            for cam, (h, w, c) in spec.cameras.items():
+                obs[OBS_IMAGE_PREFIX + cam] = torch.zeros(b, h, w, c, dtype=torch.uint8, device=dev)
+            t0, captures, compiles = time.perf_counter(), fast.captures, fast.compiles
+            policy.act(obs, deterministic=True)
+            torch.cuda.synchronize(dev)
+            out[b] = time.perf_counter() - t0
+            log.info("%s: warm-up batch %d ready in %.1f s (%d capture(s), %d compiled graph(s), compile=%s)",
+                     policy.who, b, out[b], fast.captures - captures, fast.compiles - compiles, fast.compile)
+    return out
