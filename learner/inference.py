@@ -168,10 +168,10 @@ class InferenceServer(threading.Thread):
         reqs: list[ActRequest] = []
         n = self._take(reqs, 0)
         if not reqs:
-            # read as many act requests as there are active actors (all waiting ones when
-            # none is known to be active): with one actor, no second look at the socket
+            # one active actor: read its request without asking the socket whether another
+            # one waits (any other stays queued for the next poll); else every waiting one
             want = self.active_actors()
-            self._wait(0.1, want if want > 0 else 256)
+            self._wait(0.1, 1 if want == 1 else 256)
             n = self._take(reqs, 0)
             if not reqs:
                 return []
@@ -187,7 +187,7 @@ class InferenceServer(threading.Thread):
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
-            self._wait(left, want - len(reqs))
+            self._wait(left)
             n = self._take(reqs, n)
         return reqs
 
