@@ -25,6 +25,12 @@ Llama decoder layers, heads), so loaded checkpoints and LoRA folding apply uncha
   need no recapture; a change of the fold state (different modules) captures anew. The
   Gumbel noise is an input buffer filled before each replay (a fresh draw per call).
 
+With ``policy.fast_compile`` (``auto``: on a GPU) the LM layer stack runs through
+``torch.compile`` inside the graphs, the batch (>= 2) and the token length symbolic
+(:mod:`agents.policies.fast_common`): one compile for batch 1 and one for every other bucket and
+prompt length (H100: act 25.8 -> 20.1 ms, 8 actors 53% -> 66% of the bf16 matmul peak).
+``OpenVLAOFTPolicy.warm_up`` compiles and captures ``fast_warmup_buckets`` before serving.
+
 The result equals the policy's eager ``act`` on the same inputs: to float32 round-off on a CPU
 (tests/test_oft_fast.py), within bf16 tolerance on a GPU (the GPU tests there).
 """

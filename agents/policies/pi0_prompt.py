@@ -45,11 +45,12 @@ class PromptTokens:
         if multiple < 0:
             raise ValueError(f"policy.prompt_pad_multiple must be >= 0, got {multiple}")
         self.tokenizer, self.max_len, self.multiple = tokenizer, int(max_len), int(multiple)
-        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._cache: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def __call__(self, texts: list[str], device: torch.device, *, full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``full``: pad to ``max_len`` whatever ``multiple`` says (lerobot's own padding)."""
-        todo = [p for p in dict.fromkeys(texts) if p not in self._cache]
+        dev = str(device)  # a policy moved to another device tokenises anew
+        todo = [p for p in dict.fromkeys(texts) if (p, dev) not in self._cache]
         if todo:
             enc = self.tokenizer(todo, max_length=self.max_len, truncation=True, padding="max_length",
                                  padding_side="right", return_tensors="pt")
@@ -57,7 +58,7 @@ class PromptTokens:
                 self._cache.clear()
             for i, p in enumerate(todo):
                 m = enc["attention_mask"][i]
-                self._cache[p] = (enc["input_ids"][i].to(device), m.to(device, torch.bool), int(m.sum()))
-        rows = [self._cache[p] for p in texts]
+                self._cache[(p, dev)] = (enc["input_ids"][i].to(device), m.to(device, torch.bool), int(m.sum()))
+        rows = [self._cache[(p, dev)] for p in texts]
         cols = self.max_len if full else padded_length(max(r[2] for r in rows), self.max_len, self.multiple)
         return torch.stack([r[0][:cols] for r in rows]), torch.stack([r[1][:cols] for r in rows])
