@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from agents.base import Batch, BCPolicy, check_pair
-from agents.policy_calls import to_device
+from agents.policy_calls import take, to_device
 
 LR_SCHEDULES = ("cycle", "run", "constant")
 OUTCOMES = ("success", "return", "either")
@@ -272,9 +272,9 @@ class BCAgent:
         return metrics
 
     def _pieces(self, batch: Batch) -> list[tuple[Batch, float]]:
-        """[(rows s..s+m of every per-row entry, m / n)]; one piece without ``micro_batch_size``."""
+        """[(rows s..s+m of the batch, m / n)]; one piece without ``micro_batch_size``."""
         m = self.cfg.micro_batch_size
-        n = next(len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list)))
+        n = len(next(iter(batch.values())))
         if not m or m >= n:
             return [(batch, 1.0)]
         from accelerate.utils import DistributedType
@@ -282,8 +282,7 @@ class BCAgent:
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             raise ValueError("algo.micro_batch_size: under DeepSpeed set gradient_accumulation_steps in its "
                              "config instead (its engine steps inside every backward)")
-        rows = lambda v: isinstance(v, (torch.Tensor, list)) and len(v) == n  # noqa: E731
-        return [({k: (v[s:s + m] if rows(v) else v) for k, v in batch.items()}, min(m, n - s) / n)
+        return [(take(batch, torch.arange(s, min(s + m, n), device=self.device)), min(m, n - s) / n)
                 for s in range(0, n, m)]
 
     # -- weights and checkpoints --------------------------------------------------------------

@@ -40,6 +40,14 @@ def resolve_compile(value: Any, cuda: bool) -> str | None:
     return COMPILE_MODE if on else None
 
 
+def compile_mode(compile: bool | str | None, who: str) -> str | None:
+    """A fast path's ``compile`` argument -> "dynamic", "static" or None (True: the default mode)."""
+    mode = COMPILE_MODE if compile is True else (compile or None)
+    if mode not in (None, "static", "dynamic"):
+        raise ValueError(f"{who}: compile must be static, dynamic or off, got {compile!r}")
+    return mode
+
+
 def use_cache_dir(path: str | None = CACHE_DIR) -> str | None:
     """Point inductor's cache (FX graphs, Triton kernels, autotuning) at ``path`` unless
     TORCHINDUCTOR_CACHE_DIR is set to somewhere else than torch's default (importing lerobot

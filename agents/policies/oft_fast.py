@@ -44,8 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from agents.base import ActionChunk, Batch
-from agents.policies.fast_common import (compiled_graphs, gpu_kernels, mark_dynamic, prepare_compile, resolve_compile,
-                                         static_shapes_only)
+from agents.policies import fast_common
+from agents.policies.fast_common import (compile_mode, compiled_graphs, gpu_kernels, mark_dynamic, prepare_compile,
+                                         resolve_compile, static_shapes_only)
 
 log = logging.getLogger("tandem.policies.oft_fast")
 
@@ -53,8 +54,8 @@ log = logging.getLogger("tandem.policies.oft_fast")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MODES = ("auto", "graphs", "eager", "off")
 _IN = ("pix", "ids", "valid", "amask", "state", "gumbel")
-#: SDPA backends in priority order for the decoder layers (fast_common.gpu_kernels)
-SDPA_ORDER = ("efficient", "flash", "cudnn", "math")
+#: SDPA backends in priority order for the decoder layers (the bench's --sdpa replaces it)
+SDPA_ORDER = fast_common.SDPA_ORDER
 
 
 def fast_path(policy) -> "FastOFT | None":
@@ -95,10 +96,7 @@ class FastOFT:
         self.capture_s = 0.0  # seconds spent warming up and capturing
         # the LM layer stack through torch.compile (norms, rotary, SiLU, residuals fused):
         # "dynamic" with the batch (>= 2) and token length symbolic, "static" one per shape
-        mode = "dynamic" if compile is True else (compile or None)
-        if mode not in (None, "static", "dynamic"):
-            raise ValueError(f"FastOFT: compile must be static, dynamic or off, got {compile!r}")
-        self.compile = mode
+        self.compile = mode = compile_mode(compile, "FastOFT")
         self._layers_fn = self._layers
         if mode:
             prepare_compile()

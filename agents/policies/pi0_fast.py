@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agents.policies.fast_common import (CACHE_DIR, COMPILE_MODE, compiled_graphs, gpu_kernels, mark_dynamic,
+from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
 
 log = logging.getLogger("tandem.policies.pi0_fast")
@@ -163,12 +163,9 @@ class FastPiSampler:
         # torch.compile of one denoising step and of the prefix's two stages (SigLIP per camera,
         # the VLM layer stack): fuses the norms, rotary, residuals, the elementwise kernels
         # that remain once launches are gone; captured inside the graph like the eager code.
-        # "dynamic": dynamic=None with only the batch dimension marked (automatic dynamic
-        # off, so nothing else turns symbolic); "static": dynamic=False, one compile per bucket
-        mode = COMPILE_MODE if compile is True else (compile or None)
-        if mode not in (None, "static", "dynamic"):
-            raise ValueError(f"FastPiSampler: compile must be static, dynamic or off, got {compile!r}")
-        self.compile = mode
+        # "dynamic": dynamic=None with only the batch and prefix length marked (automatic
+        # dynamic off, so nothing else turns symbolic); "static": dynamic=False, one per shape
+        self.compile = mode = compile_mode(compile, "FastPiSampler")
         if mode:
             prepare_compile(cache_dir)
         dyn = None if mode == "dynamic" else False
@@ -181,15 +178,28 @@ class FastPiSampler:
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
     def _layers(self, lm: nn.Module, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor,
-                cache: _PrefixKV, adarms: torch.Tensor | None) -> torch.Tensor:
+                cache: _PrefixKV, mods: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``lm``'s decoder layers over ``hidden``. ``mods`` (PI0.5's expert): each AdaRMS
+        norm's modulation, [1, 3 * width], in :meth:`modulations`' order; the layers then run
+        lerobot's decoder-layer arithmetic with those given, and the final norm is applied."""
+        from lerobot.policies.pi_gemma import _gated_residual
+
         dtype = lm.layers[0].self_attn.q_proj.weight.dtype
         hidden = hidden.to(dtype) if dtype == torch.bfloat16 else hidden
         mask = _additive(mask2d, hidden.dtype)
         pe = lm.rotary_emb(hidden, pos)
-        for layer in lm.layers[: lm.config.num_hidden_layers]:
-            hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                           use_cache=True, position_embeddings=pe, adarms_cond=adarms)
-        return hidden
+        for i, layer in enumerate(lm.layers[: lm.config.num_hidden_layers]):
+            if mods is None:
+                hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                               use_cache=True, position_embeddings=pe)
+                continue
+            h, gate = _ada_norm(layer.input_layernorm, hidden, mods[2 * i])
+            h, _ = layer.self_attn(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                                   position_embeddings=pe)
+            hidden = _gated_residual(hidden, h, gate)
+            h, gate = _ada_norm(layer.post_attention_layernorm, hidden, mods[2 * i + 1])
+            hidden = _gated_residual(hidden, layer.mlp(h), gate)
+        return hidden if mods is None else _ada_norm(lm.norm, hidden, mods[-1])[0]
 
     def prefix(self, images, img_masks, tokens, lang_masks) -> tuple[_PrefixKV, torch.Tensor]:
         """The VLM pass: each layer's keys/values, and the prefix pad mask [B, P]."""
@@ -225,20 +235,25 @@ class FastPiSampler:
         mask2d = pad[:, None, :] & pad[:, :, None]
         pos = torch.cumsum(pad, dim=1) - 1
         cache = _PrefixKV(len(self.vlm.layers))
-        self._layers(self.vlm, embs, mask2d, pos, cache, None)
+        self._layers(self.vlm, embs, mask2d, pos, cache)
         return cache.k, cache.v
+
+    def _time_emb(self, t: torch.Tensor) -> torch.Tensor:
+        """lerobot's sinusoidal embedding of the flow times ``t`` [N] -> [N, width]."""
+        from lerobot.policies.common.vla_utils import create_sinusoidal_pos_embedding
+
+        m = self.model
+        return create_sinusoidal_pos_embedding(t, m.action_in_proj.out_features, min_period=m.config.min_period,
+                                               max_period=m.config.max_period, device=t.device).type(t.dtype)
 
     def _suffix(self, state, x_t, t) -> tuple[torch.Tensor, torch.Tensor]:
         """Suffix embeddings and the suffix's ar-mask (lerobot's embed_suffix, with the constant
         ar-mask built on the device; PI0.5's time condition is :meth:`modulations`)."""
-        from lerobot.policies.common.vla_utils import create_sinusoidal_pos_embedding
-
         m = self.model
         action_emb = m.action_in_proj(x_t)
         if self.variant == "pi05":
             return action_emb, (torch.arange(self.chunk, device=x_t.device) < 1).float()  # no host copy (capture)
-        time_emb = create_sinusoidal_pos_embedding(t, m.action_in_proj.out_features, min_period=m.config.min_period,
-                                                   max_period=m.config.max_period, device=t.device).type(t.dtype)
+        time_emb = self._time_emb(t)
         if m.state_proj.weight.dtype == torch.float32:
             state = state.to(torch.float32)
         state_emb = m.state_proj(state)[:, None, :]
@@ -252,35 +267,11 @@ class FastPiSampler:
         each (input and post-attention norm of each expert layer, then the final norm). The
         condition depends on the time alone (the same for every row), so the 37 small GEMMs of
         each step become 37 for the whole call."""
-        from lerobot.policies.common.vla_utils import create_sinusoidal_pos_embedding
-
         m = self.model
-        emb = create_sinusoidal_pos_embedding(times, m.action_in_proj.out_features, min_period=m.config.min_period,
-                                              max_period=m.config.max_period, device=times.device).type(times.dtype)
-        cond = nn.functional.silu(m.time_mlp_out(nn.functional.silu(m.time_mlp_in(emb))))
+        cond = nn.functional.silu(m.time_mlp_out(nn.functional.silu(m.time_mlp_in(self._time_emb(times)))))
         norms = [n for layer in self.expert.layers[: self.expert.config.num_hidden_layers]
                  for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.expert.norm]
         return [n.dense(cond) for n in norms]
-
-    def _ada_layers(self, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor, cache: _PrefixKV,
-                    mods: list[torch.Tensor]) -> torch.Tensor:
-        """The PI0.5 expert's layers (lerobot's decoder layer and AdaRMS norm arithmetic) with
-        each norm's modulation given, [1, 3 * width], instead of computed from the condition."""
-        from lerobot.policies.pi_gemma import _gated_residual
-
-        lm = self.expert
-        dtype = lm.layers[0].self_attn.q_proj.weight.dtype
-        hidden = hidden.to(dtype) if dtype == torch.bfloat16 else hidden
-        mask = _additive(mask2d, hidden.dtype)
-        pe = lm.rotary_emb(hidden, pos)
-        for i, layer in enumerate(lm.layers[: lm.config.num_hidden_layers]):
-            h, gate = _ada_norm(layer.input_layernorm, hidden, mods[2 * i])
-            h, _ = layer.self_attn(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                                   position_embeddings=pe)
-            hidden = _gated_residual(hidden, h, gate)
-            h, gate = _ada_norm(layer.post_attention_layernorm, hidden, mods[2 * i + 1])
-            hidden = _gated_residual(hidden, layer.mlp(h), gate)
-        return _ada_norm(lm.norm, hidden, mods[-1])[0]
 
     def velocity(self, cache: _PrefixKV, pad: torch.Tensor, state, x_t: torch.Tensor, t: torch.Tensor,
                  mods: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -294,10 +285,9 @@ class FastPiSampler:
         mask2d = torch.cat([pad[:, None, :].expand(b, s, pad.shape[1]),
                             make_att_2d_masks(ones, ar[None].expand(b, s))], dim=2)
         pos = pad.sum(dim=-1, keepdim=True) + torch.arange(s, device=embs.device)[None]
-        if mods is not None:
-            h = self._ada_layers(embs, mask2d, pos, cache, mods)
-        else:
-            h, _ = self.expert.norm(self._layers(self.expert, embs, mask2d, pos, cache, None), None)
+        h = self._layers(self.expert, embs, mask2d, pos, cache, mods)
+        if mods is None:
+            h, _ = self.expert.norm(h, None)
         return self.model.action_out_proj(h[:, -self.chunk:].to(torch.float32))
 
     def _sample(self, images, img_masks, tokens, lang_masks, state, noise, num_steps: int) -> torch.Tensor:
@@ -307,13 +297,16 @@ class FastPiSampler:
             dt = -1.0 / num_steps
             times = 1.0 + dt * torch.arange(num_steps, dtype=torch.float32, device=noise.device)
             mods = self.modulations(times) if self.variant == "pi05" else None
+            dyn = self.compile == "dynamic"
+            if dyn:  # the same tensors every step
+                mark_dynamic((0, 2), cache.k, cache.v)  # [B, heads, prefix length, D]
+                mark_dynamic((0, 1), pad)
+                mark_dynamic((0,), state)
             x = noise
             for step in range(num_steps):
                 t = times[step].expand(x.shape[0])
-                if self.compile == "dynamic":
-                    mark_dynamic((0, 2), cache.k, cache.v)  # [B, heads, prefix length, D]
-                    mark_dynamic((0, 1), pad)
-                    mark_dynamic((0,), state, x, t)
+                if dyn:
+                    mark_dynamic((0,), x, t)
                 v = self._velocity(cache, pad, state, x, t, None if mods is None else [m[step:step + 1] for m in mods])
                 x = x + dt * v
             return x

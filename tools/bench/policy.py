@@ -121,7 +121,7 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
         if name != "openvla_oft":
             res["prompt_tokens"] = int(inputs[2].shape[1])
             res["prompt_tokens_full"] = int(policy.prompt_tokens.max_len)
-        res["flops"], res["by_batch"] = throughput(policy, obs_np, args, sync)
+        res["flops"], res["by_batch"] = throughput(policy, obs_np, args, sync, res["bare_forward_ms"])
     with torch.no_grad():  # a new weights version on the serving copy: unfold, load, fold
         res["load_weights_ms"] = p50_p99(timed_ms(lambda: policy.load_trainable_state_dict(snap), 3, 1, sync))
     res["overhead_ratio"] = res["act_ms"]["p50"] / res["bare_forward_ms"]["p50"]
@@ -186,10 +186,11 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
     return res
 
 
-def throughput(policy, obs_np: dict, args, sync) -> tuple[dict, dict]:
+def throughput(policy, obs_np: dict, args, sync, batch1_ms: dict) -> tuple[dict, dict]:
     """({batch: FLOPs of one call}, {batch: bare forward p50, TFLOP/s, MFU}) for ``--batches``.
     FLOPs are counted on the fast computation run without graphs or compile (what the graphs
-    replay; FlopCounterMode sees no kernels inside a graph), then the served path is timed."""
+    replay; FlopCounterMode sees no kernels inside a graph), then the served path is timed
+    (batch 1: ``batch1_ms``, the bare forward already timed)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -212,8 +213,9 @@ def throughput(policy, obs_np: dict, args, sync) -> tuple[dict, dict]:
             finally:
                 policy.__dict__["_fast"], policy.cfg.fast_serving = served, mode
             flops[str(b)] = float(fc.get_total_flops())
-            t = p50_p99(timed_ms(lambda: policy.forward_model(inputs), max(3, args.iters // 4), args.warmup, sync,
-                                 max_iters=max(3, args.max_iters // 4), max_s=args.max_seconds / 2))
+            t = batch1_ms if b == 1 else p50_p99(timed_ms(
+                lambda: policy.forward_model(inputs), max(3, args.iters // 4), args.warmup, sync,
+                max_iters=max(3, args.max_iters // 4), max_s=args.max_seconds / 2))
         tf = flops[str(b)] / (t["p50"] / 1e3) / 1e12
         by[str(b)] = {"forward_ms": t, "tflops": tf, "mfu": tf / args.peak_tflops if args.peak_tflops else None}
     return flops, by
