@@ -94,6 +94,7 @@ class LiberoEnv(gym.Env):
         self._last_obs: dict[str, Any] | None = None
         self._done = True
         self.current_init_state: int | None = None
+        self._expert = None
 
         obs_spaces: dict[str, spaces.Space] = {
             OBS_STATE: spaces.Box(-np.inf, np.inf, (STATE_DIM,), np.float32),
@@ -230,6 +231,8 @@ class LiberoEnv(gym.Env):
                 raw = env.env._get_observations(force_update=True)
         self.current_init_state = idx
         self._done = False
+        if self._expert is not None:
+            self._expert.reset()
         obs = self._format(raw)
         self._last_obs = obs
         return obs, {"is_success": bool(env.check_success()), "task_id": task.task_id,
@@ -250,6 +253,16 @@ class LiberoEnv(gym.Env):
         info = dict(info or {})
         info.update(is_success=success, task_id=self.task.task_id, init_state=self.current_init_state)
         return obs, float(success), success, False, info
+
+    def expert_action(self) -> np.ndarray:
+        """The scripted expert's action for the current state (:mod:`envs.libero.expert`:
+        pick-and-place planned from the simulator's privileged state; float32 [7])."""
+        if self._env is None or self._last_obs is None:
+            raise RuntimeError("expert_action() before reset()")
+        if self._expert is None:
+            from envs.libero.expert import PickPlaceExpert
+            self._expert = PickPlaceExpert(self)
+        return self._expert.action()
 
     def check_success(self) -> bool:
         return bool(self._ensure_env().check_success())
