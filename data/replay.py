@@ -138,6 +138,12 @@ class ReplayBuffer:
         """Number of sampleable transitions."""
         return self._n_valid
 
+    def state_action(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the state [N, S] and action [N, A] of every sampleable transition (for
+        normalisation statistics)."""
+        with self._lock:
+            return self._state[self._valid].copy(), self._cols["action"][self._valid].copy()
+
     @property
     def num_records(self) -> int:
         return self._size

@@ -22,54 +22,12 @@ from pathlib import Path
 
 import torch
 
+from agents.policies.tokenizers import CORPUS, build_tokenizer  # noqa: F401 (tools import them here)
 from data.core.spec import EnvSpec
-
-#: instructions the tiny tokenizers are trained on (any text still tokenizes: byte-level
-#: alphabet), plus numbers for PI0.5's discretised state
-CORPUS = [
-    "pick up the black bowl between the plate and the ramekin and place it on the plate",
-    "put the red block on the green block", "open the top drawer and put the bowl inside",
-    "push the plate to the front of the stove", "turn on the stove", "reach the target",
-    "In: What action should the robot take to pick up the cube?\nOut:",
-    "Task: stack the boxes, State: 0 1 2 3;\nAction: ",
-    " ".join(str(i) for i in range(256)),
-]
 
 TINY_PI0_ARCH = dict(width=64, depth=2, mlp_dim=128, num_heads=8, num_kv_heads=1, head_dim=8,
                      expert_width=32, expert_mlp_dim=64, vocab_size=512, vision_width=32,
                      vision_depth=1, vision_heads=2, vision_mlp_dim=64, vision_patch=14)
-
-
-def build_tokenizer(path: str | Path, *, kind: str = "gemma", vocab_size: int = 400) -> Path:
-    """A small BPE tokenizer saved with ``save_pretrained`` (loads offline).
-
-    ``kind="gemma"``: PaliGemma's special ids (<pad>=0, <eos>=1, <bos>=2, <unk>=3), BOS
-    prepended. ``kind="llama"``: Llama-2's (<unk>=0, <s>=1, </s>=2), BOS prepended, the
-    SentencePiece space token "▁" in the vocabulary, and a <PAD> token appended after the
-    base vocabulary as OpenVLA does.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    path = Path(path)
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] if kind == "gemma" else ["<unk>", "<s>", "</s>"]
-    bos, eos, unk = (specials[2], specials[1], specials[3]) if kind == "gemma" else (specials[1], specials[2], specials[0])
-    tok = Tokenizer(models.BPE(unk_token=unk))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    alphabet = [chr(c) for c in range(32, 127)] + ["▁", "\n"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet,
-                                  show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
-    kw = dict(bos_token=bos, eos_token=eos, unk_token=unk)
-    if kind == "gemma":
-        kw["pad_token"] = "<pad>"
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
-    if kind == "llama":
-        fast.add_special_tokens({"pad_token": "<PAD>"})
-    fast.save_pretrained(str(path))
-    return path
 
 
 # -- PI0 / PI0.5 --------------------------------------------------------------------------------

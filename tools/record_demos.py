@@ -12,7 +12,12 @@ commit for all of them::
     python -m learner algo=rejection_sampling env=point_reach ... buffer.demos=demos/point_reach
 
 Episode ``i`` is ``env.reset(seed=seed + i)`` (set ``--seed`` apart from the learner's
-evaluation init states to keep the demos off them). ``--noise`` adds N(0, noise^2) to the
+evaluation init states to keep the demos off them; LIBERO: ``env.init_state_id=random`` starts
+every demo from a placement of LIBERO's own sampler, none of the 50 fixed evaluation states).
+``--per-task`` records ``--episodes`` of each task of a multi-task env::
+
+    python -m tools.record_demos --out demos/spatial10 --episodes 10 --per-task --only-success \
+        env=libero_spatial env.task_id=all env.init_state_id=random env.image_size=64 ``--noise`` adds N(0, noise^2) to the
 expert's actions (a less precise demonstrator); ``--only-success`` keeps only the episodes
 the expert solved (and records more until there are ``--episodes`` of them).
 """
@@ -48,7 +53,7 @@ def expert_of(env):
 
 
 def run_episode(env, episode: int, seed: int, *, noise: float = 0.0,
-                rng: np.random.Generator | None = None) -> tuple[list[dict], bool]:
+                rng: np.random.Generator | None = None, options: dict | None = None) -> tuple[list[dict], bool]:
     """One expert episode as actor-style records (the last one ``is_last``) and its outcome."""
     from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 
@@ -63,7 +68,7 @@ def run_episode(env, episode: int, seed: int, *, noise: float = 0.0,
         rec.update(step)
         records.append(rec)
 
-    obs, _ = env.reset(seed=seed)
+    obs, _ = env.reset(seed=seed, options=options)
     t, success = 0, False
     while True:
         a = np.asarray(expert(), np.float32)
@@ -86,9 +91,10 @@ def run_episode(env, episode: int, seed: int, *, noise: float = 0.0,
 
 def record_demos(env_cfg, out: str | Path, episodes: int, *, seed: int = 1000, noise: float = 0.0,
                  only_success: bool = False, video: bool = False, fps: int = 10,
-                 actor_id: str = "expert") -> dict:
-    """Write ``episodes`` expert episodes of ``env_cfg`` to a new LeRobot dataset at ``out``;
-    returns a summary (episodes, frames, successes, tried)."""
+                 actor_id: str = "expert", per_task: bool = False) -> dict:
+    """Write ``episodes`` expert episodes of ``env_cfg`` to a new LeRobot dataset at ``out``
+    (``per_task``: ``episodes`` of each of the env's tasks, ``reset(options={"task_id": t})``
+    in turn); returns a summary (episodes, frames, successes, tried, per task)."""
     from data.store import Episode, EpisodeStore
     from data.transitions import TransitionBatch
     from envs.registry import make_env
@@ -100,17 +106,23 @@ def record_demos(env_cfg, out: str | Path, episodes: int, *, seed: int = 1000, n
     env = make_env(env_cfg)
     spec = spec_from_env(env)
     rng = np.random.default_rng(seed)
+    tasks = list(getattr(env.unwrapped, "task_ids", None) or [None]) if per_task else [None]
+    want = {t: episodes for t in tasks}
+    kept = {t: 0 for t in tasks}
     eps: list[Episode] = []
     seq, tried, wins = 0, 0, 0
     try:
-        while len(eps) < episodes:
-            if tried >= 10 * episodes + 10:
+        while any(kept[t] < want[t] for t in tasks):
+            if tried >= 10 * sum(want.values()) + 10:
                 raise RuntimeError(f"the expert solved only {wins} of {tried} episodes")
-            records, ok = run_episode(env, len(eps), seed + tried, noise=noise, rng=rng)
+            task = next(t for t in tasks if kept[t] < want[t])   # task by task: one scene build each
+            options = None if task is None else {"task_id": int(task)}
+            records, ok = run_episode(env, len(eps), seed + tried, noise=noise, rng=rng, options=options)
             tried += 1
             wins += ok
             if only_success and not ok:
                 continue
+            kept[task] += 1
             batch = TransitionBatch.from_records(actor_id, seq, records)
             seq += len(batch)
             eps.append(Episode.from_batch(batch))
@@ -126,6 +138,8 @@ def record_demos(env_cfg, out: str | Path, episodes: int, *, seed: int = 1000, n
     summary = {"dataset": str(out), "episodes": len(done), "frames": sum(len(e) for e in done),
                "successes": sum(bool(e.arrays["success"][-1]) for e in done), "tried": tried,
                "expert_success_rate": wins / max(tried, 1)}
+    if per_task:
+        summary["per_task"] = {str(t): kept[t] for t in tasks}
     log.info("recorded %s", summary)
     return summary
 
@@ -135,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the new dataset's directory")
     p.add_argument("--episodes", type=int, default=5)
+    p.add_argument("--per-task", action="store_true",
+                   help="--episodes of each of the env's tasks (env.task_id=all: every task of the suite)")
     p.add_argument("--seed", type=int, default=1000, help="episode i resets with seed + i")
     p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian action noise")
     p.add_argument("--only-success", action="store_true", help="keep only solved episodes")
@@ -145,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     summary = record_demos(env_config(args.overrides), args.out, args.episodes, seed=args.seed,
                            noise=args.noise, only_success=args.only_success, video=args.video,
-                           fps=args.fps)
+                           fps=args.fps, per_task=args.per_task)
     print(json.dumps(summary))
     return summary
 

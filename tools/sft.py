@@ -4,7 +4,10 @@ SimpleVLA-RL and πRL start RL from an SFT checkpoint (one demo per task, or a f
 tool fits the configured policy's own BC loss (``bc_loss``: PI0's flow matching, OFT's L1 or
 token cross-entropy, the MLP's NLL) on a local LeRobot demo dataset for ``--steps`` steps
 and writes the policy's trainable state (LoRA adapters + heads, or the whole small policy)
-as safetensors. The learner starts from it with ``policy.init_trainable=<file>``. Before
+as safetensors (``--out``); the learner starts from it with ``policy.init_trainable=<file>``.
+A model trained from scratch (``policy=pi0_small``) is written whole instead
+(``--save-checkpoint DIR``: weights, sizes, tokenizer, and state/action statistics fitted to
+the demos before training); the learner loads it with ``policy.checkpoint=DIR``. Before
 and after, it can run the deterministic policy in the env for ``--eval-episodes`` episodes
 (reset seeds 10**6 + i) and print the success rates.
 
@@ -92,7 +95,10 @@ def sft(policy, demos, *, steps: int, batch_size: int, lr: float, lr_min: float,
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--demos", required=True, help="local LeRobot dataset of demonstrations")
-    ap.add_argument("--out", required=True, help="safetensors file to write (policy.init_trainable)")
+    ap.add_argument("--out", default=None, help="safetensors file of the trainable state (policy.init_trainable)")
+    ap.add_argument("--save-checkpoint", default=None,
+                    help="also write the whole model as a checkpoint folder (policy.checkpoint), with "
+                         "normalisation statistics fitted to the demos: a model trained from scratch")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -102,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     ap.add_argument("overrides", nargs="*", help="learner Hydra overrides (env=..., policy=...)")
     args = ap.parse_args(argv)
+    if not (args.out or args.save_checkpoint):
+        ap.error("give --out, --save-checkpoint or both")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from safetensors.torch import save_file
 
@@ -118,7 +126,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not hasattr(policy, "bc_loss"):
         raise SystemExit(f"policy={cfg.policy.name} has no bc_loss: it cannot be fine-tuned on demos")
     demos = load_demos(args.demos, spec, seed=args.seed, device=str(getattr(policy, "device", "cpu")))
-    report: dict = {"policy": cfg.policy.name, "demo_transitions": len(demos), "steps": args.steps}
+    report: dict = {"policy": cfg.policy.name, "demo_transitions": len(demos), "steps": args.steps,
+                    "parameters": sum(p.numel() for p in policy.parameters()),
+                    "trained_parameters": sum(p.numel() for p in policy.parameters() if p.requires_grad)}
+    if args.save_checkpoint:
+        if not hasattr(policy, "fit_normalization"):
+            raise SystemExit(f"policy={cfg.policy.name} cannot be saved as a checkpoint (no fit_normalization)")
+        policy.fit_normalization(*demos.state_action())
     if args.eval_episodes:
         report["success_before"] = evaluate(policy, cfg.env, args.eval_episodes)
     t0 = time.monotonic()
@@ -128,11 +142,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.eval_episodes:
         report["success_after"] = evaluate(policy, cfg.env, args.eval_episodes)
         report["eval_episodes"] = args.eval_episodes
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in policy.trainable_state_dict().items()}
-    save_file(state, str(out), metadata={"policy": str(cfg.policy.name), "tool": "tools.sft"})
-    report["out"] = str(out)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in policy.trainable_state_dict().items()}
+        save_file(state, str(out), metadata={"policy": str(cfg.policy.name), "tool": "tools.sft"})
+        report["out"] = str(out)
+    if args.save_checkpoint:
+        report["checkpoint"] = str(policy.save_checkpoint(args.save_checkpoint))
     print(json.dumps(report))
     return report
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,6 +61,9 @@ from data.core.schema import OBS_STATE
 from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.policies.pi0")
+
+#: vocabulary of the builtin tokenizer (at most the model's)
+BUILTIN_VOCAB = 400
 
 _HEADS = {"pi0": ("action_in_proj", "action_out_proj", "state_proj", "action_time_mlp_in", "action_time_mlp_out"),
           "pi05": ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out")}
@@ -80,7 +84,8 @@ class Pi0PolicyConfig:
     #: local checkpoint folder in lerobot's format (config.json + model.safetensors); None:
     #: random weights (drawn from ``seed``) with the env spec's features
     checkpoint: str | None = None
-    #: local tokenizer folder; None: ``<checkpoint>/tokenizer``
+    #: local tokenizer folder ("builtin": a small BPE built offline, agents/policies/tokenizers.py);
+    #: None: ``<checkpoint>/tokenizer``
     tokenizer: str | None = None
     #: actions per query (must equal the checkpoint's chunk_size)
     chunk_size: int = 50
@@ -112,6 +117,8 @@ class Pi0PolicyConfig:
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     #: where adapters go: "language_model", "gemma_expert", "vision"
     lora_scopes: tuple[str, ...] = ("language_model", "gemma_expert")
+    #: every parameter trains (a model trained from scratch; trainable_state_dict is the whole model)
+    train_full: bool = False
     #: modules of lerobot's PI0Pytorch trained in full (those absent in a variant are skipped)
     trainable_heads: tuple[str, ...] = _HEADS["pi0"] + ("time_mlp_in", "time_mlp_out")
     #: clip un-normalised actions to [-1, 1] (Tandem's action space)
@@ -241,7 +248,7 @@ class Pi0Policy(nn.Module):
         tok = cfg.tokenizer or (str(ckpt / "tokenizer") if ckpt else None)
         if tok is None:
             raise ValueError(f"{self.who}: set policy.tokenizer (a local tokenizer folder) or a checkpoint with tokenizer/")
-        self.tokenizer = vc.load_local_tokenizer(tok, self.who)
+        self.tokenizer = vc.load_local_tokenizer(tok, self.who, builtin=("gemma", min(BUILTIN_VOCAB, arch.vocab_size)))
         if len(self.tokenizer) > arch.vocab_size:
             raise ValueError(f"{self.who}: tokenizer has {len(self.tokenizer)} tokens, model vocabulary {arch.vocab_size}")
         self.prompt_tokens = PromptTokens(self.tokenizer, int(lr_cfg.tokenizer_max_length), cfg.prompt_pad_multiple)
@@ -249,7 +256,8 @@ class Pi0Policy(nn.Module):
             regex = vc.lora_regex(_LORA_SCOPES, cfg.lora_scopes, cfg.lora_target_modules)
             vc.add_lora(self.inner, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                         target_regex=regex)
-        heads = [f"model.{h}" for h in cfg.trainable_heads if h in _HEADS[cfg.variant]]
+        heads = ["model"] if cfg.train_full else \
+            [f"model.{h}" for h in cfg.trainable_heads if h in _HEADS[cfg.variant]]
         vc.set_trainable(self.inner, heads)
         self.inner.to(dev)
         self.lora = vc.LoRAServing(self.inner)
@@ -343,6 +351,34 @@ class Pi0Policy(nn.Module):
         vc.check_state_layout(expected, sd, repr(str(ckpt)), f"the {self.variant} architecture of its config",
                               optional=tied)
         self.inner.load_state_dict(sd, strict=False)
+
+    # -- from scratch ------------------------------------------------------------------------------
+    def fit_normalization(self, state: np.ndarray, action: np.ndarray) -> None:
+        """Set the state and action statistics (mean, std, min, max, q01, q99) from data
+        ([N, S], [N, A]), as lerobot computes a dataset's: a model trained from scratch has no
+        checkpoint to read them from. :meth:`save_checkpoint` writes them."""
+        stats = {}
+        for key, x in ((OBS_STATE, np.asarray(state, np.float64)), ("action", np.asarray(action, np.float64))):
+            for name, v in (("mean", x.mean(0)), ("std", x.std(0)), ("min", x.min(0)), ("max", x.max(0)),
+                            ("q01", np.quantile(x, 0.01, axis=0)), ("q99", np.quantile(x, 0.99, axis=0))):
+                stats[f"{key}.{name}"] = torch.as_tensor(v, dtype=torch.float32)
+        self.stats = stats
+        self.norm = _Normalizer(stats, self.norm.modes)
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write this model as a lerobot-layout checkpoint (config.json, model.safetensors,
+        tandem_arch.json, normaliser statistics, tokenizer/) that ``policy.checkpoint`` loads:
+        what SFT of a model trained from scratch hands to RL. Needs a model without adapters."""
+        if self.cfg.lora_rank:
+            raise ValueError(f"{self.who}: save_checkpoint writes models without LoRA adapters "
+                             f"(lora_rank 0); this one has rank {self.cfg.lora_rank}")
+        import shutil
+
+        out = save_lerobot_checkpoint(self.inner, path, self.arch, self.stats)
+        if (out / "tokenizer").exists():
+            shutil.rmtree(out / "tokenizer")
+        self.tokenizer.save_pretrained(str(out / "tokenizer"))
+        return out
 
     # -- observation mapping ----------------------------------------------------------------------
     @property

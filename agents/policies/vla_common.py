@@ -109,8 +109,15 @@ def get_tasks(obs: Mapping[str, Any], b: int, default: str | None, who: str) -> 
 
 
 # -- tokenizers ---------------------------------------------------------------------------
-def load_local_tokenizer(path: str | Path, who: str):
-    """A tokenizer from a local folder only (never the hub)."""
+def load_local_tokenizer(path: str | Path, who: str, *, builtin: tuple[str, int] | None = None):
+    """A tokenizer from a local folder only (never the hub). ``path="builtin"`` with
+    ``builtin=(kind, vocab_size)``: :func:`agents.policies.tokenizers.builtin_tokenizer`."""
+    from agents.policies.tokenizers import BUILTIN, builtin_tokenizer
+
+    if str(path) == BUILTIN:
+        if builtin is None:
+            raise ValueError(f"{who}: this policy has no builtin tokenizer; set a local tokenizer folder")
+        path = builtin_tokenizer(*builtin)
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"{who}: tokenizer folder {str(p)!r} does not exist (tokenizers are "

@@ -30,6 +30,8 @@ from envs.reset_options import check_reset_options
 from envs.wrappers import TEXT_SPACE
 
 DUMMY_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
+#: ``init_state_id`` for a fresh placement from LIBERO's own sampler (none of the fixed states)
+RANDOM = "random"
 
 
 def quat2axisangle(quat: np.ndarray) -> np.ndarray:
@@ -54,7 +56,7 @@ class LiberoEnv(gym.Env):
         suite: str = "libero_spatial",
         task_id: int | Sequence[int] | str = 0,
         *,
-        init_state_id: int | None = 0,
+        init_state_id: int | str | None = 0,
         image_size: int | tuple[int, int] = 128,
         cameras: dict[str, str] | None = None,
         num_steps_wait: int = 10,
@@ -75,10 +77,13 @@ class LiberoEnv(gym.Env):
         self._init_states = {t.task_id: load_init_states(t.init_states_file) for t in self.tasks}
         self.task = self.tasks[0]
         self.init_states = self._init_states[self.task.task_id]
-        if init_state_id is not None and not all(0 <= int(init_state_id) < len(v)
-                                                 for v in self._init_states.values()):
-            raise ValueError(f"init_state_id {init_state_id} is out of range for {suite} {ids}")
-        self.init_state_id = None if init_state_id is None else int(init_state_id)
+        if init_state_id == RANDOM:
+            pass
+        elif isinstance(init_state_id, str) or (init_state_id is not None and not all(
+                0 <= int(init_state_id) < len(v) for v in self._init_states.values())):
+            raise ValueError(f"init_state_id {init_state_id!r} must be an index into {suite}'s initial states "
+                             f"of tasks {ids}, null (cycle through them) or {RANDOM!r} (new placements)")
+        self.init_state_id = init_state_id if init_state_id in (None, RANDOM) else int(init_state_id)
         self._next_cycle = 0
         self._built_task: int | None = None
         self.image_hw = image_hw(image_size)
@@ -163,7 +168,8 @@ class LiberoEnv(gym.Env):
         return obs
 
     def _pick(self, seed: int | None, options: Mapping[str, Any] | None):
-        """(task, init-state index) for this reset; raises before anything changes."""
+        """(task, init-state index or None for a sampled placement) for this reset; raises
+        before anything changes."""
         opts = check_reset_options(options, f"LIBERO {self.suite}")
         want_task, want_init = opts["task_id"], opts["init_state"]
         n_tasks = len(self.tasks)
@@ -186,6 +192,8 @@ class LiberoEnv(gym.Env):
                 raise ValueError(f"init_state {want_init} is out of range: {self.suite} task "
                                  f"{task.task_id} has init states 0..{n_init - 1}")
             idx = want_init
+        elif self.init_state_id == RANDOM:
+            idx = None
         elif self.init_state_id is not None:
             idx = self.init_state_id
         else:
@@ -198,7 +206,11 @@ class LiberoEnv(gym.Env):
         """``options``: ``task_id`` (a suite task index, one of the configured tasks) and
         ``init_state`` (an index into that task's fixed initial states), as a learner's
         :class:`data.core.jobs.Job` gives them; either may be left out (then the config's
-        ``init_state_id``, else the episode counter, decides). ``info`` reports both."""
+        ``init_state_id``, else the episode counter, decides). With ``init_state_id: random``
+        and no ``init_state`` option, the objects are where LIBERO's placement sampler puts
+        them (seeded by ``seed``): a start outside the fixed initial states, for demos and
+        training kept apart from the evaluation states. ``info`` reports both (``init_state``
+        None for a sampled placement)."""
         task, idx = self._pick(seed, options)
         super().reset(seed=seed)
         self.task = task
@@ -212,11 +224,12 @@ class LiberoEnv(gym.Env):
         np.random.seed(layout_seed)
         try:
             with R.render_settings(self._render_settings()):  # a hard reset rebuilds the context
-                env.reset()
+                raw = env.reset()   # objects placed by LIBERO's own sampler (the seeded global RNG)
         finally:
             np.random.set_state(saved)
         R.tune_renderer(env.sim, self.render_quality, bool(self.cameras))
-        raw = env.set_init_state(self.init_states[idx])
+        if idx is not None:
+            raw = env.set_init_state(self.init_states[idx])
         if self.num_steps_wait:
             quiet = self.fast_settle and bool(self.cameras)
             if quiet:
