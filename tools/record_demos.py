@@ -89,45 +89,84 @@ def run_episode(env, episode: int, seed: int, *, noise: float = 0.0,
     return records, success
 
 
+def collect(env_cfg, tasks: Sequence[int | None], episodes: int, *, seed: int, noise: float = 0.0,
+            only_success: bool = False) -> list[tuple[int | None, list[dict], bool]]:
+    """Expert episodes of ``env_cfg``: ``episodes`` of each task in ``tasks`` (None: the env's
+    own choice), task by task (one scene build each). The ``j``-th try of task ``t`` resets with
+    ``seed + 10_000 * (t or 0) + j``, so what a task records does not depend on which process
+    ran it. Returns ``(task, records, solved)`` for every kept episode, plus the tries' outcomes."""
+    from envs.registry import make_env
+
+    env = make_env(env_cfg)
+    out: list[tuple[int | None, list[dict], bool]] = []
+    try:
+        for task in tasks:
+            kept = tried = 0
+            rng = np.random.default_rng(seed + 10_000 * (task or 0))
+            while kept < episodes:
+                if tried >= 10 * episodes + 10:
+                    raise RuntimeError(f"the expert solved only {sum(o for _, _, o in out)} of {tried} "
+                                       f"episodes of task {task}")
+                options = None if task is None else {"task_id": int(task)}
+                records, ok = run_episode(env, 0, seed + 10_000 * (task or 0) + tried, noise=noise, rng=rng,
+                                          options=options)
+                tried += 1
+                if only_success and not ok:
+                    out.append((task, [], False))
+                    continue
+                kept += 1
+                out.append((task, records, ok))
+    finally:
+        env.close()
+    return out
+
+
+def _collect_star(args):
+    return collect(*args[:3], **args[3])
+
+
 def record_demos(env_cfg, out: str | Path, episodes: int, *, seed: int = 1000, noise: float = 0.0,
                  only_success: bool = False, video: bool = False, fps: int = 10,
-                 actor_id: str = "expert", per_task: bool = False) -> dict:
+                 actor_id: str = "expert", per_task: bool = False, workers: int = 1) -> dict:
     """Write ``episodes`` expert episodes of ``env_cfg`` to a new LeRobot dataset at ``out``
-    (``per_task``: ``episodes`` of each of the env's tasks, ``reset(options={"task_id": t})``
-    in turn); returns a summary (episodes, frames, successes, tried, per task)."""
+    (``per_task``: ``episodes`` of each of the env's tasks, ``reset(options={"task_id": t})``,
+    the tasks spread over ``workers`` processes); returns a summary (episodes, frames,
+    successes, tried, per task)."""
+    import multiprocessing as mp
+
     from data.store import Episode, EpisodeStore
     from data.transitions import TransitionBatch
-    from envs.registry import make_env
-    from envs.spec import spec_from_env
+    from envs.registry import env_spec
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty")
-    env = make_env(env_cfg)
-    spec = spec_from_env(env)
-    rng = np.random.default_rng(seed)
-    tasks = list(getattr(env.unwrapped, "task_ids", None) or [None]) if per_task else [None]
-    want = {t: episodes for t in tasks}
-    kept = {t: 0 for t in tasks}
+    spec = env_spec(env_cfg)
+    tasks: list[int | None] = [None]
+    if per_task:
+        from envs.registry import make_env
+
+        probe = make_env(env_cfg)   # the task list only (LIBERO builds no scene before reset)
+        tasks = list(getattr(probe.unwrapped, "task_ids", None) or [None])
+        probe.close()
+    kw = dict(seed=seed, noise=noise, only_success=only_success)
+    if workers > 1 and len(tasks) > 1:
+        groups = [tasks[i::workers] for i in range(min(workers, len(tasks)))]
+        with mp.get_context("spawn").Pool(len(groups)) as pool:
+            parts = pool.map(_collect_star, [(env_cfg, g, episodes, kw) for g in groups], chunksize=1)
+        got = sorted((x for part in parts for x in part), key=lambda x: tasks.index(x[0]))
+    else:
+        got = collect(env_cfg, tasks, episodes, **kw)
     eps: list[Episode] = []
-    seq, tried, wins = 0, 0, 0
-    try:
-        while any(kept[t] < want[t] for t in tasks):
-            if tried >= 10 * sum(want.values()) + 10:
-                raise RuntimeError(f"the expert solved only {wins} of {tried} episodes")
-            task = next(t for t in tasks if kept[t] < want[t])   # task by task: one scene build each
-            options = None if task is None else {"task_id": int(task)}
-            records, ok = run_episode(env, len(eps), seed + tried, noise=noise, rng=rng, options=options)
-            tried += 1
-            wins += ok
-            if only_success and not ok:
-                continue
-            kept[task] += 1
-            batch = TransitionBatch.from_records(actor_id, seq, records)
-            seq += len(batch)
-            eps.append(Episode.from_batch(batch))
-    finally:
-        env.close()
+    seq = 0
+    for task, records, _ in got:
+        if not records:
+            continue
+        for r in records:
+            r["episode"] = len(eps)
+        batch = TransitionBatch.from_records(actor_id, seq, records)
+        seq += len(batch)
+        eps.append(Episode.from_batch(batch))
     store = EpisodeStore(out, spec, fps=fps, video=video)
     try:
         done, dropped = store.write(eps)
@@ -135,11 +174,12 @@ def record_demos(env_cfg, out: str | Path, episodes: int, *, seed: int = 1000, n
         store.close()
     if dropped:
         raise RuntimeError(f"{len(dropped)} episode(s) could not be written")
+    tried, wins = len(got), sum(ok for _, _, ok in got)
     summary = {"dataset": str(out), "episodes": len(done), "frames": sum(len(e) for e in done),
                "successes": sum(bool(e.arrays["success"][-1]) for e in done), "tried": tried,
                "expert_success_rate": wins / max(tried, 1)}
     if per_task:
-        summary["per_task"] = {str(t): kept[t] for t in tasks}
+        summary["per_task"] = {str(t): sum(1 for tt, r, _ in got if tt == t and r) for t in tasks}
     log.info("recorded %s", summary)
     return summary
 
@@ -151,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--episodes", type=int, default=5)
     p.add_argument("--per-task", action="store_true",
                    help="--episodes of each of the env's tasks (env.task_id=all: every task of the suite)")
+    p.add_argument("--workers", type=int, default=1, help="processes (--per-task: tasks spread over them)")
     p.add_argument("--seed", type=int, default=1000, help="episode i resets with seed + i")
     p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian action noise")
     p.add_argument("--only-success", action="store_true", help="keep only solved episodes")
@@ -161,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     summary = record_demos(env_config(args.overrides), args.out, args.episodes, seed=args.seed,
                            noise=args.noise, only_success=args.only_success, video=args.video,
-                           fps=args.fps, per_task=args.per_task)
+                           fps=args.fps, per_task=args.per_task, workers=args.workers)
     print(json.dumps(summary))
     return summary
 

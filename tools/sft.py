@@ -71,8 +71,9 @@ def evaluate(policy, env_cfg, episodes: int, *, seed0: int = 10**6) -> float:
 
 
 def sft(policy, demos, *, steps: int, batch_size: int, lr: float, lr_min: float,
-        max_grad_norm: float | None = 1.0) -> list[float]:
-    """``steps`` AdamW steps of ``policy.bc_loss`` on chunk windows of ``demos`` (cosine lr)."""
+        max_grad_norm: float | None = 1.0, warmup: int = 0, log_every: int = 500) -> list[float]:
+    """``steps`` AdamW steps of ``policy.bc_loss`` on chunk windows of ``demos`` (lr rising
+    linearly over ``warmup`` steps, then a cosine to ``lr_min``)."""
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     horizon = int(getattr(policy, "chunk_size", 1))
@@ -80,7 +81,8 @@ def sft(policy, demos, *, steps: int, batch_size: int, lr: float, lr_min: float,
     policy.train()
     for i in range(steps):
         for g in opt.param_groups:
-            g["lr"] = lr_min + 0.5 * (lr - lr_min) * (1 + np.cos(np.pi * i / max(steps, 1)))
+            g["lr"] = lr * (i + 1) / warmup if i < warmup else \
+                lr_min + 0.5 * (lr - lr_min) * (1 + np.cos(np.pi * (i - warmup) / max(steps - warmup, 1)))
         batch = demos.sample(batch_size, horizon=horizon)
         loss = policy.bc_loss(batch)
         opt.zero_grad(set_to_none=True)
@@ -89,6 +91,9 @@ def sft(policy, demos, *, steps: int, batch_size: int, lr: float, lr_min: float,
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         opt.step()
         losses.append(float(loss.detach()))
+        if log_every and (i + 1) % log_every == 0:
+            log.info("sft step %d/%d: loss %.4f (mean of the last %d)", i + 1, steps,
+                     float(np.mean(losses[-log_every:])), log_every)
     return losses
 
 
@@ -103,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--lr-min", type=float, default=1e-4)
+    ap.add_argument("--warmup", type=int, default=0, help="steps of linear lr warm-up")
     ap.add_argument("--eval-episodes", type=int, default=0, help="evaluate before and after (0: no)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
@@ -136,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.eval_episodes:
         report["success_before"] = evaluate(policy, cfg.env, args.eval_episodes)
     t0 = time.monotonic()
-    losses = sft(policy, demos, steps=args.steps, batch_size=args.batch_size, lr=args.lr, lr_min=args.lr_min)
+    losses = sft(policy, demos, steps=args.steps, batch_size=args.batch_size, lr=args.lr, lr_min=args.lr_min,
+                 warmup=args.warmup)
     report.update(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
                   sft_s=round(time.monotonic() - t0, 1))
     if args.eval_episodes:

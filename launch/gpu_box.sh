@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# A GPU box without internet: install the kit that tools/gpu_kit.py built, then run a learner
+# and N LIBERO actors on it (the box's own python3, which holds torch).
+#
+#   launch/gpu_box.sh install                 # every .kit/partK present (run once per part carried)
+#   launch/gpu_box.sh check                   # the learner's and a LIBERO actor's imports, EGL
+#   launch/gpu_box.sh start --actors 14 --run-dir runs/x [learner overrides] -- [actor overrides]
+#   launch/gpu_box.sh wait --run-dir runs/x [--timeout S]    # until the learner exits
+#   launch/gpu_box.sh stop --run-dir runs/x   # SIGINT (checkpoint, spools kept), then SIGTERM
+#   eval "$(launch/gpu_box.sh env)"           # the variables start sets, for your own commands
+#
+# TANDEM_KIT (default .kit) is where the parts are, TANDEM_SITE (default /tmp/tandem-site) where
+# they install. Learner overrides go to launch/run_learner.sh; those after -- to every
+# launch/run_actor.sh (plus actor_id=actor-<i>, env.gl=egl). Overrides both need (env=...,
+# policy=...) go in both lists. Logs: <run-dir>/learner.log, <run-dir>/actor-<i>.log.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+KIT="${TANDEM_KIT:-$ROOT/.kit}"
+SITE="${TANDEM_SITE:-/tmp/tandem-site}"
+PY="${TANDEM_PYTHON:-python3}"
+
+env_lines() {
+  local assets
+  assets="$(ls "$SITE"/assets/*.tar.* 2>/dev/null | head -n 1 || true)"
+  echo "export PYTHONPATH=$SITE:$ROOT\${PYTHONPATH:+:\$PYTHONPATH}"
+  echo "export TANDEM_PYTHON=$PY MUJOCO_GL=egl PYOPENGL_PLATFORM=egl PYTHONUNBUFFERED=1"
+  [ -n "$assets" ] && echo "export TANDEM_LIBERO_ASSETS_TARBALL=$assets"
+  # NVIDIA's EGL vendor file, where the driver mount has one
+  local vendor=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+  [ -f "$vendor" ] && echo "export __EGL_VENDOR_LIBRARY_FILENAMES=$vendor"
+  return 0
+}
+
+install_parts() {
+  mkdir -p "$SITE/assets"
+  local found=0
+  for part in "$KIT"/part*/; do
+    [ -d "$part" ] || continue
+    found=1
+    local name; name="$(basename "$part")"
+    if [ -f "$SITE/.installed-$name" ]; then echo "$name: already installed"; continue; fi
+    if compgen -G "$part/wheels/*.whl" >/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$part"/wheels/*.whl
+    fi
+    for t in "$part"/site/*.tar.*; do [ -f "$t" ] && tar -xf "$t" -C "$SITE"; done
+    for a in "$part"/assets/*; do [ -f "$a" ] && cp "$a" "$SITE/assets/"; done
+    if compgen -G "$part/gl/*.deb" >/dev/null && ! ldconfig -p | grep -q 'libEGL.so.1'; then
+      for d in "$part"/gl/*.deb; do dpkg -x "$d" /; done
+      ldconfig
+    fi
+    touch "$SITE/.installed-$name"
+    echo "$name: installed into $SITE"
+  done
+  [ "$found" = 1 ] || { echo "no kit parts under $KIT (build them with: python -m tools.gpu_kit --out .kit)" >&2; exit 2; }
+}
+
+check() {
+  eval "$(env_lines)"
+  "$PY" - <<'PY'
+import importlib, sys
+missing = []
+for m in ("learner.app", "actor.app", "agents.policies.pi0", "data.store", "data.demos", "envs.libero.env",
+          "robosuite", "libero.libero.envs", "mujoco"):
+    try:
+        importlib.import_module(m)
+    except Exception as exc:  # noqa: BLE001 - report every failure
+        missing.append(f"{m}: {type(exc).__name__}: {exc}")
+if missing:
+    print("kit check failed:\n  " + "\n  ".join(missing)); sys.exit(1)
+import numpy as np
+from envs.libero.env import LiberoEnv
+env = LiberoEnv("libero_spatial", 0, init_state_id=0, image_size=64)
+obs, _ = env.reset(seed=0)
+env.step(np.zeros(7))
+print("kit check ok: imports, LIBERO reset and EGL render", obs["observation.images.image"].shape)
+env.close()
+PY
+}
+
+start() {
+  local actors=12 run_dir="" learner=() actor=() side=learner
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --actors) actors="$2"; shift 2 ;;
+      --run-dir) run_dir="$2"; shift 2 ;;
+      --) side=actor; shift ;;
+      *) if [ "$side" = learner ]; then learner+=("$1"); else actor+=("$1"); fi; shift ;;
+    esac
+  done
+  [ -n "$run_dir" ] || { echo "start needs --run-dir" >&2; exit 2; }
+  mkdir -p "$run_dir"
+  eval "$(env_lines)"
+  : > "$run_dir/pids"
+  setsid "$ROOT/launch/run_learner.sh" run_dir="$run_dir" "${learner[@]}" >"$run_dir/learner.log" 2>&1 &
+  echo "learner $!" >> "$run_dir/pids"
+  for _ in $(seq 1 600); do   # the learner writes status.json once it serves
+    [ -f "$run_dir/status.json" ] && break
+    kill -0 "$(awk '/^learner/{print $2}' "$run_dir/pids")" 2>/dev/null || { tail -n 30 "$run_dir/learner.log"; exit 1; }
+    sleep 1
+  done
+  for i in $(seq 0 $((actors - 1))); do
+    setsid "$ROOT/launch/run_actor.sh" actor_id="actor-$i" run_dir="$run_dir" env.gl=egl "${actor[@]}" \
+      >"$run_dir/actor-$i.log" 2>&1 &
+    echo "actor-$i $!" >> "$run_dir/pids"
+  done
+  echo "started a learner and $actors actors; logs in $run_dir"
+}
+
+wait_learner() {
+  local run_dir="" timeout=0
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --run-dir) run_dir="$2"; shift 2 ;;
+      --timeout) timeout="$2"; shift 2 ;;
+      *) echo "wait: unknown argument $1" >&2; exit 2 ;;
+    esac
+  done
+  local pid; pid="$(awk '/^learner/{print $2}' "$run_dir/pids")"
+  local t=0
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 2; t=$((t + 2))
+    if [ "$timeout" != 0 ] && [ "$t" -ge "$timeout" ]; then echo "learner still running after ${timeout}s"; return 1; fi
+  done
+}
+
+stop() {
+  local run_dir=""
+  while [ $# -gt 0 ]; do case "$1" in --run-dir) run_dir="$2"; shift 2 ;; *) shift ;; esac; done
+  [ -f "$run_dir/pids" ] || return 0
+  while read -r _ pid; do kill -INT -- "-$pid" 2>/dev/null || kill -INT "$pid" 2>/dev/null || true; done < "$run_dir/pids"
+  for _ in $(seq 1 60); do
+    alive=0
+    while read -r _ pid; do kill -0 "$pid" 2>/dev/null && alive=1; done < "$run_dir/pids"
+    [ "$alive" = 0 ] && return 0
+    sleep 1
+  done
+  while read -r _ pid; do kill -TERM -- "-$pid" 2>/dev/null || true; done < "$run_dir/pids"
+}
+
+cmd="${1:-}"; shift || true
+case "$cmd" in
+  install) install_parts ;;
+  check) check ;;
+  env) env_lines ;;
+  start) start "$@" ;;
+  wait) wait_learner "$@" ;;
+  stop) stop "$@" ;;
+  *) sed -n '2,17p' "$0"; exit 2 ;;
+esac
