@@ -10,6 +10,8 @@ import torch
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import TINY_PI0_ARCH
 
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
 SPEC = EnvSpec(state_dim=8, action_dim=7, cameras={"image": (32, 32, 3), "wrist_image": (32, 32, 3)},
                has_task=True)
 
@@ -86,3 +88,27 @@ def test_checkpoint_refuses_a_model_with_adapters(tmp_path):
     p = _small(tmp_path, lora_rank=4, train_full=False)
     with pytest.raises(ValueError, match="lora_rank 0"):
         p.save_checkpoint(tmp_path / "x")
+
+
+def test_pi0_builds_where_lerobots_dataset_extra_is_missing(tmp_path):
+    """A GPU box may lack av: lerobot's package chain then refuses to import (require_package
+    raises ImportError), and PI0's own modules must still load."""
+    import subprocess
+    import sys
+
+    code = f"""
+import lerobot.utils.import_utils as iu
+iu._require_package_cache["av"] = False          # as where av is not installed
+import torch
+from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+from data.core.spec import EnvSpec
+from tools.make_tiny_checkpoints import TINY_PI0_ARCH
+spec = EnvSpec(state_dim=8, action_dim=7, cameras={{"image": (32, 32, 3)}}, has_task=True)
+p = Pi0Policy(Pi0PolicyConfig(tokenizer="builtin", image_size=32, arch=dict(TINY_PI0_ARCH, vision_patch=8),
+              chunk_size=4, device="cpu", lora_rank=0, train_full=True), spec)
+print("built", type(p.inner).__name__)
+"""
+    env = {**__import__("os").environ, "TANDEM_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "built PI0Policy" in out.stdout

@@ -50,6 +50,18 @@ def test_expert_solves_fixed_and_sampled_starts_and_stands_in_for_a_person():
                 _, _, done, _, info = env.step(env.expert_action())
                 t += 1
             assert done and info["is_success"], f"the expert failed from {options}"
+        # sampled placements of objects on fixtures land on them (a soft reset would drop the
+        # bowl from the stove's old pose)
+        stove = LiberoEnv("libero_spatial", 7, init_state_id="random", cameras={})
+        try:
+            for seed in (0, 1):
+                stove.reset(seed=seed)
+                inner = stove._env.env
+                bowl = inner.sim.data.body_xpos[inner.obj_body_id["akita_black_bowl_1"]]
+                cook = inner.sim.data.get_site_xpos("flat_stove_1_cook_region")
+                assert np.linalg.norm(bowl[:2] - cook[:2]) < 0.06 and bowl[2] > 0.85, (bowl, cook)
+        finally:
+            stove.close()
         # as a corrector: a policy heading away from the bowl is taken over and the task solved
         env.init_state_id = 0
         person = ExpertIntervention(trigger="drift", drift_steps=2, drift_threshold=0.5)

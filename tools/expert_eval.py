@@ -30,14 +30,15 @@ def run_task(args: tuple[str, int, list[int], dict]) -> dict:
     from envs.libero.env import LiberoEnv
     from envs.libero.tasks import SUITE_MAX_STEPS
 
-    env = LiberoEnv(suite, task, init_state_id=None, cameras={}, **env_kw)
+    random = env_kw.pop("random_starts", False)
+    env = LiberoEnv(suite, task, init_state_id="random" if random else None, cameras={}, **env_kw)
     limit = SUITE_MAX_STEPS[suite]
     out = {"task_id": task, "instruction": env.task.language, "episodes": 0, "successes": 0,
            "steps": [], "failed_init_states": []}
     t0 = time.monotonic()
     try:
         for i in inits:
-            env.reset(seed=i, options={"task_id": task, "init_state": i})
+            env.reset(seed=i, options={"task_id": task} if random else {"task_id": task, "init_state": i})
             ok, t = False, 0
             while t < limit and not ok:
                 _, _, ok, _, _ = env.step(np.asarray(env.expert_action()))
@@ -84,14 +85,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--workers", type=int, default=mp.cpu_count())
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--assets-tarball", default=None, help="LIBERO assets tarball (env.assets_tarball)")
+    ap.add_argument("--random-starts", action="store_true",
+                    help="placements from LIBERO's sampler (seeds 0..N-1) instead of the fixed init states")
     args = ap.parse_args(argv)
     from envs.libero.tasks import list_tasks
 
     n = len(list_tasks(args.suite))
     tasks = list(range(n)) if args.tasks == "all" else [int(t) for t in args.tasks.split(",")]
     t0 = time.monotonic()
-    report = evaluate(args.suite, tasks, args.init_states, args.workers,
-                      {"assets_tarball": args.assets_tarball} if args.assets_tarball else None)
+    kw = {"assets_tarball": args.assets_tarball} if args.assets_tarball else {}
+    report = evaluate(args.suite, tasks, args.init_states, args.workers, {**kw, "random_starts": args.random_starts})
+    report["starts"] = "sampled placements" if args.random_starts else "fixed init states"
     report["seconds"] = round(time.monotonic() - t0, 1)
     print(markdown(report))
     if args.json:

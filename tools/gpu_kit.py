@@ -50,6 +50,7 @@ PACKAGES = (
     ("lerobot", "PI0 / PI0.5 and the LeRobot dataset"), ("draccus", "lerobot's configs"),
     ("mergedeep", "draccus"), ("toml", "draccus"),
     ("datasets", "LeRobot datasets (buffer, demos)"), ("dill", "datasets"), ("multiprocess", "datasets"),
+    ("av", "lerobot's dataset extra: its dataset module refuses to import without it"),
     ("pyzmq", "the wire"), ("lz4", "image codec"),
     ("hydra-core", "configs"), ("omegaconf", "hydra"), ("antlr4-python3-runtime", "omegaconf"),
     ("gymnasium", "envs"), ("farama-notifications", "gymnasium"),

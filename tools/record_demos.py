@@ -90,11 +90,13 @@ def run_episode(env, episode: int, seed: int, *, noise: float = 0.0,
 
 
 def collect(env_cfg, tasks: Sequence[int | None], episodes: int, *, seed: int, noise: float = 0.0,
-            only_success: bool = False) -> list[tuple[int | None, list[dict], bool]]:
+            only_success: bool = False, max_tries: int | None = None) -> list[tuple[int | None, list[dict], bool]]:
     """Expert episodes of ``env_cfg``: ``episodes`` of each task in ``tasks`` (None: the env's
     own choice), task by task (one scene build each). The ``j``-th try of task ``t`` resets with
     ``seed + 10_000 * (t or 0) + j``, so what a task records does not depend on which process
-    ran it. Returns ``(task, records, solved)`` for every kept episode, plus the tries' outcomes."""
+    ran it. A task stops after ``max_tries`` tries (None: an error after ``10 * episodes + 10``)
+    with what it has. Returns ``(task, records, solved)`` for every try (records empty for a
+    try not kept)."""
     from envs.registry import make_env
 
     env = make_env(env_cfg)
@@ -104,6 +106,9 @@ def collect(env_cfg, tasks: Sequence[int | None], episodes: int, *, seed: int, n
             kept = tried = 0
             rng = np.random.default_rng(seed + 10_000 * (task or 0))
             while kept < episodes:
+                if max_tries is not None and tried >= max_tries:
+                    log.warning("task %s: the expert solved %d of %d tries; keeping those", task, kept, tried)
+                    break
                 if tried >= 10 * episodes + 10:
                     raise RuntimeError(f"the expert solved only {sum(o for _, _, o in out)} of {tried} "
                                        f"episodes of task {task}")
@@ -127,7 +132,8 @@ def _collect_star(args):
 
 def record_demos(env_cfg, out: str | Path, episodes: int, *, seed: int = 1000, noise: float = 0.0,
                  only_success: bool = False, video: bool = False, fps: int = 10,
-                 actor_id: str = "expert", per_task: bool = False, workers: int = 1) -> dict:
+                 actor_id: str = "expert", per_task: bool = False, workers: int = 1,
+                 max_tries: int | None = None) -> dict:
     """Write ``episodes`` expert episodes of ``env_cfg`` to a new LeRobot dataset at ``out``
     (``per_task``: ``episodes`` of each of the env's tasks, ``reset(options={"task_id": t})``,
     the tasks spread over ``workers`` processes); returns a summary (episodes, frames,
@@ -149,7 +155,7 @@ def record_demos(env_cfg, out: str | Path, episodes: int, *, seed: int = 1000, n
         probe = make_env(env_cfg)   # the task list only (LIBERO builds no scene before reset)
         tasks = list(getattr(probe.unwrapped, "task_ids", None) or [None])
         probe.close()
-    kw = dict(seed=seed, noise=noise, only_success=only_success)
+    kw = dict(seed=seed, noise=noise, only_success=only_success, max_tries=max_tries)
     if workers > 1 and len(tasks) > 1:
         groups = [tasks[i::workers] for i in range(min(workers, len(tasks)))]
         with mp.get_context("spawn").Pool(len(groups)) as pool:
@@ -192,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--per-task", action="store_true",
                    help="--episodes of each of the env's tasks (env.task_id=all: every task of the suite)")
     p.add_argument("--workers", type=int, default=1, help="processes (--per-task: tasks spread over them)")
+    p.add_argument("--max-tries", type=int, default=None,
+                   help="give up on a task after this many tries, keeping what it has (default: error)")
     p.add_argument("--seed", type=int, default=1000, help="episode i resets with seed + i")
     p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian action noise")
     p.add_argument("--only-success", action="store_true", help="keep only solved episodes")
@@ -202,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     summary = record_demos(env_config(args.overrides), args.out, args.episodes, seed=args.seed,
                            noise=args.noise, only_success=args.only_success, video=args.video,
-                           fps=args.fps, per_task=args.per_task, workers=args.workers)
+                           fps=args.fps, per_task=args.per_task, workers=args.workers,
+                           max_tries=args.max_tries)
     print(json.dumps(summary))
     return summary
 

@@ -48,10 +48,13 @@ def lerobot_pi_module(variant: str) -> types.ModuleType:
         return sys.modules[name]
     try:
         return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] == "lerobot":
+    except ImportError as exc:   # ModuleNotFoundError, or lerobot's require_package (e.g. av)
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "lerobot":
             raise
-        log.info("lerobot's full import needs %s; importing PI0 modules alone", exc.name)
+        log.info("lerobot's full import needs %s; importing PI0 modules alone",
+                 getattr(exc, "name", None) or exc)
+        for mod in [m for m in sys.modules if m == "lerobot.policies" or m.startswith("lerobot.policies.")]:
+            del sys.modules[mod]   # the half-imported package chain
     root = Path(importlib.util.find_spec("lerobot").origin).parent
     for pkg, path in (("lerobot.policies", root / "policies"), (f"lerobot.policies.{variant}",
                                                                 root / "policies" / variant)):

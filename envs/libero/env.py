@@ -222,10 +222,15 @@ class LiberoEnv(gym.Env):
         layout_seed = int(self.np_random.integers(2**31 - 1))
         saved = np.random.get_state()
         np.random.seed(layout_seed)
+        # a sampled placement needs LIBERO's hard reset: a soft one places objects that sit on
+        # fixtures (the stove, the cabinet's drawer) from the fixtures' old poses
+        hard = env.env.hard_reset
+        env.env.hard_reset = hard or idx is None
         try:
             with R.render_settings(self._render_settings()):  # a hard reset rebuilds the context
                 raw = env.reset()   # objects placed by LIBERO's own sampler (the seeded global RNG)
         finally:
+            env.env.hard_reset = hard
             np.random.set_state(saved)
         R.tune_renderer(env.sim, self.render_quality, bool(self.cameras))
         if idx is not None:
