@@ -6,7 +6,7 @@
 #   launch/gpu_box.sh check                   # the learner's and a LIBERO actor's imports, EGL
 #   launch/gpu_box.sh start --actors 14 --run-dir runs/x [learner overrides] -- [actor overrides]
 #   launch/gpu_box.sh wait --run-dir runs/x [--timeout S]    # until the learner exits
-#   launch/gpu_box.sh stop --run-dir runs/x   # SIGINT (checkpoint, spools kept), then SIGTERM
+#   launch/gpu_box.sh stop --run-dir runs/x   # SIGTERM (checkpoint, spools kept), then SIGKILL
 #   eval "$(launch/gpu_box.sh env)"           # the variables start sets, for your own commands
 #
 # TANDEM_KIT (default .kit) is where the parts are, TANDEM_SITE (default /tmp/tandem-site) where
@@ -94,8 +94,8 @@ start() {
   : > "$run_dir/pids"
   setsid "$ROOT/launch/run_learner.sh" run_dir="$run_dir" "${learner[@]}" >"$run_dir/learner.log" 2>&1 &
   echo "learner $!" >> "$run_dir/pids"
-  for _ in $(seq 1 600); do   # the learner writes status.json once it serves
-    [ -f "$run_dir/status.json" ] && break
+  for _ in $(seq 1 600); do   # until the learner serves (its start-up line)
+    grep -q "serving on" "$run_dir/learner.log" 2>/dev/null && break
     kill -0 "$(awk '/^learner/{print $2}' "$run_dir/pids")" 2>/dev/null || { tail -n 30 "$run_dir/learner.log"; exit 1; }
     sleep 1
   done
@@ -128,14 +128,15 @@ stop() {
   local run_dir=""
   while [ $# -gt 0 ]; do case "$1" in --run-dir) run_dir="$2"; shift 2 ;; *) shift ;; esac; done
   [ -f "$run_dir/pids" ] || return 0
-  while read -r _ pid; do kill -INT -- "-$pid" 2>/dev/null || kill -INT "$pid" 2>/dev/null || true; done < "$run_dir/pids"
-  for _ in $(seq 1 60); do
+  # SIGTERM: a process started in the background by a script ignores SIGINT
+  while read -r _ pid; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; done < "$run_dir/pids"
+  for _ in $(seq 1 120); do
     alive=0
     while read -r _ pid; do kill -0 "$pid" 2>/dev/null && alive=1; done < "$run_dir/pids"
     [ "$alive" = 0 ] && return 0
     sleep 1
   done
-  while read -r _ pid; do kill -TERM -- "-$pid" 2>/dev/null || true; done < "$run_dir/pids"
+  while read -r _ pid; do kill -KILL -- "-$pid" 2>/dev/null || true; done < "$run_dir/pids"
 }
 
 cmd="${1:-}"; shift || true

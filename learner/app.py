@@ -420,6 +420,7 @@ class Learner:
             if time.monotonic() - last_log >= self.cfg.logging.every_s:
                 self.metrics.log(self._status(), step=self.ingest.stats.episodes,
                                  console_keys=["episodes", "return", "success", "actors"])
+                self.write_status()
                 last_log = time.monotonic()
         if sweep is not None:
             report = {"version": self.weights.version, **sweep.report()}
