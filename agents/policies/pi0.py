@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +53,7 @@ from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
 from agents.policies.fast_common import resolve_compile, warm_up
 from agents.policies.pi0_fast import FastPiSampler
+from agents.policies.pi0_norm import Normalizer, fit_stats, load_stats
 from agents.policies.pi0_prompt import PromptTokens, prompts
 from agents.policies.pi0_lerobot import (ARCH_FILE, Pi0Arch, build_lerobot_pi, lerobot_config,  # noqa: F401
                                          lerobot_pi_module, save_lerobot_checkpoint)
@@ -180,42 +180,6 @@ class Pi05PolicyConfig(Pi0PolicyConfig):
     variant: str = "pi05"
 
 
-# -- normalisation ----------------------------------------------------------------------------
-def _load_stats(ckpt: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(ckpt.glob("policy_preprocessor_step_*_normalizer_processor.safetensors")) or \
-        sorted(ckpt.glob("*normalizer_processor.safetensors"))
-    return {k: v.float() for k, v in load_file(str(files[0])).items()} if files else {}
-
-
-class _Normalizer:
-    """lerobot's normaliser maths (processor/normalize_processor.py) for the state and the
-    action, with the statistics cached on the device they are used on."""
-
-    _BOUNDS = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}
-
-    def __init__(self, stats: dict[str, torch.Tensor], modes: dict[str, str]):
-        self.stats, self.modes, self._cache = stats, modes, {}
-
-    def _get(self, key: str, device) -> dict[str, torch.Tensor]:
-        if (key, device) not in self._cache:
-            self._cache[(key, device)] = {k.rsplit(".", 1)[1]: v.to(device) for k, v in self.stats.items()
-                                          if k.rsplit(".", 1)[0] == key}
-        return self._cache[(key, device)]
-
-    def __call__(self, x: torch.Tensor, key: str, inverse: bool = False) -> torch.Tensor:
-        mode = self.modes.get("STATE" if key == OBS_STATE else "ACTION", "IDENTITY")
-        s = self._get(key, x.device)
-        if mode == "IDENTITY" or not s:
-            return x
-        if mode == "MEAN_STD":
-            return x * s["std"] + s["mean"] if inverse else (x - s["mean"]) / (s["std"] + 1e-8)
-        lo, hi = (s[n] for n in self._BOUNDS[mode])
-        den = torch.where(hi == lo, torch.full_like(hi, 1e-8), hi - lo)
-        return (x + 1) * den / 2 + lo if inverse else 2 * (x - lo) / den - 1
-
-
 class _DropRecords(logging.Filter):
     def __init__(self, prefix: str):
         super().__init__()
@@ -244,7 +208,7 @@ class Pi0Policy(nn.Module):
         if ckpt is not None:
             self._load_weights(ckpt)
         self.lr_cfg, self.arch = lr_cfg, arch
-        self.norm = _Normalizer(self.stats, {k: getattr(v, "value", str(v)) for k, v in lr_cfg.normalization_mapping.items()})
+        self.norm = Normalizer(self.stats, {k: getattr(v, "value", str(v)) for k, v in lr_cfg.normalization_mapping.items()})
         tok = cfg.tokenizer or (str(ckpt / "tokenizer") if ckpt else None)
         if tok is None:
             raise ValueError(f"{self.who}: set policy.tokenizer (a local tokenizer folder) or a checkpoint with tokenizer/")
@@ -310,7 +274,7 @@ class Pi0Policy(nn.Module):
             lr_cfg.device, lr_cfg.dtype = dev.type, precision
             if cfg.tokenizer_max_length:
                 lr_cfg.tokenizer_max_length = cfg.tokenizer_max_length
-            stats = _load_stats(ckpt)
+            stats = load_stats(ckpt)
         lr_cfg.num_inference_steps = cfg.num_inference_steps
         lr_cfg.gradient_checkpointing = cfg.gradient_checkpointing
         return lr_cfg, arch, stats
@@ -353,17 +317,12 @@ class Pi0Policy(nn.Module):
         self.inner.load_state_dict(sd, strict=False)
 
     # -- from scratch ------------------------------------------------------------------------------
-    def fit_normalization(self, state: np.ndarray, action: np.ndarray) -> None:
+    def fit_normalization(self, state, action) -> None:
         """Set the state and action statistics (mean, std, min, max, q01, q99) from data
         ([N, S], [N, A]), as lerobot computes a dataset's: a model trained from scratch has no
         checkpoint to read them from. :meth:`save_checkpoint` writes them."""
-        stats = {}
-        for key, x in ((OBS_STATE, np.asarray(state, np.float64)), ("action", np.asarray(action, np.float64))):
-            for name, v in (("mean", x.mean(0)), ("std", x.std(0)), ("min", x.min(0)), ("max", x.max(0)),
-                            ("q01", np.quantile(x, 0.01, axis=0)), ("q99", np.quantile(x, 0.99, axis=0))):
-                stats[f"{key}.{name}"] = torch.as_tensor(v, dtype=torch.float32)
-        self.stats = stats
-        self.norm = _Normalizer(stats, self.norm.modes)
+        self.stats = fit_stats(state, action)
+        self.norm = Normalizer(self.stats, self.norm.modes)
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Write this model as a lerobot-layout checkpoint (config.json, model.safetensors,

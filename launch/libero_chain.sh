@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# LIBERO for real on one GPU box, in order: scripted-expert demos -> SFT of a PI0 trained from
+# scratch -> LIBERO's 500-episode protocol -> rejection sampling through the learner and N actors
+# -> the protocol again (docs/libero.md has the figures of a run). Install the kit first
+# (launch/gpu_box.sh install); run it in the background and read $R/res/ as it goes:
+#
+#   setsid launch/libero_chain.sh > /tmp/lr/chain.log 2>&1 &
+#
+# Settings (environment variables, defaults = the measured run): R (work folder, /tmp/lr),
+# K (demos per task, 10), STEPS (SFT steps, 2000), N (actors, 14), RS_MIN (minutes of RL, 5),
+# CYCLE_STEPS / CYCLE_SFT (env steps that start a BC cycle / BC steps in it, 3000 / 300),
+# WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids: 10, init_states: 50}),
+# EXTRA_ENV / EXTRA_POL (more overrides, e.g. a short time limit for a dry run on a CPU).
+# Every stage skips itself when its output exists, so a rerun continues where one stopped.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+R=${R:-/tmp/lr}; mkdir -p "$R/res"; PY=${TANDEM_PYTHON:-python3}
+eval "$(bash launch/gpu_box.sh env)"
+K=${K:-10}; STEPS=${STEPS:-2000}; RS_MIN=${RS_MIN:-5}; N=${N:-14}
+ENVB="env=libero_spatial env.task_id=all env.image_size=64"
+ENVO="$ENVB ${EXTRA_ENV:-}"
+POL="policy=pi0_small ${EXTRA_POL:-}"
+log() { echo "[$(date +%T)] $*" | tee -a "$R/res/timeline.txt"; }
+gpu() { command -v nvidia-smi >/dev/null || return 0
+        while true; do nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader >> "$R/res/gpu.csv"; sleep 5; done; }
+gpu & GPUPID=$!
+trap 'kill $GPUPID 2>/dev/null' EXIT
+
+log "demos: $K per task from sampled placements (none of the evaluation states)"
+[ -f "$R/demos/meta/info.json" ] || $PY -m tools.record_demos --out "$R/demos" --episodes "$K" --per-task \
+  --only-success --seed 1000 --workers "${WORKERS:-10}" --max-tries $((2 * K)) $ENVB env.init_state_id=random \
+  > "$R/demos.log" 2>&1
+grep -a '^{' "$R/demos.log" | tail -1 > "$R/res/demos.json"
+
+log "sft: $STEPS steps"
+[ -f "$R/sft/model.safetensors" ] || $PY -m tools.sft --demos "$R/demos" --save-checkpoint "$R/sft" --steps "$STEPS" \
+  --batch-size 64 --lr 3e-4 --lr-min 3e-5 --warmup "${WARMUP:-200}" --threads 0 $ENVB $POL > "$R/sft.log" 2>&1
+grep -a '^{' "$R/sft.log" | tail -1 > "$R/res/sft.json"
+
+COMMON="$ENVO $POL policy.checkpoint=$R/sft"
+LRN="algo=rejection_sampling logging.wandb=disabled buffer.video=false"
+ACT="chunk.execute=5"
+sweep() {   # run_dir: LIBERO's protocol through the learner and N actors (the run_dir's checkpoint, if any)
+  bash launch/gpu_box.sh start --actors "$N" --run-dir "$1" $COMMON $LRN mode=eval \
+    "eval.sweep=${SWEEP:-{task_ids: 10, init_states: 50\}}" -- $COMMON $ACT
+  for _ in $(seq 1 1800); do [ -f "$1/eval_report.json" ] && break; sleep 2; done
+  bash launch/gpu_box.sh stop --run-dir "$1"
+}
+
+log "protocol before RL"
+[ -f "$R/before/eval_report.json" ] || sweep "$R/before"
+cp "$R/before/eval_report.json" "$R/res/eval_before.json"
+
+log "rejection sampling: $RS_MIN min"
+if [ ! -f "$R/res/rs_metrics.jsonl" ]; then
+  bash launch/gpu_box.sh start --actors "$N" --run-dir "$R/rs" $COMMON $LRN buffer.demos="$R/demos" \
+    algo.eval_episodes=0 algo.env_steps_per_cycle="${CYCLE_STEPS:-3000}" algo.sft_steps_per_cycle="${CYCLE_SFT:-300}" \
+    algo.lr=1e-4 algo.lr_min=1e-5 trainer.checkpoint_every_s=60 -- $COMMON $ACT env.init_state_id=random
+  sleep $((RS_MIN * 60))
+  bash launch/gpu_box.sh stop --run-dir "$R/rs"
+  cp "$R/rs/metrics.jsonl" "$R/res/rs_metrics.jsonl"; cp "$R/rs/status.json" "$R/res/rs_status.json"
+  cp "$R/rs/learner.log" "$R/res/rs_learner.log"
+fi
+
+log "protocol after RL"
+[ -f "$R/rs/eval_report.json" ] || sweep "$R/rs"
+cp "$R/rs/eval_report.json" "$R/res/eval_after.json"
+log done
