@@ -96,6 +96,8 @@ class OpenVLAOFTPolicyConfig:
     lora_scopes: tuple[str, ...] = ("language_model",)
     #: modules trained in full: "action_head", "proprio_projector", "projector"
     trainable_heads: tuple[str, ...] = ("action_head", "proprio_projector")
+    #: every parameter trains (a model trained from scratch; trainable_state_dict is the whole model)
+    train_full: bool = False
     clip_actions: bool = True
     #: in eval mode, act with the adapters folded into the base weights (no adapter code in
     #: the forward; keeps a copy of the adapted base weights on the device)
@@ -193,7 +195,8 @@ class OpenVLAOFTPolicy(nn.Module):
         tok_dir = cfg.tokenizer or (str(ckpt) if ckpt else None)
         if tok_dir is None:
             raise ValueError(f"{self.who}: set policy.tokenizer (a local Llama tokenizer folder) or a checkpoint")
-        self.tokenizer = vc.load_local_tokenizer(tok_dir, self.who)
+        self.tokenizer = vc.load_local_tokenizer(tok_dir, self.who,
+                                                 builtin=("llama", int(pcfg.pad_token_id or pcfg.llama_config.vocab_size)))
         self._prep_tokens()
         if cfg.lora_rank > 0:
             regex = vc.lora_regex(_LORA_SCOPES, cfg.lora_scopes, cfg.lora_target_modules)
@@ -201,6 +204,8 @@ class OpenVLAOFTPolicy(nn.Module):
         heads = [h if h != "projector" else "model.projector" for h in cfg.trainable_heads
                  if getattr(self, h, True) is not None]
         vc.set_trainable(self, heads)
+        if cfg.train_full:
+            self.requires_grad_(True)
         self.lora = vc.LoRAServing(self)
         self._pixel_stats = [(torch.tensor(m, device=dev).view(1, 3, 1, 1), torch.tensor(s, device=dev).view(1, 3, 1, 1))
                              for m, s in self.model.vision_backbone.pixel_stats]
@@ -438,6 +443,21 @@ class OpenVLAOFTPolicy(nn.Module):
         if "action_is_pad" in batch:
             valid[:, :h] *= (~batch["action_is_pad"].to(self.device).bool()).float()
         return F.pad(act, (0, 0, 0, self.chunk_size - h)), valid
+
+    # -- from scratch (agents/policies/oft_scratch.py) ------------------------------------------------
+    def fit_normalization(self, state, action) -> None:
+        """OFT's dataset statistics from data ([N, S], [N, A]): a model trained from scratch has
+        none to load; :meth:`save_checkpoint` writes them."""
+        from agents.policies.oft_scratch import fit_stats
+
+        self.stats = fit_stats(state, action)
+        self.__dict__.pop("_bounds_cache", None)
+
+    def save_checkpoint(self, path) -> Path:
+        """This model in the published layout (``policy.checkpoint`` loads it)."""
+        from agents.policies.oft_scratch import write_checkpoint
+
+        return write_checkpoint(self, path)
 
     # -- Policy protocol ---------------------------------------------------------------------------
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
