@@ -24,6 +24,7 @@ import pytest
 
 from tandem_testutil import free_port
 from test_envs_libero import _assets_available
+from tools.learning_run import stop_processes
 from tools.make_tiny_checkpoints import TINY_PI0_ARCH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,17 +100,6 @@ def _wait(procs, cond, timeout, what, logs):
                          "\n".join(f"--- {x.name}\n{x.read_text()[-2500:]}" for x in logs))
 
 
-def _stop(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 def test_expert_demos_sft_eval_and_two_rl_rounds_hand_over(tmp_path):
     from tools import sft
     from tools.learning_run import version_success
@@ -149,7 +139,7 @@ def test_expert_demos_sft_eval_and_two_rl_rounds_hand_over(tmp_path):
     try:
         _wait(procs, lambda: (run / "eval_report.json").exists(), 300, "the evaluation report", logs)
     finally:
-        _stop(procs)
+        stop_processes(procs, 60)
     report = json.loads((run / "eval_report.json").read_text())
     assert report["overall"]["episodes"] == 2 and report["overall"]["jobs"] == 2
 
@@ -170,7 +160,7 @@ def test_expert_demos_sft_eval_and_two_rl_rounds_hand_over(tmp_path):
     try:
         _wait(procs, lambda: procs[0].poll() is not None, 400, "the learner to stop at 4 updates", logs)
     finally:
-        _stop(procs)
+        stop_processes(procs, 60)
     status = json.loads((run / "status.json").read_text())
     assert status["updates"] >= 4 and status["version"] >= 2
     by_version = version_success(run / "dataset")

@@ -77,9 +77,7 @@ class LiberoEnv(gym.Env):
         self._init_states = {t.task_id: load_init_states(t.init_states_file) for t in self.tasks}
         self.task = self.tasks[0]
         self.init_states = self._init_states[self.task.task_id]
-        if init_state_id == RANDOM:
-            pass
-        elif isinstance(init_state_id, str) or (init_state_id is not None and not all(
+        if init_state_id not in (None, RANDOM) and (isinstance(init_state_id, str) or not all(
                 0 <= int(init_state_id) < len(v) for v in self._init_states.values())):
             raise ValueError(f"init_state_id {init_state_id!r} must be an index into {suite}'s initial states "
                              f"of tasks {ids}, null (cycle through them) or {RANDOM!r} (new placements)")
