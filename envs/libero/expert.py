@@ -42,8 +42,8 @@ ROT_GAIN = 5.0
 MIN_SPEED = 0.3
 #: integral gain on the horizontal error (action units per metre-step)
 INTEGRAL_GAIN = 1.0
-#: finger opening (qpos of one finger, metres) below which the gripper counts as closed, and
-#: above which as open
+#: finger opening (qpos of one finger, metres) below which the gripper counts as closed (on a
+#: thin wall), and above which as open
 CLOSED_QPOS = OPEN_QPOS = 0.030
 #: steps the gripper gets to close before the grasp is judged
 CLOSE_STEPS = 8
@@ -127,11 +127,13 @@ class PickPlaceExpert:
         offs = sc.geom_offsets(obj)
         radial = np.linalg.norm(offs[:, :2], axis=1)
         top = float(offs[:, 2].max())
-        ring = len(offs) >= 12 and radial.max() > 0.03 and np.median(radial) > 0.5 * radial.max()
-        if not ring:
-            return Grasp(np.array([0.0, 0.0, max(top - 0.01, 0.01)]), 0.0, 0.0)
-        r = float(radial.max())
         pos = sc.body_pos(obj)
+        ring = len(offs) >= 12 and radial.max() > 0.03 and np.median(radial) > 0.5 * radial.max()
+        # a bowl is open: straight down its middle the first surface is its floor, not a lid
+        ring = ring and sc.surface_z(pos[:2], sc.all_but(obj)) < pos[2] + 0.5 * top
+        if not ring:
+            return Grasp(np.array([0.0, 0.0, max(sc.object_top(obj) - pos[2] - 0.02, 0.01)]), 0.0, 0.0)
+        r = float(radial.max())
         depth = pos[2] + top + 0.004 - 0.012          # fingertip height at the grasp
         target = sc.body_pos(self.goal()[2])
         options = []
@@ -157,6 +159,8 @@ class PickPlaceExpert:
         self._grasp_at = self.scene.body_pos(obj)
         self._closing = 0
         self._holding = False
+        self._grip_width: float | None = None
+        self._hang = 0.0
         self._xy_goal: np.ndarray | None = None
         self._integral = np.zeros(2)
         self._trail: list[np.ndarray] = []
@@ -173,8 +177,16 @@ class PickPlaceExpert:
         ee, ee_rot = sc.grip_pose()
         opos, tpos = sc.body_pos(obj), sc.body_pos(target)
         opening, both, either = sc.fingers(obj)
-        # a grasp is made when both fingers touch; it lasts while either still does
-        holding = opening < CLOSED_QPOS and (both or (self._holding and either))
+        # a grasp is made when both fingers touch the object after the gripper closed on it; it
+        # lasts while either finger still does and the gripper has not opened past the grasp
+        if both and not self._holding and (opening < CLOSED_QPOS or self._closing >= CLOSE_STEPS):
+            self._grip_width = opening
+            # how far the load hangs below the grip: down to what it stands on now
+            self._hang = ee[2] - sc.surface_z(opos[:2], self._skip)
+        holding = either and self._grip_width is not None and opening < self._grip_width + 0.004 and \
+            (both or self._holding)
+        if not holding:
+            self._grip_width = None
         self._holding = holding
         if holding:
             self._closing = CLOSE_STEPS
@@ -183,8 +195,7 @@ class PickPlaceExpert:
             drop[2] += DROP_ON if pred == "on" else DROP_IN
             xy_err = np.linalg.norm(drop[:2] - ee[:2])
             # high enough that the load's bottom clears everything on the way
-            transit = max(sc.path_height(ee, drop, self._skip, 0.05) + max(carry[2], 0.0) + CLEARANCE,
-                          drop[2])
+            transit = max(sc.path_height(ee, drop, self._skip, 0.05) + self._hang + CLEARANCE, drop[2])
             if xy_err > 0.02 and not self._stalled(ee, 0.04):
                 if ee[2] < transit - 0.03:
                     return self._command(np.array([ee[0], ee[1], transit]), 1.0, "lift")

@@ -81,6 +81,19 @@ class Scene:
         d = self.sim.data
         return np.array([d.geom_xpos[g] for g in self.object_geoms(name)]) - self.body_pos(name)
 
+    def all_but(self, name: str) -> set[int]:
+        """Body ids of everything but object ``name``: a ray cast that sees only it."""
+        root = self._root(name)
+        return {b for b in range(self.model.nbody) if not self._under(b, root)}
+
+    def object_top(self, name: str) -> float:
+        """Height of object ``name``'s highest point (a ray cast straight down on it alone)."""
+        pos = self.body_pos(name)
+        skip = self.all_but(name)
+        return max(self.surface_z(pos[:2] + d, skip) for d in
+                   (np.zeros(2), np.array([0.01, 0.0]), np.array([-0.01, 0.0]), np.array([0.0, 0.01]),
+                    np.array([0.0, -0.01])))
+
     def robot_and(self, name: str) -> set[int]:
         """Body ids of the robot and of object ``name``: what a ray cast for its grasp skips."""
         m, root = self.model, self._root(name)
