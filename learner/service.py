@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import _thread
 import logging
-import os
 import threading
 import time
 import uuid
@@ -57,9 +56,10 @@ import zmq
 
 from data.core.codec import CodecError, FieldRangeError, decode, encode, send_frames
 from data.core.jobs import Job
-from data.core.schema import ACT_TOKEN_BYTES, OBS_STATE
+from data.core.schema import OBS_STATE
 from data.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
+from learner.handshake import on_hello
 from learner.ingest import Ingest
 from learner.act_channel import (ActChannel, bind_act_socket, drain as _drain, is_act_token,
                                  user_id as _user_id)
@@ -342,73 +342,7 @@ class LearnerService(threading.Thread):
         handler(identity, peer, msg)
 
     def _on_hello(self, identity: bytes, msg, user_id: str | None = None) -> None:
-        actor_id = msg["actor_id"]
-        if not actor_id or len(actor_id) > 128:
-            self._error(identity, "bad_hello", "actor_id must be 1-128 characters")
-            return
-        if is_act_token(identity):  # replies to such ids are taken for the act socket's
-            self._error(identity, "bad_hello", f"a routing id of {ACT_TOKEN_BYTES} bytes not "
-                        "starting with 0 is reserved for act sockets; leave the main socket's "
-                        "routing id unset")
-            return
-        if self.key_ids is not None:
-            owner = self.key_ids.get(user_id or "")
-            if owner != actor_id:
-                self._error(identity, "identity_mismatch",
-                            f"this CURVE key is not actor {actor_id!r}'s (it belongs to "
-                            f"{owner!r}): each actor id is bound to its key in the "
-                            "authorised-keys folder")
-                return
-        if msg["config_hash"] != self.config_hash:
-            self._error(
-                identity, "config_mismatch",
-                f"actor {actor_id!r} has config hash {msg['config_hash']}, learner has "
-                f"{self.config_hash}: env, policy or chunk settings differ",
-            )
-            return
-        now = time.monotonic()
-        if len(self.peers) > 256:  # forget silent sessions: a flood of hellos stays bounded
-            self.peers = {i: p for i, p in self.peers.items() if now - p.last_seen < self.peer_timeout_s}
-            self.act_sessions = {p.token: p for p in self.peers.values() if p.token}
-        holders = [i for i, p in self.peers.items() if p.actor_id == actor_id and i != identity]
-        instance = msg.get("instance")
-        instance = instance if isinstance(instance, str) and 0 < len(instance) <= 64 else ""
-        live = [i for i in holders if now - self.peers[i].last_seen < self.peer_timeout_s
-                and not (instance and self.peers[i].instance == instance)]
-        if live and self.key_ids is None:
-            self._error(identity, "actor_id_in_use",
-                        f"actor id {actor_id!r} belongs to a live session (until it is silent for "
-                        f"{self.peer_timeout_s:.0f}s); retry later, or give this actor its own id")
-            return
-        resend_from = msg["resend_from"]
-        acked, _ = self.ingest.actor_position(actor_id)
-        if resend_from > acked + 1 and self.ingest.knows_acks(actor_id):
-            self._error(identity, "bad_resend",
-                        f"actor {actor_id!r} resends from seq {resend_from}, but this learner "
-                        f"acknowledged its records only up to {acked}; records in between would "
-                        "be skipped. If the learner's run_dir was replaced, clear the actor's spool")
-            return
-        # A reconnecting actor gets a new identity: forget the old (stale, or same-key) one.
-        for ident in holders:
-            self.act_sessions.pop(self.peers.pop(ident).token, None)
-        old = self.peers.get(identity)
-        if old is not None:  # a second hello on the same connection: a new session token
-            self.act_sessions.pop(old.token, None)
-        token = b"\x01" + os.urandom(ACT_TOKEN_BYTES - 1)
-        self.peers[identity] = peer = Peer(actor_id, now, instance, token)
-        self.act_sessions[token] = peer
-        ch = self.act_channel
-        act_port = ch.port if ch is not None and ch.claimed and not ch.closed else 0
-        self.ingest.resync(actor_id, resend_from)
-        acked, next_episode = self.ingest.actor_position(actor_id)
-        log.info("actor %s connected (acked seq %d)", actor_id, acked)
-        self._send(identity, encode("welcome", {
-            "learner_id": self.learner_id, "acked_seq": acked,
-            "received_seq": max(acked, self.ingest.received.get(actor_id, -1)),
-            "policy_version": self.get_version(), "mode": self.mode,
-            "next_episode": next_episode, "spec": self.spec.to_dict(), "jobs": self.next_job is not None,
-            "act_port": act_port, "act_token": token if act_port else b"",
-        }))
+        on_hello(self, identity, msg, user_id)
 
     def _on_act(self, identity: bytes, peer: Peer, msg) -> None:
         bad = self.check_act(msg)
