@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from learner.actor_stats import ActorStats
 from learner.checkpoint import (checkpoint_age_s, format_age, latest_checkpoint, load_checkpoint,
                                 save_checkpoint)
 from data.live_view import LiveView
+from data.stops import StopSignals
 from learner.console import RateMeter, Stages, render, view_status
 from learner.distributed import (CTRL_GATHER, CTRL_IDLE, CTRL_STOP, RankError, Ranks, RootAgent,
                                  check_world, gathered_trainable, make_accelerator, needs_gather)
@@ -236,11 +236,9 @@ class Learner:
                  "env=%s, config hash %s", self.service.learner_id, self.device, self.serving_device, cfg.transport.host,
                  self.service.port, self.service.pub_port, cfg.mode, cfg.algo.name,
                  cfg.policy.name, cfg.env.name, self.config_hash)
-        prev = signal.getsignal(signal.SIGTERM)
-        try:
-            signal.signal(signal.SIGTERM, _raise_interrupt)
-        except ValueError:  # not the main thread (tests)
-            prev = None
+        # SIGINT and SIGTERM alike, also when started in the background with SIGINT ignored
+        stops = StopSignals(on_stop=self._stop.set)
+        stops.install()
         result: dict = {}
         live = LiveView(lambda: render(self.full_status("view")), stray_output=str(self.run_dir / "native_output.log"),
                         enabled=str(cfg.logging.get("live", "auto")) != "false").start()
@@ -262,8 +260,7 @@ class Learner:
             self._stop_ranks()
             self.write_status()
             self.close()
-            if prev is not None:
-                signal.signal(signal.SIGTERM, prev)
+            stops.restore()
             if self._fatal_rank is not None:
                 raise RuntimeError(f"a learner rank died ({self._fatal_rank}); the run stopped "
                                    "after a checkpoint: restart it with the same --gpus") from self._fatal_rank
@@ -437,7 +434,3 @@ class Learner:
         self.service.finished = True
         time.sleep(min(3.0, 2 * self.cfg.transport.heartbeat_s + 0.5))  # let actors hear it
         return report
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
