@@ -266,6 +266,8 @@ class LearnerClient:
             self.policy_version = max(self.policy_version, msg["policy_version"])
         elif msg.type == "weights":
             self.weights_msg = msg
+        elif msg.type == "batch_rejected":  # consumed by the learner: the ack that follows covers it
+            self.spool.dead_letter(msg["first_seq"], msg["last_seq"], msg["code"], msg["message"])
         elif msg.type == "error":
             code = msg["code"]
             if code == "finished":
@@ -464,4 +466,5 @@ class LearnerClient:
 
     def stats(self) -> dict[str, Any]:
         return {"unacked": len(self.spool), "spool_mb": self.spool.nbytes / 2**20,
-                "reconnects": self.reconnects, "version": self.policy_version}
+                "reconnects": self.reconnects, "version": self.policy_version,
+                "dead_letters": self.spool.dead_letters}

@@ -51,6 +51,8 @@ def actor_status(loop, client, *, device: str | None) -> dict[str, Any]:
         "served_version": int(client.policy_version),
         "acting_version": int(loop.version),
         "unacked": len(client.spool),
+        "dead_letters": int(getattr(client.spool, "dead_letters", 0)),
+        "last_dead_letter": getattr(client.spool, "last_dead", None),
         "act_ms": float(getattr(client, "last_act_ms", 0.0)),
     }
 
@@ -73,6 +75,10 @@ def render(st: dict[str, Any]):
     if st["silent_s"] is not None:
         link += f" · last heard {st['silent_s']:.1f} s ago"
     link += f" · reconnects {st['reconnects']} · unacked {st['unacked']}"
+    if st.get("dead_letters"):
+        last = st.get("last_dead_letter") or {}
+        link += (f" · [bold red]dead letters {st['dead_letters']}[/] (last: {last.get('code', '?')}, "
+                 f"seq {last.get('first_seq', '?')}..{last.get('last_seq', '?')})")
     t = Table.grid(padding=(0, 2))
     t.add_column(style="dim")
     t.add_column()

@@ -238,10 +238,10 @@ class ActorLoop:
                 rate = (self.steps - last_steps) / (now - last_log)
                 log.info(
                     "steps %d | %.0f steps/s | episodes %d | return %.2f | success %.2f | version %d"
-                    " | unacked %d | act %.1f ms", self.steps, rate, self.episodes,
+                    " | unacked %d | dead letters %d | act %.1f ms", self.steps, rate, self.episodes,
                     np.mean(self.returns) if self.returns else float("nan"),
                     np.mean(self.successes) if self.successes else float("nan"),
-                    version, len(spool), self.client.last_act_ms,
+                    version, len(spool), getattr(spool, "dead_letters", 0), self.client.last_act_ms,
                 )
                 last_log, last_steps = now, self.steps
         self._flush(force=True)

@@ -56,7 +56,7 @@ import zmq
 
 from data.core.codec import CodecError, FieldRangeError, decode, encode, send_frames
 from data.core.jobs import Job
-from data.core.schema import OBS_STATE
+from data.core.schema import MAX_BATCH, OBS_STATE
 from data.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
 from learner.handshake import on_hello
@@ -362,7 +362,9 @@ class LearnerService(threading.Thread):
             return
         err = check_transitions_message(msg)
         if err:
-            self._error(identity, "bad_seq" if err.startswith("last_seq") else "bad_transitions", err)
+            self._reject(identity, peer.actor_id, msg["first_seq"], msg["last_seq"],
+                         "bad_seq" if err.startswith("last_seq") else "bad_transitions", err,
+                         msg.arrays.get("episode"))
             return
         batch = TransitionBatch.from_message(msg)
         try:
@@ -371,17 +373,43 @@ class LearnerService(threading.Thread):
             # Invalid records are consumed (counted, logged, never stored) so that the actor's
             # stream goes on; nothing stored before changes.
             self.ingest.count_rejection(str(exc))
-            self._error(identity, "bad_transitions", f"seq {batch.first_seq}..{batch.last_seq}: {exc}")
-            self._ack(identity, peer.actor_id, self.ingest.skip(batch))
+            self._reject(identity, peer.actor_id, batch.first_seq, batch.last_seq, "bad_transitions",
+                         f"seq {batch.first_seq}..{batch.last_seq}: {exc}", batch.arrays.get("episode"))
             return
         try:
-            acked, dup = self.ingest.add(batch)
+            acked, dup, rejected = self.ingest.add(batch)
         except TransitionError as exc:  # sequence gap: the actor resends from its ack
             self._error(identity, "bad_transitions", str(exc))
             return
         self.counters["duplicates"] += dup
-        self.counters["transitions"] += len(batch) - dup
+        if rejected is not None:  # an episode-level problem: consumed, counted by ingest
+            self.count_rejection("bad_episode")
+            self._send(identity, encode("batch_rejected", {
+                "first_seq": batch.first_seq, "last_seq": batch.last_seq, "code": "bad_episode",
+                "message": f"seq {batch.first_seq}..{batch.last_seq}: {rejected}"[:1000]}))
+        else:
+            self.counters["transitions"] += len(batch) - dup
         self._ack(identity, peer.actor_id, acked)
+
+    def _reject(self, identity: bytes, actor_id: str, first: int, last: int, code: str,
+                message: str, episodes) -> None:
+        """A batch refused as a whole: its sequence numbers are consumed (unless a gap comes
+        before them, or they are no range of 1..MAX_BATCH records) and the actor gets a typed
+        ``batch_rejected`` naming them, then the ack; otherwise an ``error``."""
+        if not 0 <= last - first < MAX_BATCH:
+            self._error(identity, code, message)
+            return
+        try:
+            acked = self.ingest.skip_range(actor_id, first, last, episodes)
+        except TransitionError as exc:  # after a gap: the actor resends from its ack first
+            self._error(identity, "bad_transitions", f"{exc} (a rejected batch)")
+            return
+        self.count_rejection(code)
+        self._warn.warning("rejected batch seq %d..%d of %s: %s: %s", first, last, actor_id, code,
+                           message[:500])
+        self._send(identity, encode("batch_rejected", {"first_seq": first, "last_seq": last,
+                                                       "code": code, "message": message[:1000]}))
+        self._ack(identity, actor_id, acked)
 
     def ack_frames(self, actor_id: str, acked: int) -> list:
         received = max(acked, self.ingest.received.get(actor_id, -1))

@@ -169,7 +169,8 @@ def test_invalid_transitions_are_consumed_not_stored(learner):
     recs = records(3)
     recs[1]["reward"] = float("inf")
     r = rpc(s, TransitionBatch.from_records("a0", 0, recs).to_frames())
-    assert r.type == "error" and "reward: contains NaN or Inf" in r["message"]
+    assert r.type == "batch_rejected" and "reward: contains NaN or Inf" in r["message"]
+    assert (r["first_seq"], r["last_seq"]) == (0, 2)
     assert s.poll(2000)
     ack = decode(s.recv_multipart())
     assert ack.type == "ack" and ack["acked_seq"] == 2
@@ -376,7 +377,7 @@ def test_extras_transitions_through_the_socket_are_checked_against_the_spec(port
         for rec in recs:
             del rec["extra.tokens"]
         r = rpc(s, TransitionBatch.from_records("a0", 3, recs).to_frames())
-        assert r.type == "error" and "missing array 'extra.tokens'" in r["message"]
+        assert r.type == "batch_rejected" and "missing array 'extra.tokens'" in r["message"]
         assert ingest.sink.total_added == 3
     finally:
         svc.stop()

@@ -35,7 +35,8 @@ SPEC = EnvSpec(state_dim=3, action_dim=2, cameras={"front": (4, 4, 3)})
 HASH = "fuzz"
 SELF = "$self"  # placeholder for the session's actor id in a generated header
 #: replies a learner may send to a client request
-REPLY_TYPES = {"welcome", "act_reply", "job", "no_job", "ack", "pong", "weights", "error"}
+REPLY_TYPES = {"welcome", "act_reply", "job", "no_job", "ack", "pong", "weights", "error",
+               "batch_rejected"}
 
 _EDGE_INTS = [0, -1, 1, 2**31 - 1, 2**31, 2**53 - 1, 2**53, 2**62, 2**63 - 2, 2**63 - 1, -(2**63),
               2**64 - 1]
@@ -315,7 +316,7 @@ class FuzzTarget:
 
     def _count(self, r) -> None:
         assert r.type in REPLY_TYPES, f"unexpected reply type {r.type!r}"
-        key = r.type if r.type != "error" else "error:" + r["code"]
+        key = r.type if r.type not in ("error", "batch_rejected") else r.type + ":" + r["code"]
         self.replies[key] = self.replies.get(key, 0) + 1
 
     def served(self) -> None:

@@ -153,6 +153,9 @@ MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
                           "seed": int, "group_id": int, "deterministic": bool}),
     "no_job": MessageSchema({"episode": int}),
     "ack": MessageSchema({"acked_seq": int, "received_seq": int, "policy_version": int}),
+    # a transitions batch the learner refused (records first_seq..last_seq, consumed: the
+    # following ack covers them); the actor keeps it as a dead letter and goes on
+    "batch_rejected": MessageSchema({"first_seq": int, "last_seq": int, "code": str, "message": str}),
     "pong": MessageSchema({"t": float, "policy_version": int}),
     "weights": MessageSchema({"policy_version": int}),
     "error": MessageSchema({"code": str, "message": str}),
