@@ -124,6 +124,7 @@ class Learner:
         self.data = self.builder.make_data(self.spec, cfg.buffer, run_dir=self.run_dir, seed=cfg.seed,
                                            device=str(self.device), train=cfg.mode == "train")
         self.ingest = Ingest(self.data.sink, store=self.data.store, store_transitions=cfg.mode == "train",
+                             max_staged_bytes=int(float(cfg.buffer.get("max_staged_mb", 1024)) * (1 << 20)),
                              stats_window=int(cfg.eval.episodes if cfg.mode == "eval"
                                               else cfg.logging.stats_window),
                              on_ack=lambda actor, seq: self._push_ack(actor, seq))
@@ -357,6 +358,7 @@ class Learner:
                   pub_port=self.service.pub_port, received=dict(self.ingest.received),
                   stored=self.data.sink.total_added, rejections=dict(self.ingest.rejections),
                   dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status(),
+                  staged_mb=round(self.ingest.staged_bytes / 2**20, 3),
                   rejected_by_code=dict(self.service.rejections),
                   internal_errors=self.service.counters["internal_errors"],
                   rejection_logs_suppressed=self.service._warn.suppressed_total,

@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 RECENT = 4096  # ended / dropped episode ids remembered per actor
+MAX_TASKS = 1024  # tasks with statistics of their own; episodes of any further task are pooled
+OTHER_TASKS = "(other tasks)"
 
 
 @dataclass
 class EpisodeStats:
-    """Finished-episode returns and successes, per task. Thread-safe: the socket thread adds
+    """Finished-episode returns and successes, per task (at most :data:`MAX_TASKS`; episodes of
+    any further task are pooled under :data:`OTHER_TASKS`). Thread-safe: the socket thread adds
     episodes while the main loop and the status writer read (an unlocked read once met a
     deque mid-append under load and took the learner down)."""
 
@@ -27,6 +30,8 @@ class EpisodeStats:
 
     def add(self, task: str, ret: float, success: bool, length: int) -> None:
         with self._lock:
+            if task not in self.returns and len(self.returns) >= MAX_TASKS:
+                task = OTHER_TASKS  # bounded however many distinct instructions arrive
             for store, val in ((self.returns, ret), (self.successes, float(success))):
                 dq = store[task]
                 dq.append(val)

@@ -38,16 +38,20 @@ whole batch is consumed and nothing stored changes):
 
 An episode that lost records to a rejected batch, whose start is missing, that an actor
 left unfinished (a record of a newer episode arrives: an actor runs one episode at a time),
-or that runs past ``max_episode_records`` without ending, is **dropped**: it never reaches the dataset (it is never half present), its records already
-in the replay buffer stay sampleable transitions, its further records are discarded, and
-``dropped_episodes`` counts it by reason.
+that runs past ``max_episode_records`` without ending, or that is the oldest unfinished one
+when the records staged for the store by all actors together pass ``max_staged_bytes``
+(``evicted``: memory stays bounded however many actor ids hold never-ending episodes) is
+**dropped**: it never reaches the dataset (it is never half present), its records already in
+the replay buffer stay sampleable transitions, its further records are discarded, and
+``dropped_episodes`` counts it by reason. A dropped episode's records were never acknowledged
+(an open episode holds its actor's ack); the ack then moves past them.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -68,6 +72,7 @@ class _StagedEpisode:
     last_step: int = -1
     ended: bool = False          # its terminating / truncating step has arrived
     chunks: list = field(default_factory=list)  # (arrays, tasks, seqs) slices, when staging
+    nbytes: int = 0              # bytes of its staged records (counted in Ingest.staged_bytes)
 
 
 @dataclass
@@ -85,9 +90,14 @@ class Ingest:
 
     def __init__(self, sink, *, store=None, store_transitions: bool = True,
                  stats_window: int = 100, on_ack: Callable[[str, int], None] | None = None,
-                 max_episode_records: int = 100_000):
+                 max_episode_records: int = 100_000, max_staged_bytes: int = 1 << 30):
         self.sink = sink
         self.max_episode_records = int(max_episode_records)
+        #: bound on the records of unfinished episodes staged for the store, all actors together
+        self.max_staged_bytes = int(max_staged_bytes)
+        self.staged_bytes = 0
+        #: actor -> its open episode while it has staged records, oldest first (for eviction)
+        self._staged: OrderedDict[str, _StagedEpisode] = OrderedDict()
         self.store_transitions = store_transitions
         self.store = store if store_transitions else None
         self.on_ack = on_ack
@@ -218,6 +228,8 @@ class Ingest:
             self.received[actor] = new.last_seq
             self._settle(actor)
             self._track(new, keep)
+            if self.staged_bytes > self.max_staged_bytes:
+                self._bound_staged()
             return self.acked.get(actor, -1), dup, None
 
     def _check(self, b: TransitionBatch) -> tuple[str, str] | None:
@@ -300,12 +312,18 @@ class Ingest:
                 i = j
                 continue
             if staging:
-                op.chunks.append(({k: v[i:j] for k, v in a.items()}, b.tasks[i:j],
+                chunk = {k: v[i:j] for k, v in a.items()}
+                op.chunks.append((chunk, b.tasks[i:j],
                                   np.arange(b.first_seq + i, b.first_seq + j, dtype=np.int64)))
+                nb = sum([v.nbytes for v in chunk.values()])
+                op.nbytes += nb
+                self.staged_bytes += nb
+                self._staged.setdefault(actor, op)
             op.last_step = steps[j - 1]
             op.ended = bool(ends[j - 1])
             if last[j - 1]:
                 st.open = None
+                self._release(actor, op)
                 st.ended.add(ep)
                 if staging:
                     st.pending[ep] = op.first_seq
@@ -313,12 +331,33 @@ class Ingest:
             i = j
         return keep
 
+    def _release(self, actor: str, op: _StagedEpisode) -> None:
+        """``op`` no longer counts as staged (finished: handed to the store; or dropped)."""
+        self.staged_bytes -= op.nbytes
+        op.nbytes = 0
+        if self._staged.get(actor) is op:
+            del self._staged[actor]
+
+    def _bound_staged(self) -> None:
+        """Over ``max_staged_bytes`` of unfinished episodes (all actors): drop the oldest open
+        episodes until under it. Each is counted (``dropped_episodes["evicted"]``) and logged;
+        its records were never acknowledged (an open episode holds its actor's ack), so its
+        actor's ack moves past them and they are never stored: nothing acknowledged is lost."""
+        while self.staged_bytes > self.max_staged_bytes and self._staged:
+            actor = next(iter(self._staged))
+            self._drop_open(actor, "evicted", f"{self.staged_bytes} bytes of unfinished episodes "
+                            f"staged, over the limit of {self.max_staged_bytes} (all actors): the "
+                            "oldest goes")
+            self._settle(actor)
+
     def _drop_open(self, actor: str, reason: str, why: str) -> None:
         st = self._actors[actor]
         op = st.open
         if op is None:
             return
         st.open = None
+        self._release(actor, op)
+        op.chunks = []
         st.dropped.add(op.episode)
         self.dropped_episodes[reason] += 1
         self._running.pop((actor, op.episode), None)
