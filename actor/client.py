@@ -48,6 +48,18 @@ class LearnerFinished(RuntimeError):
     """The learner said it is done (evaluation finished)."""
 
 
+class ActError(RuntimeError):
+    """No actions for this request: the learner could not serve it (``inference_failed``,
+    ``bad_observation``), sent an unusable reply (``bad_reply``) or did not answer in time
+    (``no_reply``, ``not_connected``). Never final: the actor holds its env safe and retries
+    (:class:`actor.loop.ActorLoop`)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
 class LearnerClient:
     def __init__(
         self,
@@ -341,15 +353,21 @@ class LearnerClient:
 
     def act(self, arrays: dict[str, np.ndarray], tasks: list[str], *, deterministic: bool = False
             ) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
-        """Actions [B, H, A], the policy version that produced them and the policy extras
-        ``{"extra.<name>": [B, *shape]}`` (each extra the welcome's spec declares, checked).
-        Retries forever (a robot waits for its learner); reconnects after
-        ``reconnect_after`` timeouts."""
+        """Actions [B, H, A] (finite), the policy version that produced them and the policy
+        extras ``{"extra.<name>": [B, *shape]}`` (each extra the welcome's spec declares,
+        checked). Retries a request that times out; after ``reconnect_after`` timeouts (or as
+        long without a connection) it starts a new handshake in the background and raises
+        :class:`ActError`, as it does when the learner answers with an error: the caller
+        keeps its env safe meanwhile and asks again."""
         misses = 0
+        give_up = time.monotonic() + self.timeout_s * self.reconnect_after
         while True:
             if self.sock is None:
                 self._start_handshake()
             while not self.connected:
+                if time.monotonic() > give_up:
+                    raise ActError("not_connected", f"no welcome from the learner at {self.endpoint} "
+                                   f"in {self.timeout_s * self.reconnect_after:.1f}s (still trying)")
                 self._pump_handshake(0.2)
             self._req_id += 1
             req = self._req_id
@@ -378,10 +396,16 @@ class LearnerClient:
                     self.last_act_ms = (time.perf_counter() - t0) * 1000.0
                     version = self.policy_version = msg.fields["policy_version"]
                     actions = np.array(msg.arrays["actions"])
-                    return actions, version, self._reply_extras(msg, len(actions))
+                    if actions.dtype.kind != "f" or not np.isfinite(actions).all():
+                        raise ActError("bad_reply", f"act reply of version {version}: actions "
+                                       f"{actions.dtype.name}{actions.shape} are not finite floats")
+                    try:
+                        return actions, version, self._reply_extras(msg, len(actions))
+                    except ValueError as exc:
+                        raise ActError("bad_reply", str(exc)) from None
                 if msg.type == "error" and msg["code"] in ("bad_observation", "inference_failed"):
-                    raise ValueError(f"learner could not serve the act request: {msg['code']}: "
-                                     f"{msg['message']}")
+                    raise ActError(msg["code"], f"the learner could not serve the act request: "
+                                   f"{msg['message']}")
                 # (a late act_reply is dropped; handshake_required from the act socket, a learner
                 # that forgot this session, starts a new handshake and the request is resent)
                 self._dispatch(msg)
@@ -390,8 +414,10 @@ class LearnerClient:
             if not self.connected:
                 continue
             misses += 1
-            if misses % self.reconnect_after == 0 or not self.connected:
-                self.reconnect()
+            if misses % self.reconnect_after == 0:
+                self.reconnect(block=False)
+                raise ActError("no_reply", f"no act reply from the learner at {self.endpoint} in "
+                               f"{misses} x {self.timeout_s:.1f}s (reconnecting)")
 
     def _reply_extras(self, msg: Message, n: int) -> dict[str, np.ndarray]:
         declared = self.spec.extras if self.spec else {}

@@ -1,8 +1,8 @@
 """What the person at the robot sees: a live rich panel of the actor (when stdout is a
 terminal; plain status lines otherwise, as before).
 
-It shows who is in control (the policy or the human) with the intervention device's
-hotkeys, the episode's step and return, the learner link (connected, reconnecting, silent
+It shows who is in control (the policy or the human; or that the env is held because the
+policy gives no action, and why) with the intervention device's hotkeys, the episode's step and return, the learner link (connected, reconnecting, silent
 for how long, unacknowledged records), the policy version being served, and the outcome of
 the recent episodes. The numbers are the ones the plain status line prints
 (:class:`actor.loop.ActorLoop` and :class:`actor.client.LearnerClient` attributes).
@@ -34,6 +34,9 @@ def actor_status(loop, client, *, device: str | None) -> dict[str, Any]:
     return {
         "actor_id": loop.actor_id,
         "in_control": loop.in_control,
+        "holding": getattr(loop, "holding", None),
+        "act_failures": int(getattr(loop, "act_failures", 0)),
+        "outages": int(getattr(loop, "outages", 0)),
         "device": device or "none",
         "episode": loop.episode,
         "episode_step": loop.episode_step,
@@ -64,8 +67,13 @@ def render(st: dict[str, Any]):
     from rich.text import Text
 
     human = st["in_control"] == "human"
-    who = Text.from_markup("[bold white on red] HUMAN in control [/]" if human
-                           else "[bold black on green] POLICY in control [/]")
+    if st.get("holding"):
+        who = Text.from_markup("[bold black on yellow] HOLDING: no action from the policy [/] ")
+        who.append(f"{st['holding'][:200]} (retrying; {st['act_failures']} failed requests, "
+                   f"{st['outages']} outages)")
+    else:
+        who = Text.from_markup("[bold white on red] HUMAN in control [/]" if human
+                               else "[bold black on green] POLICY in control [/]")
     keys = Text.from_markup("hotkeys: " + HOTKEYS.get(st["device"], NO_DEVICE))
     if st["connected"]:
         link = f"[green]connected[/] to learner {st['learner_id'] or '?'} ({st['learner_mode']})"

@@ -51,7 +51,9 @@ from learner.eval_sweep import EvalSweep
 from learner.jobs import JobQueue
 from learner.metrics import MetricsLogger
 from learner.service import LearnerService
+from learner.finite_guard import nonfinite
 from learner.weights import WeightPublisher
+from learner.wire_guard import RateLimitedLog
 
 log = logging.getLogger("tandem.learner")
 
@@ -165,6 +167,9 @@ class Learner:
         )
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
         self._stop = threading.Event()
+        self.checkpoints_refused = 0
+        self._skip_warn = RateLimitedLog(log, burst=3, window_s=60.0)
+        self._skipped_seen = 0
         self._restore()
         self.metrics = MetricsLogger(
             run_dir=self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
@@ -194,7 +199,10 @@ class Learner:
             if self.cfg.mode == "train":
                 self.ingest.load_state_dict(state["ingest"])
             stage()
-            self.weights.publish(self._trainable(), version=int(state["version"]))
+            if self.weights.publish(self._trainable(), version=int(state["version"])) is None:
+                raise ValueError(f"{path}: its policy weights hold NaN or Inf "
+                                 f"({', '.join(self.weights.last_refused)}); resume from an earlier "
+                                 "checkpoint (delete this one) or start a new run_dir")
         log.info("resumed from %s (written %s ago): %d updates, policy version %d", path,
                  format_age(checkpoint_age_s(path)), self.algo.updates, self.weights.version)
 
@@ -207,8 +215,14 @@ class Learner:
             return {"algo": self.algo.state_dict(), "ingest": self.ingest.state_dict(),
                     "version": self.weights.version, "ranks": ranks_meta(self.ranks.world, engines)}
 
+        # never a checkpoint of weights that are not finite: the latest good one stays
+        if self._refuse_checkpoint(nonfinite(self.algo.policy.trainable_state_dict())):
+            return None
         if self.ranks.world == 1 and not engines:
-            return save_checkpoint(root, self.algo.updates, state(), keep=keep)
+            st = state()
+            if self._refuse_checkpoint(nonfinite(st["algo"])):
+                return None
+            return save_checkpoint(root, self.algo.updates, st, keep=keep)
         if getattr(self, "_fatal_rank", None) is not None:  # the other ranks are gone
             if engines:
                 log.error("no final checkpoint: the DeepSpeed state is split over the ranks and a rank "
@@ -216,6 +230,15 @@ class Learner:
                 return None
             return save_checkpoint(root, self.algo.updates, state(), keep=keep)  # DDP: rank 0's is whole
         return save_ranked(self.ranks, root, self.algo.updates, state, engines, keep=keep)
+
+    def _refuse_checkpoint(self, bad: list[str]) -> bool:
+        if not bad:
+            return False
+        self.checkpoints_refused += 1
+        log.error("checkpoint not written: %d tensor(s) hold NaN or Inf (%s%s); the latest stays %s",
+                  len(bad), ", ".join(bad[:5]), ", ..." if len(bad) > 5 else "",
+                  latest_checkpoint(self.run_dir / "checkpoints"))
+        return True
 
     # ---- running -------------------------------------------------------------------------
 
@@ -292,6 +315,19 @@ class Learner:
             self.ranks.send(CTRL_GATHER)
         return gathered_trainable(self.algo.policy, self.accelerator)
 
+    def _skipped_updates(self) -> dict[str, int]:
+        """Optimizer steps skipped for a non-finite loss or gradient, by reason."""
+        guard = getattr(self.accelerator, "finite_guard", None)
+        return dict(guard.skipped) if guard is not None else {}
+
+    def _note_skips(self) -> None:
+        total = sum(self._skipped_updates().values())
+        if total > self._skipped_seen:
+            self._skip_warn.warning("%d optimizer step(s) skipped for a non-finite loss or gradient "
+                                    "(%s in all); the weights stay finite", total - self._skipped_seen,
+                                    self._skipped_updates())
+            self._skipped_seen = total
+
     def _service_died(self, exc: BaseException) -> None:  # the dying socket thread
         """No half-alive learner: stop the main loop; :meth:`run` checkpoints and raises."""
         self._fatal = exc
@@ -339,6 +375,8 @@ class Learner:
             "infer_batch": float(sum(sizes) / len(sizes)) if sizes else 0.0,
             "served": self.inference.served, "infer_batches": self.inference.batches,
             "rejected": self.service.counters["rejected"],
+            "skipped_updates": sum(self._skipped_updates().values()),
+            "weights_refused": self.weights.refused,
             "duplicates": self.service.counters["duplicates"],
         }
 
@@ -360,6 +398,8 @@ class Learner:
                   dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status(),
                   staged_mb=round(self.ingest.staged_bytes / 2**20, 3),
                   rejected_by_code=dict(self.service.rejections),
+                  skipped_updates_by_reason=self._skipped_updates(),
+                  checkpoints_refused=self.checkpoints_refused,
                   internal_errors=self.service.counters["internal_errors"],
                   rejection_logs_suppressed=self.service._warn.suppressed_total,
                   stopped=self.stopped)
@@ -376,6 +416,7 @@ class Learner:
             m = self.algo.step()
             if m:
                 metrics = m
+                self._note_skips()
                 if self.algo.should_publish():
                     self.weights.publish(self._trainable())
                 if ((cfg.checkpoint_every and self.algo.updates - last_ckpt >= cfg.checkpoint_every)
