@@ -128,6 +128,7 @@ class LearnerClient:
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # per frame, before it is buffered
         configure_client_socket(s, self.security)
         s.connect(self.endpoint)
         self.sock = s
@@ -230,6 +231,7 @@ class LearnerClient:
         # hand-back through pyzmq's garbage-collector thread
         s.copy_threshold = 1 << 20
         s.setsockopt(_RCVTIMEO, max(1, int(self.timeout_s * 1000)))  # act()'s first wait
+        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         configure_client_socket(s, self.security)
         s.connect(f"tcp://{self.host}:{port}")
         self.act_sock = s

@@ -155,6 +155,7 @@ class Learner:
             submit_act=self._submit_act, get_version=lambda: self.weights.version,
             get_weights=lambda: self.weights.latest(), host=t.host, port=t.port, pub_port=t.pub_port,
             act_port=t.get("act_port"), max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
+            gate_memory_bytes=int(float(t.get("gate_memory_mb", 4096)) * (1 << 20)),
             mode=cfg.mode, security=OmegaConf.to_container(t.security, resolve=True),
             next_job=None if self.jobs is None else self.jobs.next_job,
             on_fatal=self._service_died,
@@ -397,7 +398,9 @@ class Learner:
                   stored=self.data.sink.total_added, rejections=dict(self.ingest.rejections),
                   dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status(),
                   staged_mb=round(self.ingest.staged_bytes / 2**20, 3),
-                  rejected_by_code=dict(self.service.rejections),
+                  rejected_by_code=dict(self.service.rejections), wire_gate={
+                      "restarts": self.service.gate.restarts, "exits": list(self.service.gate.exits),
+                      **self.service.gate.stats},
                   skipped_updates_by_reason=self._skipped_updates(),
                   checkpoints_refused=self.checkpoints_refused,
                   internal_errors=self.service.counters["internal_errors"],

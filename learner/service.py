@@ -1,10 +1,15 @@
-"""The learner's socket thread: ROUTER for requests, PUB for weight versions.
+"""The learner's socket thread: requests and replies on the main socket, weight versions on
+the PUB socket.
 
-Only this thread touches the ROUTER and PUB sockets. Other threads (inference, trainer)
-hand it outgoing messages through an inproc PUSH -> PULL channel (:meth:`outbox`), so no
-ZMQ socket is ever shared between threads and inference never runs here.
+The network-facing sockets are the wire gate's, a process of their own (:mod:`data.core.gate`,
+:mod:`learner.server_sockets`: a peer can neither abort the learner through libzmq nor make it
+buffer more than the message limits; a gate that dies is started again from this thread's
+loop). This thread owns the learner's ends of the main and PUB sockets; other threads
+(inference, trainer) hand it outgoing messages through an inproc PUSH -> PULL channel
+(:meth:`outbox`), so no ZMQ socket is ever shared between threads and inference never runs
+here.
 
-Per message from an actor (first frame is the ROUTER identity):
+Per message from an actor (first frame: the peer's routing identity, as a ROUTER gives it):
 
 - ``hello``: checks protocol (codec) and config hash, registers the actor, replies
   ``welcome`` with the actor's acknowledged sequence number and the current version;
@@ -61,10 +66,10 @@ from data.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
 from learner.handshake import on_hello
 from learner.ingest import Ingest
-from learner.act_channel import (ActChannel, bind_act_socket, drain as _drain, is_act_token,
-                                 user_id as _user_id)
+from learner.act_channel import ActChannel, drain as _drain, is_act_token
+from learner.server_sockets import open_server_sockets, send_or_drop
 from learner.wire_guard import RateLimitedLog, check_act_obs, check_obs, check_transitions_message
-from data.core.security import authorized_actor_ids, configure_server_socket
+from data.core.security import authorized_actor_ids
 
 log = logging.getLogger("tandem.learner.service")
 
@@ -123,11 +128,12 @@ class LearnerService(threading.Thread):
         on_fatal: Callable[[BaseException], None] | None = None,
         act_port: int | None = None,
         act_socket: bool = True,
+        gate_memory_bytes: int = 4 << 30,
     ):
         """``act_port``: the act socket's port (:mod:`learner.act_channel`); None: ``port + 2``
-        (5590 by default; one the OS picks, logged, when that is taken or ``port`` is 0; the
-        welcome tells actors which). ``act_socket=False``: none,
-        every act goes through this thread's ROUTER."""
+        (5590 by default; one the OS picks when that is taken or ``port`` is 0; the welcome
+        tells actors which). ``act_socket=False``: none, every act goes through the main
+        socket. ``gate_memory_bytes``: the wire gate's memory cap (:mod:`data.core.gate`)."""
         super().__init__(name="tandem-service", daemon=True)
         self.ctx = ctx
         self.spec = spec
@@ -162,33 +168,23 @@ class LearnerService(threading.Thread):
         self._outbox_lock = threading.Lock()
         #: identity -> (actor id, acked seq): acks owed for transitions handled in this wake-up
         self._acks_owed: dict[bytes, tuple[str, int]] = {}
-        # Bind in the constructor so that port errors surface in the caller's thread.
-        self.router = ctx.socket(zmq.ROUTER)
-        self.pub = ctx.socket(zmq.PUB)
-        for s in (self.router, self.pub):
-            s.setsockopt(zmq.LINGER, 0)
-            configure_server_socket(s, host, security)
-        # Hard guard well above the codec limit, so that oversize gets an error reply first.
-        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.pub.setsockopt(zmq.SNDHWM, 4)
-        self.router.bind(f"tcp://{host}:{port}")
-        self.pub.bind(f"tcp://{host}:{pub_port}")
-        self.port = int(self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
-        self.pub_port = int(self.pub.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self.counters["dropped_replies"] = 0  # replies the gate could not take (restarting, full)
+        # Bind in the constructor so that port errors surface in the caller's thread. The
+        # network-facing sockets are the wire gate's (learner/server_sockets.py): no peer can
+        # abort this process or make it buffer without bound.
+        self._curve = bool(security.get("server_secret_key"))
+        self.sockets = open_server_sockets(
+            ctx, host=host, port=port, pub_port=pub_port, act_port=act_port, act_socket=act_socket,
+            security=security, max_message_bytes=max_message_bytes, memory_bytes=gate_memory_bytes)
+        self.gate = self.sockets.gate
+        self.router, self.pub = self.sockets.main, self.sockets.pub
+        self.port, self.pub_port = self.sockets.port, self.sockets.pub_port
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(OUTBOX_ADDR + "-" + self.learner_id)
         self.act_channel: ActChannel | None = None
-        if act_socket:
-            try:
-                sock = bind_act_socket(ctx, host, (port + 2 if port else 0) if act_port is None
-                                       else act_port, security, max_message_bytes, fallback=act_port is None)
-            except zmq.ZMQError:
-                for s in (self.router, self.pub, self.pull):
-                    s.close(0)
-                raise
-            self.act_channel = ActChannel(self, sock)
+        if self.sockets.act is not None:
+            self.act_channel = ActChannel(self, self.sockets.act, self.sockets.act_port)
 
     # ---- API for other threads -------------------------------------------------------
 
@@ -248,19 +244,25 @@ class LearnerService(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
+        skip = 2 if self._curve else 1  # [routing id, (CURVE User-Id,) message...]
         try:
             while not self._stop_event.is_set():
                 events = dict(poller.poll(100))
                 if self.pull in events:
                     for frames in _drain(self.pull, ready=True):
-                        out = self.router if frames[0].bytes == b"R" else self.pub
-                        send_frames(out, frames[1:])
+                        if frames[0].bytes == b"R":
+                            self._out(frames[1:])
+                        else:
+                            send_frames(self.pub, frames[1:])
                 if self.router in events:
                     for i, frames in enumerate(_drain(self.router, ready=True), 1):
-                        self._handle_safe(frames[0].bytes, frames[1:])
+                        self._handle_safe(frames[0].bytes, frames[skip:],
+                                          frames[1].bytes.decode("ascii", "replace") if skip == 2 else None)
                         if i % ACK_EVERY == 0:
                             self._send_acks()
                     self._send_acks()
+                if self.gate.poll():  # it died (a crafted peer, its memory cap): a new one serves
+                    self.counters["gate_restarts"] = self.gate.restarts
         except BaseException as exc:
             self.error = exc
             log.critical("the learner's socket thread died: %s: %s", type(exc).__name__, exc,
@@ -272,22 +274,28 @@ class LearnerService(threading.Thread):
         finally:
             for s in (self.router, self.pub, self.pull):
                 s.close(0)
+            self.gate.stop()
             if self.act_channel is not None:  # the inference thread closes it if it took it
                 self.act_channel.close(unless_owned=True)
             with self._outbox_lock:
                 for s in self._outbox_socks:
                     s.close(0)
 
+    def _out(self, frames: list) -> None:
+        """``[routing id, frames...]`` to the gate, or dropped (counted) when it cannot take it."""
+        if not send_or_drop(self.router, frames):
+            self.counters["dropped_replies"] += 1
+
     def _send_acks(self) -> None:
         while self._acks_owed:
             identity, (actor_id, acked) = self._acks_owed.popitem()
-            send_frames(self.router, [identity, *self.ack_frames(actor_id, acked)])
+            self._out([identity, *self.ack_frames(actor_id, acked)])
 
     def _send(self, identity: bytes, frames: list) -> None:
         if identity in self._acks_owed:  # what this peer is owed goes first, in order
             actor_id, acked = self._acks_owed.pop(identity)
-            send_frames(self.router, [identity, *self.ack_frames(actor_id, acked)])
-        send_frames(self.router, [identity, *frames])
+            self._out([identity, *self.ack_frames(actor_id, acked)])
+        self._out([identity, *frames])
 
     def _error(self, identity: bytes, code: str, message: str) -> None:
         self.count_rejection(code)
@@ -296,11 +304,11 @@ class LearnerService(threading.Thread):
                            code, message[:500])
         self._send(identity, encode("error", {"code": code, "message": message}))
 
-    def _handle_safe(self, identity: bytes, frames: list) -> None:
-        """One message: whatever it raises becomes an error reply and a count, never the end
-        of this thread."""
+    def _handle_safe(self, identity: bytes, frames: list, user_id: str | None = None) -> None:
+        """One message (``user_id``: the sender's CURVE key, z85): whatever it raises becomes an
+        error reply and a count, never the end of this thread."""
         try:
-            self._handle(identity, frames)
+            self._handle(identity, frames, user_id)
         except Exception as exc:
             self.count_rejection("internal_error", internal=True)
             self._warn.warning("message from %s raised %s (counted, serving on)", identity.hex(),
@@ -312,7 +320,10 @@ class LearnerService(threading.Thread):
             except Exception:  # the reply itself failed (the peer is gone): counted above
                 pass
 
-    def _handle(self, identity: bytes, frames: list) -> None:
+    def _handle(self, identity: bytes, frames: list, user_id: str | None = None) -> None:
+        if not frames:
+            self._error(identity, "bad_message", "empty message")
+            return
         try:
             msg = decode(frames, max_bytes=self.max_message_bytes)
         except CodecError as exc:
@@ -320,7 +331,7 @@ class LearnerService(threading.Thread):
                         str(exc))
             return
         if msg.type == "hello":
-            self._on_hello(identity, msg, _user_id(frames[0]))
+            self._on_hello(identity, msg, user_id)
             return
         peer = self.peers.get(identity)
         if peer is None:

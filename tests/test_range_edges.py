@@ -23,10 +23,10 @@ def test_an_episode_id_at_the_top_is_refused_and_one_below_leaves_the_actor_able
     top = STEP_BOUNDS["episode"][1]
     assert top == MAX_SEQ - 1 and FIELD_BOUNDS["next_episode"][1] == MAX_SEQ
     r = rpc(s, _batch("edge", 0, MAX_SEQ).to_frames())  # the old top: its successor cannot be sent
-    assert r.type == "error" and "episode" in r["message"], r.fields
+    assert r.type == "batch_rejected" and "episode" in r["message"], r.fields
     assert ingest.sink.total_added == 0
-    r = rpc(s, _batch("edge", 0, top).to_frames())  # the refused batch was consumed: seq 0 again
-    while r.type != "ack" or r["received_seq"] < 1:  # (the refused batch's ack may come first)
+    r = rpc(s, _batch("edge", 2, top).to_frames())  # (the refused records 0..1 were consumed)
+    while r.type != "ack" or r["received_seq"] < 3:  # (the refused batch's ack comes first)
         assert s.poll(3000)
         r = decode(s.recv_multipart())
     assert ingest.sink.total_added == 2 and ingest.max_episode["edge"] == top

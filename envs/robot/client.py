@@ -140,6 +140,7 @@ class RobotEnv(gym.Env):
         if self._sock is not None:
             self._sock.close(0)
         sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_DRIVER_MESSAGE_BYTES)
         sock.linger = 0
         configure_client_socket(sock, self._security)
         sock.connect(self.address)
