@@ -173,17 +173,18 @@ def id_edges(ctx: zmq.Context, port: int, spec: EnvSpec, config_hash: str, *,
 
 
 def huge_frames(ctx: zmq.Context, port: int, *, limit: int, host: str = "127.0.0.1") -> int:
-    """A frame of ``limit`` + 1 bytes; ``limit`` // 8 MiB + 2 frames of 8 MiB (past the limit in
-    all); a message of 5000 one-byte frames. The same buffer is sent each time (no copies
+    """A frame of ``limit`` + 1 bytes; frames of min(8 MiB, ``limit``) each, past ``limit`` in
+    all; a message of 5000 one-byte frames. The same buffer is sent each time (no copies
     here). Returns the messages sent."""
     big = bytes(limit + 1)
-    piece = memoryview(bytes(8 << 20))
+    size = min(8 << 20, limit)
+    piece = memoryview(bytes(size))
     s = _dealer(ctx, port, host)
     try:
         s.send(big, copy=False)
         s.close(0)
         s = _dealer(ctx, port, host)
-        s.send_multipart([piece] * (limit // (8 << 20) + 2), copy=False)
+        s.send_multipart([piece] * (limit // size + 2), copy=False)
         s.send_multipart([b"x"] * 5000)
         _drain(s, 1000)
         return 3
