@@ -194,6 +194,8 @@ class LearnerService(threading.Thread):
         if sock is None:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
+            # a dead socket thread (its PULL closed) must not block the caller for ever
+            sock.setsockopt(zmq.SNDTIMEO, 2000)
             sock.connect(OUTBOX_ADDR + "-" + self.learner_id)
             self._outbox_local.sock = sock
             with self._outbox_lock:
@@ -206,10 +208,19 @@ class LearnerService(threading.Thread):
         if ch is not None and ch.owner == threading.get_ident() and is_act_token(identity):
             ch.send(identity, frames)
             return
-        self.outbox().send_multipart([b"R", identity, *frames], copy=False)
+        self._push([b"R", identity, *frames])
 
     def publish(self, frames: list) -> None:
-        self.outbox().send_multipart([b"P", *frames], copy=False)
+        self._push([b"P", *frames])
+
+    def _push(self, frames: list) -> None:
+        try:
+            self.outbox().send_multipart(frames, copy=False)
+        except zmq.Again:  # the socket thread is gone (or stuck): dropped, counted
+            with self._count_lock:
+                self.counters["dropped_replies"] += 1
+            if not self.is_alive():
+                self._warn.warning("the socket thread is not running: a message to send was dropped")
 
     def active_actors(self) -> int:
         now = time.monotonic()

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -120,6 +121,9 @@ class Gate:
                             f"{self.start_timeout_s:.0f}s (exit {self.proc.returncode})")
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.ports = {k: int(v) for k, v in msg["ports"].items()}
+        # a gate whose owner forgets it (never started, dropped) ends with it, at the latest
+        # when this interpreter exits
+        weakref.finalize(self, _terminate, self.proc, self.dir)
         return dict(self.ports)
 
     def _read_line(self, timeout_s: float) -> bytes:
@@ -204,3 +208,9 @@ class Gate:
                 p.wait()
         if p.stdout is not None:
             p.stdout.close()
+
+
+def _terminate(proc: subprocess.Popen, folder: Path) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+    shutil.rmtree(folder, ignore_errors=True)
