@@ -43,6 +43,12 @@ def on_hello(svc: "LearnerService", identity: bytes, msg, user_id: str | None = 
                    f"actor {actor_id!r} has config hash {msg['config_hash']}, learner has "
                    f"{svc.config_hash}: env, policy or chunk settings differ")
         return
+    known = svc.ingest.knows_actor(actor_id) or any(p.actor_id == actor_id for p in svc.peers.values())
+    if not known and svc.ingest.actor_count() >= svc.max_actor_ids:
+        svc._error(identity, "too_many_actors",
+                   f"this learner keeps state for at most {svc.max_actor_ids} actor ids "
+                   "(transport.max_actor_ids) and knows that many: reuse an actor id")
+        return
     now = time.monotonic()
     if len(svc.peers) > 256:  # forget silent sessions: a flood of hellos stays bounded
         svc.peers = {i: p for i, p in svc.peers.items() if now - p.last_seen < svc.peer_timeout_s}

@@ -139,6 +139,17 @@ class Ingest:
         with self._lock:
             return self.store is not None or actor_id in self._acked_here
 
+    def knows_actor(self, actor_id: str) -> bool:
+        """Whether this learner keeps sequence state for ``actor_id``."""
+        with self._lock:
+            return actor_id in self.received or actor_id in self.acked
+
+    def actor_count(self) -> int:
+        """Actor ids this learner keeps sequence state for (bounded by the service's hello
+        check, ``max_actor_ids``)."""
+        with self._lock:
+            return len(self.received.keys() | self.acked.keys())
+
     def actor_position(self, actor_id: str) -> tuple[int, int]:
         """(acked sequence number or -1, next free episode id) for a (re)connecting actor."""
         with self._lock:

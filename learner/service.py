@@ -129,11 +129,14 @@ class LearnerService(threading.Thread):
         act_port: int | None = None,
         act_socket: bool = True,
         gate_memory_bytes: int = 4 << 30,
+        max_actor_ids: int = 4096,
     ):
         """``act_port``: the act socket's port (:mod:`learner.act_channel`); None: ``port + 2``
         (5590 by default; one the OS picks when that is taken or ``port`` is 0; the welcome
         tells actors which). ``act_socket=False``: none, every act goes through the main
-        socket. ``gate_memory_bytes``: the wire gate's memory cap (:mod:`data.core.gate`)."""
+        socket. ``gate_memory_bytes``: the wire gate's memory cap (:mod:`data.core.gate`).
+        ``max_actor_ids``: hellos naming a new actor id are refused (``too_many_actors``) once
+        ingest keeps state for that many (the state of every id is kept for good)."""
         super().__init__(name="tandem-service", daemon=True)
         self.ctx = ctx
         self.spec = spec
@@ -146,6 +149,7 @@ class LearnerService(threading.Thread):
         self.peer_timeout_s = peer_timeout_s
         self.mode = mode
         self.next_job = next_job
+        self.max_actor_ids = int(max_actor_ids)
         self.learner_id = uuid.uuid4().hex[:12]
         self.peers: dict[bytes, Peer] = {}
         #: act token -> session (read by the inference thread; written here only)

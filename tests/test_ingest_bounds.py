@@ -63,3 +63,25 @@ def test_episode_statistics_keep_a_bounded_number_of_tasks():
         stats.add(f"task {i}", 1.0, True, 3)
     assert len(stats.returns) == MAX_TASKS + 1 and len(stats.returns[OTHER_TASKS]) == 5
     assert stats.summary()["episodes"] == MAX_TASKS + 500
+
+
+def test_the_number_of_actor_ids_the_learner_keeps_state_for_is_bounded(ports):
+    """Every actor id's sequence state is kept for good: hellos naming new ids are refused past
+    ``max_actor_ids`` (too_many_actors); known ids still handshake."""
+    from data.transitions import TransitionBatch
+    from test_wire_hardening import dealer, hello, make_service, records, rpc
+
+    svc, ingest, ctx, close = make_service(ports, max_actor_ids=3)
+    try:
+        for a in ("a", "b", "c"):
+            s = dealer(ctx, svc.port)
+            assert hello(s, a).type == "welcome"
+            assert rpc(s, TransitionBatch.from_records(a, 0, records(2)).to_frames()).type == "ack"
+            s.close(0)
+        r = hello(dealer(ctx, svc.port), "d")
+        assert r.type == "error" and r["code"] == "too_many_actors" and "3" in r["message"]
+        assert ingest.actor_count() == 3
+        svc.peers.clear()  # (the sessions above are gone, as after peer_timeout_s)
+        assert hello(dealer(ctx, svc.port), "b").type == "welcome"  # a known id
+    finally:
+        close()

@@ -31,7 +31,7 @@ HASH = "cafe"
 
 
 def make_service(ports, *, ingest=None, security=None, peer_timeout_s=10.0, submit_act=None,
-                 on_fatal=None):
+                 on_fatal=None, **service_kw):
     ctx = zmq.Context()
     ingest = ingest or Ingest(ReplayBuffer(1000, SPEC))
     policy = MLPPolicy(MLPPolicyConfig(hidden_dims=(16,), cnn_channels=(4,), image_embed_dim=8), SPEC)
@@ -40,7 +40,8 @@ def make_service(ports, *, ingest=None, security=None, peer_timeout_s=10.0, subm
                          submit_act=submit_act or (lambda r: box["inf"].submit(r)),
                          get_version=lambda: box["w"].version, get_weights=lambda: box["w"].latest(),
                          port=ports[0], pub_port=ports[1], max_message_bytes=1 << 20,
-                         peer_timeout_s=peer_timeout_s, security=security, on_fatal=on_fatal)
+                         peer_timeout_s=peer_timeout_s, security=security, on_fatal=on_fatal,
+                         **service_kw)
     inf = InferenceServer(policy, reply=svc.reply, active_actors=svc.active_actors,
                           device=torch.device("cpu"), batch_window_ms=1.0)
     box["inf"], box["w"] = inf, WeightPublisher(inf.set_weights, svc.publish)

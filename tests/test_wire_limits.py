@@ -71,19 +71,8 @@ def test_the_gates_memory_is_capped(ports):
     """A message the gate cannot even hold (past its memory cap): libzmq's allocation fails,
     the sender is disconnected, the gate's memory stays under its cap and the learner's does
     not move; the learner serves on."""
-    import test_wire_hardening as twh
-
-    real = twh.LearnerService
     cap = 96 << 20
-
-    def small_gate(*a, **kw):
-        return real(*a, **{**kw, "gate_memory_bytes": cap})
-
-    twh.LearnerService = small_gate
-    try:
-        svc, ingest, ctx, close = make_service(ports)
-    finally:
-        twh.LearnerService = real
+    svc, ingest, ctx, close = make_service(ports, gate_memory_bytes=cap)
     try:
         base, gate_peak = _gate_rss(svc), 0
         s = dealer(ctx, svc.port)
