@@ -145,9 +145,10 @@ def main() -> None:
         for sock, _ in poller.poll(500):
             other, f = routes[sock]
             for _ in range(64):  # a few per wake-up, so no socket starves
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    frames = _recv(sock)
+                except zmq.Again:
                     break
-                frames = _recv(sock)
                 if sock in fronts and f["kind"] == "router":
                     _inbound(frames, sock, other, f, curve, counters)
                 elif f["kind"] == "router":  # the server's reply: [routing id, frames...]
@@ -178,7 +179,7 @@ def _inbound(frames: list, front: zmq.Socket, back: zmq.Socket, f: dict, curve: 
              counters: dict) -> None:
     """A peer's message ([routing id, frames...]): within the limits, to the server."""
     n = len(frames) - 1
-    size = sum([fr.buffer.nbytes for fr in frames[1:]])
+    size = sum(map(len, frames)) - len(frames[0])
     why = ("too_many_frames" if n > f["max_frames"] else
            "too_large" if size > f["max_message_bytes"] else None)
     if why is not None:
