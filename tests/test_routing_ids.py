@@ -96,3 +96,31 @@ def test_crafted_routing_ids_leave_the_learner_alive_and_the_actor_acting(tmp_pa
     finally:
         run.stop_all()
         ctx.destroy(0)
+
+
+def test_crafted_routing_ids_leave_the_robot_driver_serving():
+    """The actor side's one bound socket, the robot driver's, is behind a gate too: crafted ids,
+    and a gate that aborts anyway, leave the driver (its robot safety loop) serving a client."""
+    from envs.registry import make_env
+    from envs.robot.driver import serve_in_thread
+
+    server, thread = serve_in_thread({"name": "point_reach", "image_size": 16}, heartbeat_timeout=2.0)
+    ctx = zmq.Context()
+    try:
+        port = int(server.endpoint.rsplit(":", 1)[1])
+        env = make_env({"name": "robot", "port": port, "heartbeat_timeout": 2.0, "max_episode_steps": 3})
+        env.reset(seed=0)
+        routing_ids(ctx, [port], span=64, randoms=64, triggers=4)
+        os.kill(server._gate.proc.pid, signal.SIGABRT)  # as if a guess had hit its counter
+        deadline = time.monotonic() + 20
+        while server._gate.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert thread.is_alive() and server._gate.restarts >= 1
+        env.reset(seed=1)  # the client reconnects to the new gate and drives the env again
+        env.step(env.action_space.sample())
+        env.close()
+    finally:
+        ctx.destroy(0)
+        server.shutdown()
+        thread.join(10)
+        server.close()
