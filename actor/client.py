@@ -5,7 +5,10 @@ It handshakes, asks for actions, streams spooled transition batches and processe
 with timeouts, retries and heartbeats. When the learner stops answering (restart, dropped
 link) it closes the socket, opens a new one and handshakes again ("lazy pirate"); the
 welcome says what the learner has acknowledged, and everything after that is resent from
-the spool. A config mismatch or an evaluation that is finished is final and raised.
+the spool. A config mismatch or an evaluation that is finished is final and raised; an act
+that gets no actions (the learner could not serve it, or did not answer) raises
+:class:`ActError`, never final: the loop holds its env and asks again. A batch the learner
+refuses (``batch_rejected``) becomes a dead letter in the spool (:meth:`actor.spool.Spool.dead_letter`).
 
 Acts go to the learner's act socket when the welcome names one (``act_port``, served by its
 inference thread: :mod:`learner.act_channel`): a second DEALER whose routing id is the

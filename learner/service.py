@@ -18,15 +18,17 @@ Per message from an actor (first frame: the peer's routing identity, as a ROUTER
   (:mod:`learner.act_channel`: the inference thread reads, validates and answers them itself,
   with no hand-off through this thread); both paths run the same checks (:meth:`check_act`);
 - ``transitions``: validates, drops duplicates by sequence number, hands new records to
-  :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number;
+  :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number; a batch
+  refused as a whole (its layout, schema, value ranges or episode checks) is answered with
+  ``batch_rejected`` naming its records, which are consumed (the ack after it covers them);
 - ``ping`` -> ``pong``; ``get_weights`` -> ``weights``; ``bye`` forgets the peer;
 - ``get_job`` (episode id the actor is about to start): ``job`` (the episode to run exactly,
   from ``next_job(actor_id, episode)``) or ``no_job``. The welcome's ``jobs`` says whether
   this learner hands out jobs at all; its ``spec`` is the env layout with the policy extras
   that records must carry.
 
-Anything malformed, oversized, unknown or out of order gets an ``error`` reply naming what
-is wrong, and the loop keeps serving: any exception from one message (not only the codec's)
+Anything malformed, oversized (the gate's ``message_too_large``), unknown or out of order
+gets an ``error`` reply naming what is wrong, and the loop keeps serving: any exception from one message (not only the codec's)
 becomes an ``internal_error`` reply and a count in ``counters["internal_errors"]``. Every
 rejection is counted by code (``rejections``); their WARNINGs are rate-limited. If the thread
 dies anyway, ``on_fatal(exc)`` is called (the learner app stops loudly with the cause;
@@ -39,7 +41,8 @@ session. Without keys the first live session owns the id until it is silent for
 ``peer_timeout_s``; a hello claiming it meanwhile gets ``actor_id_in_use`` (the actor retries),
 unless it carries the same ``instance`` token as that session's hello (the same actor process
 retrying its handshake with a new socket, e.g. hellos queued while the learner was starting).
-A ``resend_from`` beyond what this learner acknowledged (``bad_resend``) is refused when the
+A hello naming a new actor id once ingest keeps state for ``max_actor_ids`` ids gets
+``too_many_actors``. A ``resend_from`` beyond what this learner acknowledged (``bad_resend``) is refused when the
 acks are durable (an episode store), or, without one, once this process has acknowledged that
 actor's records; before that a restarted learner cannot know what an earlier process
 acknowledged, and skips the gap as lost records (logged).
