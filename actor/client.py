@@ -496,6 +496,5 @@ class LearnerClient:
         return self.weights_msg
 
     def stats(self) -> dict[str, Any]:
-        return {"unacked": len(self.spool), "spool_mb": self.spool.nbytes / 2**20,
-                "reconnects": self.reconnects, "version": self.policy_version,
-                "dead_letters": self.spool.dead_letters}
+        return {"unacked": len(self.spool), "spool_mb": self.spool.nbytes / 2**20, "reconnects":
+                self.reconnects, "version": self.policy_version, "dead_letters": self.spool.dead_letters}

@@ -171,7 +171,7 @@ class LearnerService(threading.Thread):
         self.finished = False  # eval done: tell actors to stop
         self._stop_event = threading.Event()
         self._outbox_local = threading.local()
-        self._outbox_socks: list[zmq.Socket] = []
+        self._outbox_socks: list[tuple[int, zmq.Socket]] = []  # (creating thread, socket)
         self._outbox_lock = threading.Lock()
         #: identity -> (actor id, acked seq): acks owed for transitions handled in this wake-up
         self._acks_owed: dict[bytes, tuple[str, int]] = {}
@@ -206,7 +206,7 @@ class LearnerService(threading.Thread):
             sock.connect(OUTBOX_ADDR + "-" + self.learner_id)
             self._outbox_local.sock = sock
             with self._outbox_lock:
-                self._outbox_socks.append(sock)
+                self._outbox_socks.append((threading.get_ident(), sock))
         return sock
 
     def reply(self, identity: bytes, frames: list) -> None:
@@ -295,9 +295,13 @@ class LearnerService(threading.Thread):
             self.gate.stop()
             if self.act_channel is not None:  # the inference thread closes it if it took it
                 self.act_channel.close(unless_owned=True)
+            # only this thread's own outbox socket: another thread may be inside a send on its
+            # own (closing it from here aborts libzmq); those go with the context's destroy
+            me = threading.get_ident()
             with self._outbox_lock:
-                for s in self._outbox_socks:
-                    s.close(0)
+                for owner, s in self._outbox_socks:
+                    if owner == me:
+                        s.close(0)
 
     def _out(self, frames: list) -> None:
         """``[routing id, frames...]`` to the gate, or dropped (counted) when it cannot take it."""
