@@ -7,12 +7,14 @@ gate, which binds ``host:port``, ``act_port`` and ``pub_port``. Messages from ac
 as ``[routing id, (CURVE User-Id,) frames...]`` (the User-Id frame only with CURVE keys), as
 a ROUTER's would with the key read off the frame; replies go out as ``[routing id, frames...]``.
 A reply the gate cannot take now (no gate: it is restarting; or its queue is full) is dropped
-(:func:`send_or_drop`): the actor retries, as it does for a lost reply.
+(:func:`send_or_drop`): the actor retries, as it does for a lost reply. :class:`Outboxes` are
+the other threads' ways into the socket thread.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -90,3 +92,55 @@ def send_or_drop(sock: zmq.Socket, frames: list) -> bool:
         return True
     except zmq.Again:
         return False
+
+
+@dataclass
+class _Outbox:
+    sock: zmq.Socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+
+class Outboxes:
+    """Each thread's PUSH socket into the learner's socket thread (an inproc PULL at ``addr``),
+    made on the thread's first send. A send waits at most 2 s (a socket thread that is gone
+    must not block its caller) and holds the socket's lock, so :meth:`close_all` (the socket
+    thread, as it ends) never closes one while its thread is inside a send (libzmq aborts);
+    a closed one drops what it is given."""
+
+    def __init__(self, ctx: zmq.Context, addr: str):
+        self.ctx, self.addr = ctx, addr
+        self._local = threading.local()
+        self._all: list[_Outbox] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> _Outbox:
+        box = getattr(self._local, "box", None)
+        if box is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, 2000)
+            sock.connect(self.addr)
+            box = self._local.box = _Outbox(sock)
+            with self._lock:
+                self._all.append(box)
+        return box
+
+    def push(self, frames: list) -> bool:
+        """Send ``frames`` from this thread; False (dropped) when the socket thread cannot take it."""
+        box = self.get()
+        with box.lock:
+            if box.closed:
+                return False
+            try:
+                box.sock.send_multipart(frames, copy=False)
+                return True
+            except zmq.Again:
+                return False
+
+    def close_all(self) -> None:
+        with self._lock:
+            for box in self._all:
+                with box.lock:
+                    box.sock.close(0)
+                    box.closed = True

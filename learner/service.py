@@ -70,7 +70,7 @@ from data.core.spec import EnvSpec
 from learner.handshake import on_hello
 from learner.ingest import Ingest
 from learner.act_channel import ActChannel, drain as _drain, is_act_token
-from learner.server_sockets import open_server_sockets, send_or_drop
+from learner.server_sockets import Outboxes, open_server_sockets, send_or_drop
 from learner.wire_guard import RateLimitedLog, check_act_obs, check_obs, check_transitions_message
 from data.core.security import authorized_actor_ids
 
@@ -170,9 +170,7 @@ class LearnerService(threading.Thread):
                         if security.get("server_secret_key") else None)
         self.finished = False  # eval done: tell actors to stop
         self._stop_event = threading.Event()
-        self._outbox_local = threading.local()
-        self._outbox_socks: list[tuple[int, zmq.Socket]] = []  # (creating thread, socket)
-        self._outbox_lock = threading.Lock()
+        self._outboxes = Outboxes(ctx, OUTBOX_ADDR + "-" + self.learner_id)
         #: identity -> (actor id, acked seq): acks owed for transitions handled in this wake-up
         self._acks_owed: dict[bytes, tuple[str, int]] = {}
         self.counters["dropped_replies"] = 0  # replies the gate could not take (restarting, full)
@@ -197,17 +195,7 @@ class LearnerService(threading.Thread):
 
     def outbox(self) -> zmq.Socket:
         """This thread's PUSH socket into the service thread (created once per thread)."""
-        sock = getattr(self._outbox_local, "sock", None)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            # a dead socket thread (its PULL closed) must not block the caller for ever
-            sock.setsockopt(zmq.SNDTIMEO, 2000)
-            sock.connect(OUTBOX_ADDR + "-" + self.learner_id)
-            self._outbox_local.sock = sock
-            with self._outbox_lock:
-                self._outbox_socks.append((threading.get_ident(), sock))
-        return sock
+        return self._outboxes.get().sock
 
     def reply(self, identity: bytes, frames: list) -> None:
         """Send from any thread: via the outbox, or straight on the act socket (its thread)."""
@@ -221,13 +209,12 @@ class LearnerService(threading.Thread):
         self._push([b"P", *frames])
 
     def _push(self, frames: list) -> None:
-        try:
-            self.outbox().send_multipart(frames, copy=False)
-        except zmq.Again:  # the socket thread is gone (or stuck): dropped, counted
-            with self._count_lock:
-                self.counters["dropped_replies"] += 1
-            if not self.is_alive():
-                self._warn.warning("the socket thread is not running: a message to send was dropped")
+        if self._outboxes.push(frames):
+            return
+        with self._count_lock:  # the socket thread is gone (or stuck): dropped, counted
+            self.counters["dropped_replies"] += 1
+        if not self.is_alive():
+            self._warn.warning("the socket thread is not running: a message to send was dropped")
 
     def active_actors(self) -> int:
         now = time.monotonic()
@@ -295,13 +282,7 @@ class LearnerService(threading.Thread):
             self.gate.stop()
             if self.act_channel is not None:  # the inference thread closes it if it took it
                 self.act_channel.close(unless_owned=True)
-            # only this thread's own outbox socket: another thread may be inside a send on its
-            # own (closing it from here aborts libzmq); those go with the context's destroy
-            me = threading.get_ident()
-            with self._outbox_lock:
-                for owner, s in self._outbox_socks:
-                    if owner == me:
-                        s.close(0)
+            self._outboxes.close_all()
 
     def _out(self, frames: list) -> None:
         """``[routing id, frames...]`` to the gate, or dropped (counted) when it cannot take it."""
