@@ -21,7 +21,8 @@ of the form libzmq generates, colliding with a later peer's generated one: an as
 ``socket_base.cpp``), ends this process, never the server's: the server starts a new gate.
 
 The gate ignores SIGINT (a Ctrl-C reaching the process group must not cut the server's last
-replies; the server stops it), exits on SIGTERM and when its parent process is gone. Every
+replies; the server stops it), exits on SIGTERM and when its parent process is gone (then it
+removes the server's private folder, which a killed server cannot). Every
 2 s it writes its counters as one JSON line on stdout (when they changed).
 """
 
@@ -51,6 +52,17 @@ def _send(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
     last = len(frames) - 1
     for i, f in enumerate(frames):
         sock.send(f, flags | _SNDMORE if i < last else flags, copy=False)
+
+
+def _remove_folder(cfg: dict) -> None:
+    """The server's private ipc folder (``.../tandem-gate-*``), which a killed server leaves."""
+    import shutil
+
+    folders = {os.path.dirname(f["backend"][len("ipc://"):]) for f in cfg["fronts"]
+               if f["backend"].startswith("ipc://")}
+    for folder in folders:
+        if os.path.basename(folder).startswith("tandem-gate-"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _seed_routing_ids() -> None:
@@ -161,8 +173,9 @@ def main() -> None:
                     _send(other, frames)
                     counters["broadcasts"] += 1
         now = time.monotonic()
-        if os.getppid() != parent:
-            break  # the server is gone: so is its gate
+        if os.getppid() != parent:  # the server is gone (killed): so is its gate, and its folder
+            _remove_folder(cfg)
+            break
         if now - last_stats >= 2.0:
             last_stats = now
             if counters != shown:
