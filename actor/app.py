@@ -8,7 +8,6 @@ jobs (its welcome says so) the loop asks for one before every reset.
 from __future__ import annotations
 
 import logging
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from actor.client import LearnerClient
 from data.live_view import LiveView
+from data.stops import StopSignals
 from actor.console import actor_status, render
 from actor.loop import ActorLoop
 from actor.rerun_live import make_rerun
@@ -102,6 +102,7 @@ class Actor:
             self.local = LocalPolicy(cfg.policy, self.spec, ctx=self.ctx, host=t.host,
                                      pub_port=t.pub_port, security=OmegaConf.to_container(t.security, resolve=True))
         self._stopping = False
+        self._signals = StopSignals(on_stop=self._mark_stopping)
 
     def _act(self, arrays: dict[str, np.ndarray], tasks: list[str], deterministic: bool):
         deterministic = deterministic or self.client.mode == "eval"
@@ -113,11 +114,8 @@ class Actor:
         from actor.client import LearnerFinished
 
         cfg = self.cfg
-        prev = None
-        try:
-            prev = signal.signal(signal.SIGTERM, self._on_term)
-        except ValueError:
-            pass
+        # SIGINT and SIGTERM alike, also when started in the background with SIGINT ignored
+        self._signals.install()
         loop = ActorLoop(
             self.env, self.client, self._act, actor_id=str(cfg.actor_id),
             batch_size=int(cfg.spool.batch_size), execute=int(cfg.chunk.execute),
@@ -146,8 +144,7 @@ class Actor:
             if self.rerun is not None:
                 self.rerun.close()
             self.close()
-            if prev is not None:
-                signal.signal(signal.SIGTERM, prev)
+            self._signals.restore()
         return loop
 
     def _drain(self, timeout_s: float = 10.0) -> None:
@@ -162,13 +159,13 @@ class Actor:
         self.local.refresh(self.client)
 
     def _on_term(self, signum, frame):
-        """The first SIGTERM interrupts whatever runs (then the actor closes and exits); any
-        later one, arriving while it shuts down, is ignored rather than breaking the close
-        with a traceback."""
-        if getattr(self, "_term_seen", False):
-            return
-        self._term_seen = self._stopping = True
-        raise KeyboardInterrupt
+        """The first SIGINT or SIGTERM interrupts whatever runs (then the actor closes and
+        exits, its spool kept); any later one, arriving while it shuts down, is ignored rather
+        than breaking the close with a traceback."""
+        self._signals.handle(signum, frame)
+
+    def _mark_stopping(self) -> None:
+        self._stopping = True
 
     def close(self) -> None:
         self.client.close()

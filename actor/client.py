@@ -5,7 +5,10 @@ It handshakes, asks for actions, streams spooled transition batches and processe
 with timeouts, retries and heartbeats. When the learner stops answering (restart, dropped
 link) it closes the socket, opens a new one and handshakes again ("lazy pirate"); the
 welcome says what the learner has acknowledged, and everything after that is resent from
-the spool. A config mismatch or an evaluation that is finished is final and raised.
+the spool. A config mismatch or an evaluation that is finished is final and raised; an act
+that gets no actions (the learner could not serve it, or did not answer) raises
+:class:`ActError`, never final: the loop holds its env and asks again. A batch the learner
+refuses (``batch_rejected``) becomes a dead letter in the spool (:meth:`actor.spool.Spool.dead_letter`).
 
 Acts go to the learner's act socket when the welcome names one (``act_port``, served by its
 inference thread: :mod:`learner.act_channel`): a second DEALER whose routing id is the
@@ -46,6 +49,18 @@ class HandshakeError(RuntimeError):
 
 class LearnerFinished(RuntimeError):
     """The learner said it is done (evaluation finished)."""
+
+
+class ActError(RuntimeError):
+    """No actions for this request: the learner could not serve it (``inference_failed``,
+    ``bad_observation``), sent an unusable reply (``bad_reply``) or did not answer in time
+    (``no_reply``, ``not_connected``). Never final: the actor holds its env safe and retries
+    (:class:`actor.loop.ActorLoop`)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
 
 
 class LearnerClient:
@@ -116,6 +131,7 @@ class LearnerClient:
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # per frame, before it is buffered
         configure_client_socket(s, self.security)
         s.connect(self.endpoint)
         self.sock = s
@@ -218,6 +234,7 @@ class LearnerClient:
         # hand-back through pyzmq's garbage-collector thread
         s.copy_threshold = 1 << 20
         s.setsockopt(_RCVTIMEO, max(1, int(self.timeout_s * 1000)))  # act()'s first wait
+        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         configure_client_socket(s, self.security)
         s.connect(f"tcp://{self.host}:{port}")
         self.act_sock = s
@@ -266,6 +283,8 @@ class LearnerClient:
             self.policy_version = max(self.policy_version, msg["policy_version"])
         elif msg.type == "weights":
             self.weights_msg = msg
+        elif msg.type == "batch_rejected":  # consumed by the learner: the ack that follows covers it
+            self.spool.dead_letter(msg["first_seq"], msg["last_seq"], msg["code"], msg["message"])
         elif msg.type == "error":
             code = msg["code"]
             if code == "finished":
@@ -339,15 +358,21 @@ class LearnerClient:
 
     def act(self, arrays: dict[str, np.ndarray], tasks: list[str], *, deterministic: bool = False
             ) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
-        """Actions [B, H, A], the policy version that produced them and the policy extras
-        ``{"extra.<name>": [B, *shape]}`` (each extra the welcome's spec declares, checked).
-        Retries forever (a robot waits for its learner); reconnects after
-        ``reconnect_after`` timeouts."""
+        """Actions [B, H, A] (finite), the policy version that produced them and the policy
+        extras ``{"extra.<name>": [B, *shape]}`` (each extra the welcome's spec declares,
+        checked). Retries a request that times out; after ``reconnect_after`` timeouts (or as
+        long without a connection) it starts a new handshake in the background and raises
+        :class:`ActError`, as it does when the learner answers with an error: the caller
+        keeps its env safe meanwhile and asks again."""
         misses = 0
+        give_up = time.monotonic() + self.timeout_s * self.reconnect_after
         while True:
             if self.sock is None:
                 self._start_handshake()
             while not self.connected:
+                if time.monotonic() > give_up:
+                    raise ActError("not_connected", f"no welcome from the learner at {self.endpoint} "
+                                   f"in {self.timeout_s * self.reconnect_after:.1f}s (still trying)")
                 self._pump_handshake(0.2)
             self._req_id += 1
             req = self._req_id
@@ -376,10 +401,16 @@ class LearnerClient:
                     self.last_act_ms = (time.perf_counter() - t0) * 1000.0
                     version = self.policy_version = msg.fields["policy_version"]
                     actions = np.array(msg.arrays["actions"])
-                    return actions, version, self._reply_extras(msg, len(actions))
+                    if actions.dtype.kind != "f" or not np.isfinite(actions).all():
+                        raise ActError("bad_reply", f"act reply of version {version}: actions "
+                                       f"{actions.dtype.name}{actions.shape} are not finite floats")
+                    try:
+                        return actions, version, self._reply_extras(msg, len(actions))
+                    except ValueError as exc:
+                        raise ActError("bad_reply", str(exc)) from None
                 if msg.type == "error" and msg["code"] in ("bad_observation", "inference_failed"):
-                    raise ValueError(f"learner could not serve the act request: {msg['code']}: "
-                                     f"{msg['message']}")
+                    raise ActError(msg["code"], f"the learner could not serve the act request: "
+                                   f"{msg['message']}")
                 # (a late act_reply is dropped; handshake_required from the act socket, a learner
                 # that forgot this session, starts a new handshake and the request is resent)
                 self._dispatch(msg)
@@ -388,8 +419,10 @@ class LearnerClient:
             if not self.connected:
                 continue
             misses += 1
-            if misses % self.reconnect_after == 0 or not self.connected:
-                self.reconnect()
+            if misses % self.reconnect_after == 0:
+                self.reconnect(block=False)
+                raise ActError("no_reply", f"no act reply from the learner at {self.endpoint} in "
+                               f"{misses} x {self.timeout_s:.1f}s (reconnecting)")
 
     def _reply_extras(self, msg: Message, n: int) -> dict[str, np.ndarray]:
         declared = self.spec.extras if self.spec else {}
@@ -463,5 +496,5 @@ class LearnerClient:
         return self.weights_msg
 
     def stats(self) -> dict[str, Any]:
-        return {"unacked": len(self.spool), "spool_mb": self.spool.nbytes / 2**20,
-                "reconnects": self.reconnects, "version": self.policy_version}
+        return {"unacked": len(self.spool), "spool_mb": self.spool.nbytes / 2**20, "reconnects":
+                self.reconnects, "version": self.policy_version, "dead_letters": self.spool.dead_letters}

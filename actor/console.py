@@ -1,8 +1,8 @@
 """What the person at the robot sees: a live rich panel of the actor (when stdout is a
 terminal; plain status lines otherwise, as before).
 
-It shows who is in control (the policy or the human) with the intervention device's
-hotkeys, the episode's step and return, the learner link (connected, reconnecting, silent
+It shows who is in control (the policy or the human; or that the env is held because the
+policy gives no action, and why) with the intervention device's hotkeys, the episode's step and return, the learner link (connected, reconnecting, silent
 for how long, unacknowledged records), the policy version being served, and the outcome of
 the recent episodes. The numbers are the ones the plain status line prints
 (:class:`actor.loop.ActorLoop` and :class:`actor.client.LearnerClient` attributes).
@@ -34,6 +34,9 @@ def actor_status(loop, client, *, device: str | None) -> dict[str, Any]:
     return {
         "actor_id": loop.actor_id,
         "in_control": loop.in_control,
+        "holding": getattr(loop, "holding", None),
+        "act_failures": int(getattr(loop, "act_failures", 0)),
+        "outages": int(getattr(loop, "outages", 0)),
         "device": device or "none",
         "episode": loop.episode,
         "episode_step": loop.episode_step,
@@ -51,6 +54,8 @@ def actor_status(loop, client, *, device: str | None) -> dict[str, Any]:
         "served_version": int(client.policy_version),
         "acting_version": int(loop.version),
         "unacked": len(client.spool),
+        "dead_letters": int(getattr(client.spool, "dead_letters", 0)),
+        "last_dead_letter": getattr(client.spool, "last_dead", None),
         "act_ms": float(getattr(client, "last_act_ms", 0.0)),
     }
 
@@ -62,8 +67,13 @@ def render(st: dict[str, Any]):
     from rich.text import Text
 
     human = st["in_control"] == "human"
-    who = Text.from_markup("[bold white on red] HUMAN in control [/]" if human
-                           else "[bold black on green] POLICY in control [/]")
+    if st.get("holding"):
+        who = Text.from_markup("[bold black on yellow] HOLDING: no action from the policy [/] ")
+        who.append(f"{st['holding'][:200]} (retrying; {st['act_failures']} failed requests, "
+                   f"{st['outages']} outages)")
+    else:
+        who = Text.from_markup("[bold white on red] HUMAN in control [/]" if human
+                               else "[bold black on green] POLICY in control [/]")
     keys = Text.from_markup("hotkeys: " + HOTKEYS.get(st["device"], NO_DEVICE))
     if st["connected"]:
         link = f"[green]connected[/] to learner {st['learner_id'] or '?'} ({st['learner_mode']})"
@@ -73,6 +83,10 @@ def render(st: dict[str, Any]):
     if st["silent_s"] is not None:
         link += f" · last heard {st['silent_s']:.1f} s ago"
     link += f" · reconnects {st['reconnects']} · unacked {st['unacked']}"
+    if st.get("dead_letters"):
+        last = st.get("last_dead_letter") or {}
+        link += (f" · [bold red]dead letters {st['dead_letters']}[/] (last: {last.get('code', '?')}, "
+                 f"seq {last.get('first_seq', '?')}..{last.get('last_seq', '?')})")
     t = Table.grid(padding=(0, 2))
     t.add_column(style="dim")
     t.add_column()

@@ -53,6 +53,8 @@ class LocalPolicy:
         self.refused = 0  # snapshots refused (digest or tensors wrong)
         self.learner_id: str | None = None
         self._ctx, self._endpoint, self._security = ctx, f"tcp://{host}:{pub_port}", security or {}
+        self._max_frame = max([(1 << 20)] + [int(v.numel() * v.element_size()) + 4096
+                                             for v in self.policy.trainable_state_dict().values()])
         self.sub: zmq.Socket | None = None
         self._subscribe()
 
@@ -64,6 +66,8 @@ class LocalPolicy:
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 4)
+        # no frame larger than this policy's largest tensor (or the header) is even buffered
+        self.sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         configure_client_socket(self.sub, self._security)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(self._endpoint)

@@ -21,6 +21,11 @@ Chunks, extras and jobs (columns of :mod:`data.core.schema`):
   is asked again, so the next policy step starts a new chunk.
 - The ``is_last`` record (final observation, no action, no policy query): ``chunk_start``
   False, ``chunk_index`` 0, every extra zeros of its declared dtype and shape.
+- No action (:class:`actor.client.ActError`: the learner could not serve the request, or did
+  not answer): the actor never exits for it. The env takes its safe behaviour once per outage
+  (:func:`policy_outage`), the loop backs off (0.1 s doubling to 5 s) keeping the link alive and
+  asks again; ``holding``, ``act_failures`` and ``outages`` say so in its status. An env that
+  stopped (a robot) or an observation the learner refused starts a new episode.
 - ``group_id``: the group of the learner's job for the episode, -1 without one. When the
   welcome said ``jobs``, the loop asks ``get_job(episode)`` before each reset and runs the
   job exactly: ``env.reset(seed=job.seed, options=job.reset_options())`` and deterministic
@@ -38,7 +43,7 @@ from typing import Callable
 import gymnasium as gym
 import numpy as np
 
-from actor.client import LearnerClient
+from actor.client import ActError, LearnerClient
 from data.core.jobs import NO_GROUP, Job
 from data.core.schema import EXTRA_PREFIX, OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from data.transitions import TransitionBatch
@@ -54,6 +59,23 @@ JobFn = Callable[[int], "Job | None"]
 #: after each env step: (obs the action was chosen on, executed action, reward, intervened,
 #: policy version, episode id, step index)
 StepFn = Callable[[dict, np.ndarray, float, bool, int, int, int], None]
+
+
+def policy_outage(env: gym.Env, reason: str) -> bool:
+    """The env's safe behaviour while the policy gives no action: the first ``on_policy_outage
+    (reason)`` along the wrapper stack (a robot env stops the arm and returns True: the episode
+    cannot go on); an env without one is held, as a simulator is by not stepping it (False)."""
+    e = env
+    while e is not None:
+        hook = getattr(e, "on_policy_outage", None)
+        if callable(hook):
+            try:
+                return bool(hook(reason))
+            except Exception:  # a failing hook must not end the actor: log, treat as stopped
+                log.exception("the env's on_policy_outage failed")
+                return True
+        e = getattr(e, "env", None)
+    return False
 
 
 def obs_arrays(obs: dict) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -108,6 +130,12 @@ class ActorLoop:
         self.in_control = "policy"   # policy | human: who drove the last step
         self.version = 0             # policy version of the action last executed
         self.interventions = 0       # steps driven by the human, all episodes
+        # no action from the policy (ActError): the env is held safe and the request retried
+        self.holding: str | None = None  # why, while it lasts ("code: message")
+        self.act_failures = 0        # failed act requests, all outages
+        self.outages = 0             # outages (runs of failed requests)
+        self.backoff_s = (0.1, 5.0)  # first and longest wait between retries
+        self._streak = 0
 
     def _record(self, obs: dict, **step) -> None:
         rec = {k: np.asarray(v, np.uint8) for k, v in obs.items() if k.startswith(OBS_IMAGE_PREFIX)}
@@ -161,6 +189,36 @@ class ActorLoop:
             self._warned_undeclared.add(k)
         return out
 
+    def _hold(self, exc: ActError, stop: Callable[[], bool]) -> bool:
+        """No action for the current observation: on the first failure of an outage the env
+        takes its safe behaviour (:func:`policy_outage`: a robot stops, a simulator simply
+        waits: nothing steps), then the loop waits, backing off, while the client keeps its
+        link (heartbeats, acks, a new handshake), and the caller asks again. Returns True
+        when this episode cannot go on (the env stopped, or the learner refused this
+        observation itself): the caller starts a new one; the unfinished one is never stored."""
+        self.act_failures += 1
+        self.holding = f"{exc.code}: {exc.message}"
+        stopped = False
+        if self._streak == 0:
+            self.outages += 1
+            stopped = policy_outage(self.env, self.holding)
+            log.warning("no action from the policy (%s): %s, retrying with backoff", self.holding,
+                        "the env stopped (a new episode follows)" if stopped else "holding the env")
+        delay = min(self.backoff_s[1], self.backoff_s[0] * 2 ** min(self._streak, 16))
+        self._streak += 1
+        deadline = time.monotonic() + delay
+        while not stop() and (left := deadline - time.monotonic()) > 0:
+            self.client.poll(min(0.1, left))
+            if self.on_poll:
+                self.on_poll()
+        return stopped or exc.code == "bad_observation"
+
+    def _resume(self) -> None:
+        if self._streak:
+            log.info("the policy answers again after %d failed request(s) (%s)", self._streak,
+                     self.holding)
+        self.holding, self._streak = None, 0
+
     def _start_episode(self) -> tuple[int, Job | None, dict]:
         """Reserve the next episode id, ask the learner for its job, reset the env."""
         episode = self._new_episode()
@@ -185,7 +243,15 @@ class ActorLoop:
             if chunk is None or ci >= len(chunk):
                 arrays, tasks = obs_arrays(obs)
                 deterministic = self.deterministic or (job is not None and job.deterministic)
-                actions, version, reply_extras = self.act_fn(arrays, tasks, deterministic)
+                try:
+                    actions, version, reply_extras = self.act_fn(arrays, tasks, deterministic)
+                except ActError as exc:
+                    if self._hold(exc, stop):  # the env cannot go on with this episode
+                        self._flush(force=True)
+                        episode, job, obs = self._start_episode()
+                        step, ret, success, chunk = 0, 0.0, False, None
+                    continue
+                self._resume()
                 extras = self._chunk_extras(reply_extras)
                 chunk = actions[0]
                 if self.execute:
@@ -238,10 +304,11 @@ class ActorLoop:
                 rate = (self.steps - last_steps) / (now - last_log)
                 log.info(
                     "steps %d | %.0f steps/s | episodes %d | return %.2f | success %.2f | version %d"
-                    " | unacked %d | act %.1f ms", self.steps, rate, self.episodes,
-                    np.mean(self.returns) if self.returns else float("nan"),
+                    " | unacked %d | dead letters %d | act %.1f ms | act failures %d", self.steps, rate,
+                    self.episodes, np.mean(self.returns) if self.returns else float("nan"),
                     np.mean(self.successes) if self.successes else float("nan"),
-                    version, len(spool), self.client.last_act_ms,
+                    version, len(spool), getattr(spool, "dead_letters", 0), self.client.last_act_ms,
+                    self.act_failures,
                 )
                 last_log, last_steps = now, self.steps
         self._flush(force=True)

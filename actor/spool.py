@@ -17,6 +17,11 @@ kept (within the same budget) and the next append encodes into it, once nothing 
 it (a zero-copy send still in flight keeps a reference: then it is let go). Blobs of a few MB
 are beyond malloc's mmap threshold, so each new one costs page faults and each freed one an
 munmap (~0.25 ms for 3 MB) on the actor's thread.
+
+Dead letters: a batch the learner refused (``batch_rejected``: it consumed the records and
+will never store them) is copied to ``dead/`` with a ``.why.json`` naming the reason, counted
+(:attr:`Spool.dead_letters`, shown in the actor's status) and otherwise treated as every
+batch: deleted from the spool once an ack covers it. ``dead/`` is kept to ``dead_max_bytes``.
 """
 
 from __future__ import annotations
@@ -38,13 +43,23 @@ class SpoolFull(RuntimeError):
 
 
 SPARE_SUFFIX = ".spare"
+DEAD_DIR = "dead"
 
 
 class Spool:
     def __init__(self, directory: str | Path, *, max_bytes: int = 512 << 20, fsync: bool = True,
-                 cache_bytes: int = 64 << 20, spare_bytes: int = 64 << 20):
+                 cache_bytes: int = 64 << 20, spare_bytes: int = 64 << 20,
+                 dead_max_bytes: int = 64 << 20):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        #: dead letters: copies of batches the learner refused (``dead/<first>-<last>.msg`` with
+        #: ``.why.json``), kept up to ``dead_max_bytes`` (beyond it the oldest go, counted)
+        self.dead_dir = self.dir / DEAD_DIR
+        self.dead_max_bytes = int(dead_max_bytes)
+        self.dead_letters = len(list(self.dead_dir.glob("*.msg"))) if self.dead_dir.is_dir() else 0
+        self.dead_discarded = 0
+        self.last_dead: dict | None = None
+        self._dead_keys: set[tuple[int, int]] = set()  # dead-lettered by this process
         self.max_bytes = int(max_bytes)
         self.fsync = fsync
         for tmp in self.dir.glob("*.tmp"):
@@ -212,6 +227,49 @@ class Spool:
         # blocking ext4 metadata work each time): pending = the files; next_seq/next_episode
         # change only in append/set_next_episode, which write it.
         return len(done)
+
+    def dead_letter(self, first: int, last: int, code: str, message: str) -> int:
+        """The learner refused the records ``first..last`` (and consumed them): keep a copy of
+        each pending batch overlapping them in the dead-letter folder with the reason, once
+        (a batch refused again after a resend is not counted twice). The batch itself stays
+        pending until an ack covers it, as every batch does, so a restarted learner that never
+        saw it gets it again. Returns how many batches were newly dead-lettered."""
+        import shutil
+
+        n = 0
+        for key in [k for k in self.pending() if k[0] <= last and k[1] >= first]:
+            dst = self.dead_dir / self._files[key].name
+            if key in self._dead_keys or dst.exists():
+                continue
+            self._dead_keys.add(key)
+            self.dead_dir.mkdir(exist_ok=True)
+            blob = self._cache.get(key)
+            if blob is not None:
+                dst.write_bytes(blob)
+            else:
+                shutil.copyfile(self._files[key], dst)
+            why = {"first_seq": key[0], "last_seq": key[1], "code": code, "message": message}
+            dst.with_suffix(".why.json").write_text(json.dumps(why))
+            self.dead_letters += 1
+            self.last_dead = why
+            n += 1
+            log.warning("the learner refused batch %d..%d (%s: %s): kept as dead letter %s",
+                        key[0], key[1], code, message[:300], dst)
+        if n:
+            self._trim_dead()
+        return n
+
+    def _trim_dead(self) -> None:
+        files = sorted(self.dead_dir.glob("*.msg"))
+        total = sum(p.stat().st_size for p in files)
+        while files and total > self.dead_max_bytes:
+            p = files.pop(0)
+            total -= p.stat().st_size
+            p.unlink(missing_ok=True)
+            p.with_suffix(".why.json").unlink(missing_ok=True)
+            self.dead_discarded += 1
+            log.warning("dead letters over %d bytes: deleted the oldest, %s (%d deleted so far)",
+                        self.dead_max_bytes, p.name, self.dead_discarded)
 
     def set_next_episode(self, episode: int) -> None:
         self.next_episode = episode

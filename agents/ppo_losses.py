@@ -29,6 +29,10 @@ def per_token(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None
     return x.reshape(-1, *([1] * (like.ndim - 1))).expand_as(like)
 
 
+#: log-ratios are clamped to this magnitude before ``exp`` (e^20 ~ 5e8: far past any clip)
+LOG_RATIO_MAX = 20.0
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                 clip_low: float, clip_high: float, mask: torch.Tensor | None = None,
                 is_weight: torch.Tensor | None = None, dual_clip: float | None = None
@@ -44,7 +48,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     ``ratio_mean``.
     """
     adv, mask, is_weight = (per_token(t, logp) for t in (adv, mask, is_weight))
-    log_ratio = logp - old_logp
+    # within +-LOG_RATIO_MAX the ratio is exact; beyond it (a stored log-prob far from the
+    # policy's) exp would overflow to inf and the loss to inf or NaN
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     ratio = log_ratio.exp()
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -95,5 +101,5 @@ def entropy_bonus(log_prob: torch.Tensor, mask: torch.Tensor | None = None, *,
 def truncated_is_weights(behaviour_logp: torch.Tensor, old_logp: torch.Tensor,
                          cap: float | None) -> torch.Tensor:
     """Staleness correction [N]: min(exp(old_logp - behaviour_logp), cap), detached."""
-    w = (old_logp - behaviour_logp).detach().exp()
+    w = (old_logp - behaviour_logp).detach().clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX).exp()
     return w if cap is None else w.clamp(max=cap)

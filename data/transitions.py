@@ -118,7 +118,10 @@ class TransitionBatch:
 
     def validate(self, spec: EnvSpec) -> None:
         """Raise TransitionError naming the first problem: missing/extra keys, shapes,
-        dtypes, non-finite values, or seq numbers that do not match the record count."""
+        dtypes, non-finite values, values outside the spec's ranges (integer extras'
+        :attr:`~data.core.spec.EnvSpec.extra_ranges`, float fields'
+        :attr:`~data.core.spec.EnvSpec.float_ranges`), or seq numbers that do not match the
+        record count."""
         a = self.arrays
         n = len(a.get("reward", ()))
         if n == 0:
@@ -151,6 +154,13 @@ class TransitionBatch:
             if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
                 raise TransitionError(f"{EXTRA_PREFIX}{name}: values must be in {lo}..{hi}, got "
                                       f"{int(arr.min())}..{int(arr.max())}")
+        for k, (lo, hi) in spec.float_ranges.items():  # finite but extreme overflows a loss
+            arr = a[k]
+            if arr.size:
+                amin, amax = float(arr.min()), float(arr.max())
+                if amin < lo or amax > hi:
+                    raise TransitionError(f"{k}: values must be in [{lo:g}, {hi:g}] (the spec's "
+                                          f"value range), got {amin:g}..{amax:g}")
         if len(self.tasks) != n or not all(isinstance(t, str) for t in self.tasks):
             raise TransitionError(f"tasks: expected {n} strings")
         if self.first_seq < 0:

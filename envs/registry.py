@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from data.core.schema import OBS_STATE
 from data.core.spec import EnvSpec
 from envs import rendering  # noqa: F401  (picks MUJOCO_GL before any simulator import)
 
@@ -216,8 +217,13 @@ def env_spec(env_cfg: Any) -> EnvSpec:
     if crop or (size and any(shape[:2] != _hw(size) for shape in cameras.values())):
         cameras = {cam: _transformed(shape, crop, size, cam) for cam, shape in cameras.items()}
     steps = cfg.get("max_episode_steps") or raw.max_episode_steps or 0
+    # value ranges a record's float fields must keep (ingest refuses others); unset: the default
+    ranges = {name: tuple(cfg[key]) for key, name in
+              (("reward_range", "reward"), ("action_range", "action"), ("state_range", OBS_STATE))
+              if cfg.get(key) is not None}
     return EnvSpec(state_dim=raw.state_dim, action_dim=raw.action_dim, cameras=cameras,
-                   has_task=raw.has_task, max_episode_steps=int(steps), extras=dict(raw.extras))
+                   has_task=raw.has_task, max_episode_steps=int(steps), extras=dict(raw.extras),
+                   float_ranges=ranges)
 
 
 def _transformed(shape: tuple[int, int, int], crop, size, cam: str) -> tuple[int, int, int]:

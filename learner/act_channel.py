@@ -19,9 +19,11 @@ keys the request's key must also be that session's actor's key. Every other reje
 main socket's: an ``error`` reply naming what is wrong, counted in the service's
 ``counters``/``rejections``, and the loop keeps serving.
 
-The socket is created and bound by :class:`learner.service.LearnerService` (bind errors
-surface in the caller's thread) and handed to one :class:`learner.inference.InferenceServer`
-(``claim``); only that server's thread touches it afterwards. The service advertises the
+The socket is the learner's end of the act port, whose network side is the wire gate's
+(:mod:`learner.server_sockets`); :class:`learner.service.LearnerService` creates it (bind
+errors surface in the caller's thread) and it is handed to one
+:class:`learner.inference.InferenceServer` (``claim``); only that server's thread touches it
+afterwards. The service advertises the
 port only once a server has claimed it, so a learner without one keeps acts on the main
 socket.
 """
@@ -37,7 +39,6 @@ import zmq
 
 from data.core.codec import CodecError, FieldRangeError, decode, encode, recv_frames
 from data.core.schema import ACT_TOKEN_BYTES
-from data.core.security import configure_server_socket
 from learner.wire_guard import RateLimitedLog
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,38 +50,6 @@ log = logging.getLogger("tandem.learner.act")
 def is_act_token(identity: bytes) -> bool:
     """Whether a routing id has the shape of an act token (ZMQ's own ids start with 0)."""
     return len(identity) == ACT_TOKEN_BYTES and identity[0] != 0
-
-
-def user_id(frame) -> str | None:
-    """The ZAP User-Id of the peer that sent ``frame`` (its z85 CURVE key), if any."""
-    try:
-        return frame.get("User-Id")
-    except (AttributeError, zmq.ZMQError):
-        return None
-
-
-def bind_act_socket(ctx: zmq.Context, host: str, port: int, security: dict, max_message_bytes: int,
-                    fallback: bool) -> zmq.Socket:
-    """The act ROUTER, configured as the main one and bound to ``port`` (``fallback``: to one
-    the OS picks when that is taken). Raises zmq.ZMQError naming the port."""
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    configure_server_socket(sock, host, security)
-    sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-    try:
-        try:
-            sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as exc:
-            if not (fallback and port):
-                raise
-            log.warning("act socket: port %d is taken (%s); using one the OS picks", port, exc)
-            sock.bind(f"tcp://{host}:0")
-    except zmq.ZMQError as exc:
-        sock.close(0)
-        raise zmq.ZMQError(exc.errno, f"the act socket cannot bind {host}:{port} ({exc}); "
-                           "pass another act_port (the main port + 2 by default)") from exc
-    return sock
 
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints
@@ -102,10 +71,14 @@ def drain(sock: zmq.Socket, limit: int = 256, *, ready: bool = False):
 
 
 class ActChannel:
-    def __init__(self, service: LearnerService, sock: zmq.Socket):
+    def __init__(self, service: LearnerService, sock: zmq.Socket, port: int):
+        """``sock``: the learner's end of the act socket (messages ``[routing id, (CURVE
+        User-Id,) frames...]`` from the wire gate, :mod:`learner.server_sockets`); ``port``:
+        the act socket's TCP port, bound by the gate."""
         self.service = service
         self.sock = sock
-        self.port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self.port = int(port)
+        self._skip = 2 if service._curve else 1
         self._warn = RateLimitedLog(log)
         self._lock = threading.Lock()
         self.claimed = False
@@ -183,7 +156,11 @@ class ActChannel:
         if last < 0:
             raise ValueError("a message needs at least one frame")
         send = self.sock.send
-        send(identity, _SNDMORE)  # (copied: the routing id is a few bytes)
+        try:
+            send(identity, _SNDMORE)  # (copied: the routing id is a few bytes)
+        except zmq.Again:  # the gate cannot take it now (restarting): the actor retries
+            self.service.counters["dropped_replies"] += 1
+            return
         for i in range(last):
             send(frames[i], _SNDMORE, copy=False)
         send(frames[last], 0, copy=False)
@@ -197,14 +174,15 @@ class ActChannel:
     def _handle(self, identity: bytes, frames: list) -> None:
         """One message: ``frames[0]`` is the routing id (``identity``), the rest the message."""
         svc = self.service
-        del frames[0]
+        key = frames[1].bytes.decode("ascii", "replace") if self._skip == 2 else None
+        del frames[:self._skip]
         peer = svc.act_sessions.get(identity) if frames else None
         if peer is None:
             self._error(identity, "handshake_required",
                         "unknown act session: send hello on the learner's main socket and use "
                         "the act_token of its welcome as this socket's routing id")
             return
-        if svc.key_ids is not None and svc.key_ids.get(user_id(frames[0]) or "") != peer.actor_id:
+        if svc.key_ids is not None and svc.key_ids.get(key or "") != peer.actor_id:
             self._error(identity, "identity_mismatch",
                         f"this CURVE key is not actor {peer.actor_id!r}'s", peer.actor_id)
             return

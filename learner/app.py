@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from learner.actor_stats import ActorStats
 from learner.checkpoint import (checkpoint_age_s, format_age, latest_checkpoint, load_checkpoint,
                                 save_checkpoint)
 from data.live_view import LiveView
+from data.stops import StopSignals
 from learner.console import RateMeter, Stages, render, view_status
 from learner.distributed import (CTRL_GATHER, CTRL_IDLE, CTRL_STOP, RankError, Ranks, RootAgent,
                                  check_world, gathered_trainable, make_accelerator, needs_gather)
@@ -51,7 +51,9 @@ from learner.eval_sweep import EvalSweep
 from learner.jobs import JobQueue
 from learner.metrics import MetricsLogger
 from learner.service import LearnerService
+from learner.finite_guard import nonfinite
 from learner.weights import WeightPublisher
+from learner.wire_guard import RateLimitedLog
 
 log = logging.getLogger("tandem.learner")
 
@@ -124,6 +126,7 @@ class Learner:
         self.data = self.builder.make_data(self.spec, cfg.buffer, run_dir=self.run_dir, seed=cfg.seed,
                                            device=str(self.device), train=cfg.mode == "train")
         self.ingest = Ingest(self.data.sink, store=self.data.store, store_transitions=cfg.mode == "train",
+                             max_staged_bytes=int(float(cfg.buffer.get("max_staged_mb", 1024)) * (1 << 20)),
                              stats_window=int(cfg.eval.episodes if cfg.mode == "eval"
                                               else cfg.logging.stats_window),
                              on_ack=lambda actor, seq: self._push_ack(actor, seq))
@@ -152,6 +155,8 @@ class Learner:
             submit_act=self._submit_act, get_version=lambda: self.weights.version,
             get_weights=lambda: self.weights.latest(), host=t.host, port=t.port, pub_port=t.pub_port,
             act_port=t.get("act_port"), max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
+            gate_memory_bytes=int(float(t.get("gate_memory_mb", 4096)) * (1 << 20)),
+            max_actor_ids=int(t.get("max_actor_ids", 4096)),
             mode=cfg.mode, security=OmegaConf.to_container(t.security, resolve=True),
             next_job=None if self.jobs is None else self.jobs.next_job,
             on_fatal=self._service_died,
@@ -164,6 +169,9 @@ class Learner:
         )
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
         self._stop = threading.Event()
+        self.checkpoints_refused = 0
+        self._skip_warn = RateLimitedLog(log, burst=3, window_s=60.0)
+        self._skipped_seen = 0
         self._restore()
         self.metrics = MetricsLogger(
             run_dir=self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
@@ -193,7 +201,10 @@ class Learner:
             if self.cfg.mode == "train":
                 self.ingest.load_state_dict(state["ingest"])
             stage()
-            self.weights.publish(self._trainable(), version=int(state["version"]))
+            if self.weights.publish(self._trainable(), version=int(state["version"])) is None:
+                raise ValueError(f"{path}: its policy weights hold NaN or Inf "
+                                 f"({', '.join(self.weights.last_refused)}); resume from an earlier "
+                                 "checkpoint (delete this one) or start a new run_dir")
         log.info("resumed from %s (written %s ago): %d updates, policy version %d", path,
                  format_age(checkpoint_age_s(path)), self.algo.updates, self.weights.version)
 
@@ -206,8 +217,14 @@ class Learner:
             return {"algo": self.algo.state_dict(), "ingest": self.ingest.state_dict(),
                     "version": self.weights.version, "ranks": ranks_meta(self.ranks.world, engines)}
 
+        # never a checkpoint of weights that are not finite: the latest good one stays
+        if self._refuse_checkpoint(nonfinite(self.algo.policy.trainable_state_dict())):
+            return None
         if self.ranks.world == 1 and not engines:
-            return save_checkpoint(root, self.algo.updates, state(), keep=keep)
+            st = state()
+            if self._refuse_checkpoint(nonfinite(st["algo"])):
+                return None
+            return save_checkpoint(root, self.algo.updates, st, keep=keep)
         if getattr(self, "_fatal_rank", None) is not None:  # the other ranks are gone
             if engines:
                 log.error("no final checkpoint: the DeepSpeed state is split over the ranks and a rank "
@@ -215,6 +232,15 @@ class Learner:
                 return None
             return save_checkpoint(root, self.algo.updates, state(), keep=keep)  # DDP: rank 0's is whole
         return save_ranked(self.ranks, root, self.algo.updates, state, engines, keep=keep)
+
+    def _refuse_checkpoint(self, bad: list[str]) -> bool:
+        if not bad:
+            return False
+        self.checkpoints_refused += 1
+        log.error("checkpoint not written: %d tensor(s) hold NaN or Inf (%s%s); the latest stays %s",
+                  len(bad), ", ".join(bad[:5]), ", ..." if len(bad) > 5 else "",
+                  latest_checkpoint(self.run_dir / "checkpoints"))
+        return True
 
     # ---- running -------------------------------------------------------------------------
 
@@ -236,11 +262,9 @@ class Learner:
                  "env=%s, config hash %s", self.service.learner_id, self.device, self.serving_device, cfg.transport.host,
                  self.service.port, self.service.pub_port, cfg.mode, cfg.algo.name,
                  cfg.policy.name, cfg.env.name, self.config_hash)
-        prev = signal.getsignal(signal.SIGTERM)
-        try:
-            signal.signal(signal.SIGTERM, _raise_interrupt)
-        except ValueError:  # not the main thread (tests)
-            prev = None
+        # SIGINT and SIGTERM alike, also when started in the background with SIGINT ignored
+        stops = StopSignals(on_stop=self._stop.set)
+        stops.install()
         result: dict = {}
         live = LiveView(lambda: render(self.full_status("view")), stray_output=str(self.run_dir / "native_output.log"),
                         enabled=str(cfg.logging.get("live", "auto")) != "false").start()
@@ -262,8 +286,7 @@ class Learner:
             self._stop_ranks()
             self.write_status()
             self.close()
-            if prev is not None:
-                signal.signal(signal.SIGTERM, prev)
+            stops.restore()
             if self._fatal_rank is not None:
                 raise RuntimeError(f"a learner rank died ({self._fatal_rank}); the run stopped "
                                    "after a checkpoint: restart it with the same --gpus") from self._fatal_rank
@@ -293,6 +316,19 @@ class Learner:
         if self.ranks.world > 1 and needs_gather(self.accelerator):
             self.ranks.send(CTRL_GATHER)
         return gathered_trainable(self.algo.policy, self.accelerator)
+
+    def _skipped_updates(self) -> dict[str, int]:
+        """Optimizer steps skipped for a non-finite loss or gradient, by reason."""
+        guard = getattr(self.accelerator, "finite_guard", None)
+        return dict(guard.skipped) if guard is not None else {}
+
+    def _note_skips(self) -> None:
+        total = sum(self._skipped_updates().values())
+        if total > self._skipped_seen:
+            self._skip_warn.warning("%d optimizer step(s) skipped for a non-finite loss or gradient "
+                                    "(%s in all); the weights stay finite", total - self._skipped_seen,
+                                    self._skipped_updates())
+            self._skipped_seen = total
 
     def _service_died(self, exc: BaseException) -> None:  # the dying socket thread
         """No half-alive learner: stop the main loop; :meth:`run` checkpoints and raises."""
@@ -341,6 +377,8 @@ class Learner:
             "infer_batch": float(sum(sizes) / len(sizes)) if sizes else 0.0,
             "served": self.inference.served, "infer_batches": self.inference.batches,
             "rejected": self.service.counters["rejected"],
+            "skipped_updates": sum(self._skipped_updates().values()),
+            "weights_refused": self.weights.refused,
             "duplicates": self.service.counters["duplicates"],
         }
 
@@ -360,7 +398,12 @@ class Learner:
                   pub_port=self.service.pub_port, received=dict(self.ingest.received),
                   stored=self.data.sink.total_added, rejections=dict(self.ingest.rejections),
                   dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status(),
-                  rejected_by_code=dict(self.service.rejections),
+                  staged_mb=round(self.ingest.staged_bytes / 2**20, 3),
+                  rejected_by_code=dict(self.service.rejections), wire_gate={
+                      "restarts": self.service.gate.restarts, "exits": list(self.service.gate.exits),
+                      **self.service.gate.stats},
+                  skipped_updates_by_reason=self._skipped_updates(),
+                  checkpoints_refused=self.checkpoints_refused,
                   internal_errors=self.service.counters["internal_errors"],
                   rejection_logs_suppressed=self.service._warn.suppressed_total,
                   stopped=self.stopped)
@@ -377,6 +420,7 @@ class Learner:
             m = self.algo.step()
             if m:
                 metrics = m
+                self._note_skips()
                 if self.algo.should_publish():
                     self.weights.publish(self._trainable())
                 if ((cfg.checkpoint_every and self.algo.updates - last_ckpt >= cfg.checkpoint_every)
@@ -438,7 +482,3 @@ class Learner:
         self.service.finished = True
         time.sleep(min(3.0, 2 * self.cfg.transport.heartbeat_s + 0.5))  # let actors hear it
         return report
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt

@@ -58,13 +58,15 @@ _BATCH, _STREAM = 1, 0  # CTRL_UPDATE's argument: one batch (on-policy) or a bat
 
 def make_accelerator(cpu: bool, timeout_s: float = 300.0):
     """The learner's Accelerator: DDP looks for unused parameters (the algorithms' phase
-    forwards, :func:`agents.base.accelerator_kwargs`), collectives time out after ``timeout_s``."""
-    from accelerate import Accelerator
+    forwards, :func:`agents.base.accelerator_kwargs`), collectives time out after ``timeout_s``,
+    and optimizer steps with a non-finite loss or gradient are skipped and counted
+    (:class:`learner.finite_guard.GuardedAccelerator`)."""
     from accelerate.utils import InitProcessGroupKwargs
 
     from agents.base import accelerator_kwargs
+    from learner.finite_guard import GuardedAccelerator
 
-    return Accelerator(cpu=cpu, kwargs_handlers=accelerator_kwargs() + [
+    return GuardedAccelerator(cpu=cpu, kwargs_handlers=accelerator_kwargs() + [
         InitProcessGroupKwargs(timeout=timedelta(seconds=float(timeout_s)))])
 
 

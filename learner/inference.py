@@ -233,6 +233,25 @@ class InferenceServer(threading.Thread):
                             self.reply(r.identity, encode("error", {
                                 "code": "inference_failed", "message": f"{type(exc).__name__}: {exc}"}))
 
+    def _serve_finite_rows(self, group: list[ActRequest], actions: np.ndarray, deterministic: bool) -> None:
+        """Some rows of a batch came out NaN or Inf: their requests get ``inference_failed``,
+        the others are served again without them (rows do not mix in a policy's forward)."""
+        ok = np.isfinite(actions.reshape(len(actions), -1)).all(axis=1)
+        good, i = [], 0
+        for r in group:
+            if ok[i:i + r.n].all():
+                good.append(r)
+            else:
+                self.reply(r.identity, encode("error", {
+                    "code": "inference_failed",
+                    "message": "the policy returned non-finite actions (NaN or Inf) for this "
+                               f"observation (policy version {self.version})"}))
+            i += r.n
+        log.error("inference: %d of %d requests got non-finite actions (policy version %d)",
+                  len(group) - len(good), len(group), self.version)
+        if good and len(good) < len(group):
+            self._serve(good, deterministic)
+
     def _serve(self, group: list[ActRequest], deterministic: bool) -> None:
         t0 = time.perf_counter()
         if len(group) == 1:
@@ -265,6 +284,9 @@ class InferenceServer(threading.Thread):
                 actions = a.cpu().numpy()
         else:
             actions = a.float().cpu().numpy()
+        if not np.isfinite(actions).all():  # never a NaN or Inf action to a robot
+            self._serve_finite_rows(group, actions, deterministic)
+            return
         if self.extras_spec or chunk.extras or chunk.log_prob is not None:
             extras = extras_to_numpy(chunk.extras_with_log_prob(), self.extras_spec, actions.shape[0])
         else:  # nothing declared, nothing returned

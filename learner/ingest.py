@@ -38,88 +38,29 @@ whole batch is consumed and nothing stored changes):
 
 An episode that lost records to a rejected batch, whose start is missing, that an actor
 left unfinished (a record of a newer episode arrives: an actor runs one episode at a time),
-or that runs past ``max_episode_records`` without ending, is **dropped**: it never reaches the dataset (it is never half present), its records already
-in the replay buffer stay sampleable transitions, its further records are discarded, and
-``dropped_episodes`` counts it by reason.
+that runs past ``max_episode_records`` without ending, or that is the oldest unfinished one
+when the records staged for the store by all actors together pass ``max_staged_bytes``
+(``evicted``: memory stays bounded however many actor ids hold never-ending episodes) is
+**dropped**: it never reaches the dataset (it is never half present), its records already in
+the replay buffer stay sampleable transitions, its further records are discarded, and
+``dropped_episodes`` counts it by reason. A dropped episode's records were never acknowledged
+(an open episode holds its actor's ack); the ack then moves past them.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, OrderedDict, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from data.transitions import TransitionBatch, TransitionError
+from learner.episode_stats import EpisodeStats, Recent
 
 log = logging.getLogger("tandem.learner.ingest")
-
-_RECENT = 4096  # ended / dropped episode ids remembered per actor
-
-
-@dataclass
-class EpisodeStats:
-    """Finished-episode returns and successes, per task. Thread-safe: the socket thread adds
-    episodes while the main loop and the status writer read (an unlocked read once met a
-    deque mid-append under load and took the learner down)."""
-
-    window: int = 100
-    returns: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))
-    successes: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))
-    lengths: deque = field(default_factory=lambda: deque(maxlen=100))
-    episodes: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, task: str, ret: float, success: bool, length: int) -> None:
-        with self._lock:
-            for store, val in ((self.returns, ret), (self.successes, float(success))):
-                dq = store[task]
-                dq.append(val)
-                while len(dq) > self.window:
-                    dq.popleft()
-            self.lengths.append(length)
-            self.episodes += 1
-
-    def summary(self) -> dict[str, float]:
-        with self._lock:
-            all_r = [r for dq in self.returns.values() for r in dq]
-            all_s = [s for dq in self.successes.values() for s in dq]
-            lengths, episodes = list(self.lengths), self.episodes
-        if not all_r:
-            return {"episodes": float(episodes)}
-        return {
-            "episodes": float(episodes),
-            "return": float(np.mean(all_r)),
-            "success": float(np.mean(all_s)),
-            "length": float(np.mean(lengths)) if lengths else 0.0,
-        }
-
-    def per_task(self) -> dict[str, dict[str, float]]:
-        with self._lock:
-            rows = {t: (list(self.returns[t]), list(self.successes[t])) for t in sorted(self.returns)}
-        return {t: {"episodes": len(r), "return": float(np.mean(r)), "success": float(np.mean(sv))}
-                for t, (r, sv) in rows.items()}
-
-
-class _Recent:
-    """A bounded set of episode ids."""
-
-    def __init__(self, size: int = _RECENT):
-        self._d: OrderedDict[int, None] = OrderedDict()
-        self.size = size
-
-    def add(self, x: int) -> None:
-        self._d[x] = None
-        self._d.move_to_end(x)
-        while len(self._d) > self.size:
-            self._d.popitem(last=False)
-
-    def __contains__(self, x: int) -> bool:
-        return x in self._d
-
 
 @dataclass
 class _StagedEpisode:
@@ -131,14 +72,15 @@ class _StagedEpisode:
     last_step: int = -1
     ended: bool = False          # its terminating / truncating step has arrived
     chunks: list = field(default_factory=list)  # (arrays, tasks, seqs) slices, when staging
+    nbytes: int = 0              # bytes of its staged records (counted in Ingest.staged_bytes)
 
 
 @dataclass
 class _Actor:
     open: _StagedEpisode | None = None
     pending: dict[int, int] = field(default_factory=dict)  # episode -> first seq, in the store
-    ended: _Recent = field(default_factory=_Recent)
-    dropped: _Recent = field(default_factory=_Recent)
+    ended: Recent = field(default_factory=Recent)
+    dropped: Recent = field(default_factory=Recent)
 
 
 class Ingest:
@@ -148,9 +90,14 @@ class Ingest:
 
     def __init__(self, sink, *, store=None, store_transitions: bool = True,
                  stats_window: int = 100, on_ack: Callable[[str, int], None] | None = None,
-                 max_episode_records: int = 100_000):
+                 max_episode_records: int = 100_000, max_staged_bytes: int = 1 << 30):
         self.sink = sink
         self.max_episode_records = int(max_episode_records)
+        #: bound on the records of unfinished episodes staged for the store, all actors together
+        self.max_staged_bytes = int(max_staged_bytes)
+        self.staged_bytes = 0
+        #: actor -> its open episode while it has staged records, oldest first (for eviction)
+        self._staged: OrderedDict[str, _StagedEpisode] = OrderedDict()
         self.store_transitions = store_transitions
         self.store = store if store_transitions else None
         self.on_ack = on_ack
@@ -192,6 +139,17 @@ class Ingest:
         with self._lock:
             return self.store is not None or actor_id in self._acked_here
 
+    def knows_actor(self, actor_id: str) -> bool:
+        """Whether this learner keeps sequence state for ``actor_id``."""
+        with self._lock:
+            return actor_id in self.received or actor_id in self.acked
+
+    def actor_count(self) -> int:
+        """Actor ids this learner keeps sequence state for (bounded by the service's hello
+        check, ``max_actor_ids``)."""
+        with self._lock:
+            return len(self.received.keys() | self.acked.keys())
+
     def actor_position(self, actor_id: str) -> tuple[int, int]:
         """(acked sequence number or -1, next free episode id) for a (re)connecting actor."""
         with self._lock:
@@ -223,15 +181,27 @@ class Ingest:
     def skip(self, batch: TransitionBatch) -> int:
         """Consume a rejected batch's sequence numbers without storing it; returns the ack.
         An unfinished episode of the actor that this batch touches loses records: dropped."""
-        with self._lock:
-            have = self.received.get(batch.actor_id, -1)
-            if batch.first_seq <= have + 1 < batch.last_seq + 1:
-                self._consume_rejected(batch, "a rejected batch")
-            return self.acked.get(batch.actor_id, -1)
+        return self.skip_range(batch.actor_id, batch.first_seq, batch.last_seq,
+                               batch.arrays.get("episode"))
 
-    def add(self, batch: TransitionBatch) -> tuple[int, int]:
-        """Store new records of a validated ``batch``; returns (acked seq, duplicates dropped).
-        Raises TransitionError for a sequence gap (nothing consumed: the actor resends)."""
+    def skip_range(self, actor: str, first: int, last: int, episodes=None) -> int:
+        """Consume sequence numbers ``first..last`` of a batch rejected before it could be read
+        as one (its ``episodes`` array, when readable, names the episodes it touched; without
+        it any open episode of the actor is dropped); returns the ack. A range already
+        consumed changes nothing. Raises TransitionError for a range after a gap (nothing
+        consumed: the actor resends from its ack first)."""
+        with self._lock:
+            have = self.received.get(actor, -1)
+            if first > have + 1:
+                raise TransitionError(f"sequence gap: expected seq {have + 1}, batch starts at {first}")
+            if have < last:
+                self._consume_rejected(actor, first, last, episodes, "a rejected batch")
+            return self.acked.get(actor, -1)
+
+    def add(self, batch: TransitionBatch) -> tuple[int, int, str | None]:
+        """Store new records of a validated ``batch``; returns (acked seq, duplicates dropped,
+        why its new records were rejected or None). Raises TransitionError for a sequence gap
+        (nothing consumed: the actor resends)."""
         with self._lock:
             actor = batch.actor_id
             have = self.received.get(actor, -1)
@@ -241,22 +211,23 @@ class Ingest:
                 )
             dup = min(len(batch), have + 1 - batch.first_seq)
             if dup >= len(batch):
-                return self.acked.get(actor, -1), dup
+                return self.acked.get(actor, -1), dup, None
             new = batch.slice(dup) if dup else batch
             if not self.store_transitions:
                 self.received[actor] = new.last_seq
                 self.acked[actor] = new.last_seq
                 self._acked_here.add(actor)
                 self._track(new, np.ones(len(new), bool))
-                return new.last_seq, dup
+                return new.last_seq, dup, None
             problem = self._check(new)
             if problem is not None:
                 reason, detail = problem
                 self.rejections[reason] += 1
                 log.warning("actor %s: rejected records seq %d..%d: %s: %s", actor, new.first_seq,
                             new.last_seq, reason, detail)
-                self._consume_rejected(new, f"a batch rejected for {reason}")
-                return self.acked.get(actor, -1), dup
+                self._consume_rejected(actor, new.first_seq, new.last_seq, new.arrays.get("episode"),
+                                       f"a batch rejected for {reason}")
+                return self.acked.get(actor, -1), dup, f"{reason}: {detail}"
             keep = self._route(new)
             if keep.all():
                 self.sink.add(new)
@@ -268,7 +239,9 @@ class Ingest:
             self.received[actor] = new.last_seq
             self._settle(actor)
             self._track(new, keep)
-            return self.acked.get(actor, -1), dup
+            if self.staged_bytes > self.max_staged_bytes:
+                self._bound_staged()
+            return self.acked.get(actor, -1), dup, None
 
     def _check(self, b: TransitionBatch) -> tuple[str, str] | None:
         """The first episode-level problem of a batch, simulated on a copy of the actor's
@@ -350,12 +323,18 @@ class Ingest:
                 i = j
                 continue
             if staging:
-                op.chunks.append(({k: v[i:j] for k, v in a.items()}, b.tasks[i:j],
+                chunk = {k: v[i:j] for k, v in a.items()}
+                op.chunks.append((chunk, b.tasks[i:j],
                                   np.arange(b.first_seq + i, b.first_seq + j, dtype=np.int64)))
+                nb = sum([v.nbytes for v in chunk.values()])
+                op.nbytes += nb
+                self.staged_bytes += nb
+                self._staged.setdefault(actor, op)
             op.last_step = steps[j - 1]
             op.ended = bool(ends[j - 1])
             if last[j - 1]:
                 st.open = None
+                self._release(actor, op)
                 st.ended.add(ep)
                 if staging:
                     st.pending[ep] = op.first_seq
@@ -363,12 +342,33 @@ class Ingest:
             i = j
         return keep
 
+    def _release(self, actor: str, op: _StagedEpisode) -> None:
+        """``op`` no longer counts as staged (finished: handed to the store; or dropped)."""
+        self.staged_bytes -= op.nbytes
+        op.nbytes = 0
+        if self._staged.get(actor) is op:
+            del self._staged[actor]
+
+    def _bound_staged(self) -> None:
+        """Over ``max_staged_bytes`` of unfinished episodes (all actors): drop the oldest open
+        episodes until under it. Each is counted (``dropped_episodes["evicted"]``) and logged;
+        its records were never acknowledged (an open episode holds its actor's ack), so its
+        actor's ack moves past them and they are never stored: nothing acknowledged is lost."""
+        while self.staged_bytes > self.max_staged_bytes and self._staged:
+            actor = next(iter(self._staged))
+            self._drop_open(actor, "evicted", f"{self.staged_bytes} bytes of unfinished episodes "
+                            f"staged, over the limit of {self.max_staged_bytes} (all actors): the "
+                            "oldest goes")
+            self._settle(actor)
+
     def _drop_open(self, actor: str, reason: str, why: str) -> None:
         st = self._actors[actor]
         op = st.open
         if op is None:
             return
         st.open = None
+        self._release(actor, op)
+        op.chunks = []
         st.dropped.add(op.episode)
         self.dropped_episodes[reason] += 1
         self._running.pop((actor, op.episode), None)
@@ -377,22 +377,19 @@ class Ingest:
         log.warning("actor %s: episode %d dropped (%s): %s; it is not written to the dataset",
                     actor, op.episode, reason, why)
 
-    def _consume_rejected(self, b: TransitionBatch, what: str) -> None:
-        """Sequence numbers of a rejected batch are consumed; an open episode it touches (or,
-        when its episode ids are unreadable, any open episode of the actor) is dropped."""
-        actor = b.actor_id
+    def _consume_rejected(self, actor: str, first: int, last: int, ep_arr, what: str) -> None:
+        """Sequence numbers ``first..last`` of a rejected batch are consumed; an open episode
+        it touches (or, when its episode ids ``ep_arr`` are unreadable, any open episode of the
+        actor) is dropped."""
         st = self._actors[actor]
-        ep_arr = b.arrays.get("episode")
         try:
-            touched = set(np.asarray(ep_arr).reshape(-1).astype(np.int64).tolist())
-            if len(np.asarray(ep_arr).reshape(-1)) != len(b):
-                touched = None
+            flat = np.asarray(ep_arr).reshape(-1)
+            touched = set(flat.astype(np.int64).tolist()) if len(flat) == last - first + 1 else None
         except (TypeError, ValueError):
             touched = None
         if st.open is not None and (touched is None or st.open.episode in touched):
-            self._drop_open(actor, "lost_records",
-                            f"records {b.first_seq}..{b.last_seq} went to {what}")
-        self.received[actor] = max(self.received.get(actor, -1), b.last_seq)
+            self._drop_open(actor, "lost_records", f"records {first}..{last} went to {what}")
+        self.received[actor] = max(self.received.get(actor, -1), last)
         self._settle(actor)
 
     def _acked_for(self, actor: str, settled: set[tuple[str, int]] = frozenset()) -> int:

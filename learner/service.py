@@ -1,10 +1,15 @@
-"""The learner's socket thread: ROUTER for requests, PUB for weight versions.
+"""The learner's socket thread: requests and replies on the main socket, weight versions on
+the PUB socket.
 
-Only this thread touches the ROUTER and PUB sockets. Other threads (inference, trainer)
-hand it outgoing messages through an inproc PUSH -> PULL channel (:meth:`outbox`), so no
-ZMQ socket is ever shared between threads and inference never runs here.
+The network-facing sockets are the wire gate's, a process of their own (:mod:`data.core.gate`,
+:mod:`learner.server_sockets`: a peer can neither abort the learner through libzmq nor make it
+buffer more than the message limits; a gate that dies is started again from this thread's
+loop). This thread owns the learner's ends of the main and PUB sockets; other threads
+(inference, trainer) hand it outgoing messages through an inproc PUSH -> PULL channel
+(:meth:`outbox`), so no ZMQ socket is ever shared between threads and inference never runs
+here.
 
-Per message from an actor (first frame is the ROUTER identity):
+Per message from an actor (first frame: the peer's routing identity, as a ROUTER gives it):
 
 - ``hello``: checks protocol (codec) and config hash, registers the actor, replies
   ``welcome`` with the actor's acknowledged sequence number and the current version;
@@ -13,15 +18,17 @@ Per message from an actor (first frame is the ROUTER identity):
   (:mod:`learner.act_channel`: the inference thread reads, validates and answers them itself,
   with no hand-off through this thread); both paths run the same checks (:meth:`check_act`);
 - ``transitions``: validates, drops duplicates by sequence number, hands new records to
-  :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number;
+  :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number; a batch
+  refused as a whole (its layout, schema, value ranges or episode checks) is answered with
+  ``batch_rejected`` naming its records, which are consumed (the ack after it covers them);
 - ``ping`` -> ``pong``; ``get_weights`` -> ``weights``; ``bye`` forgets the peer;
 - ``get_job`` (episode id the actor is about to start): ``job`` (the episode to run exactly,
   from ``next_job(actor_id, episode)``) or ``no_job``. The welcome's ``jobs`` says whether
   this learner hands out jobs at all; its ``spec`` is the env layout with the policy extras
   that records must carry.
 
-Anything malformed, oversized, unknown or out of order gets an ``error`` reply naming what
-is wrong, and the loop keeps serving: any exception from one message (not only the codec's)
+Anything malformed, oversized (the gate's ``message_too_large``), unknown or out of order
+gets an ``error`` reply naming what is wrong, and the loop keeps serving: any exception from one message (not only the codec's)
 becomes an ``internal_error`` reply and a count in ``counters["internal_errors"]``. Every
 rejection is counted by code (``rejections``); their WARNINGs are rate-limited. If the thread
 dies anyway, ``on_fatal(exc)`` is called (the learner app stops loudly with the cause;
@@ -34,7 +41,8 @@ session. Without keys the first live session owns the id until it is silent for
 ``peer_timeout_s``; a hello claiming it meanwhile gets ``actor_id_in_use`` (the actor retries),
 unless it carries the same ``instance`` token as that session's hello (the same actor process
 retrying its handshake with a new socket, e.g. hellos queued while the learner was starting).
-A ``resend_from`` beyond what this learner acknowledged (``bad_resend``) is refused when the
+A hello naming a new actor id once ingest keeps state for ``max_actor_ids`` ids gets
+``too_many_actors``. A ``resend_from`` beyond what this learner acknowledged (``bad_resend``) is refused when the
 acks are durable (an episode store), or, without one, once this process has acknowledged that
 actor's records; before that a restarted learner cannot know what an earlier process
 acknowledged, and skips the gap as lost records (logged).
@@ -44,7 +52,6 @@ from __future__ import annotations
 
 import _thread
 import logging
-import os
 import threading
 import time
 import uuid
@@ -57,14 +64,15 @@ import zmq
 
 from data.core.codec import CodecError, FieldRangeError, decode, encode, send_frames
 from data.core.jobs import Job
-from data.core.schema import ACT_TOKEN_BYTES, OBS_STATE
+from data.core.schema import MAX_BATCH, OBS_STATE
 from data.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
+from learner.handshake import on_hello
 from learner.ingest import Ingest
-from learner.act_channel import (ActChannel, bind_act_socket, drain as _drain, is_act_token,
-                                 user_id as _user_id)
+from learner.act_channel import ActChannel, drain as _drain, is_act_token
+from learner.server_sockets import Outboxes, open_server_sockets, send_or_drop
 from learner.wire_guard import RateLimitedLog, check_act_obs, check_obs, check_transitions_message
-from data.core.security import authorized_actor_ids, configure_server_socket
+from data.core.security import authorized_actor_ids
 
 log = logging.getLogger("tandem.learner.service")
 
@@ -123,11 +131,15 @@ class LearnerService(threading.Thread):
         on_fatal: Callable[[BaseException], None] | None = None,
         act_port: int | None = None,
         act_socket: bool = True,
+        gate_memory_bytes: int = 4 << 30,
+        max_actor_ids: int = 4096,
     ):
         """``act_port``: the act socket's port (:mod:`learner.act_channel`); None: ``port + 2``
-        (5590 by default; one the OS picks, logged, when that is taken or ``port`` is 0; the
-        welcome tells actors which). ``act_socket=False``: none,
-        every act goes through this thread's ROUTER."""
+        (5590 by default; one the OS picks when that is taken or ``port`` is 0; the welcome
+        tells actors which). ``act_socket=False``: none, every act goes through the main
+        socket. ``gate_memory_bytes``: the wire gate's memory cap (:mod:`data.core.gate`).
+        ``max_actor_ids``: hellos naming a new actor id are refused (``too_many_actors``) once
+        ingest keeps state for that many (the state of every id is kept for good)."""
         super().__init__(name="tandem-service", daemon=True)
         self.ctx = ctx
         self.spec = spec
@@ -140,6 +152,7 @@ class LearnerService(threading.Thread):
         self.peer_timeout_s = peer_timeout_s
         self.mode = mode
         self.next_job = next_job
+        self.max_actor_ids = int(max_actor_ids)
         self.learner_id = uuid.uuid4().hex[:12]
         self.peers: dict[bytes, Peer] = {}
         #: act token -> session (read by the inference thread; written here only)
@@ -157,52 +170,32 @@ class LearnerService(threading.Thread):
                         if security.get("server_secret_key") else None)
         self.finished = False  # eval done: tell actors to stop
         self._stop_event = threading.Event()
-        self._outbox_local = threading.local()
-        self._outbox_socks: list[zmq.Socket] = []
-        self._outbox_lock = threading.Lock()
+        self._outboxes = Outboxes(ctx, OUTBOX_ADDR + "-" + self.learner_id)
         #: identity -> (actor id, acked seq): acks owed for transitions handled in this wake-up
         self._acks_owed: dict[bytes, tuple[str, int]] = {}
-        # Bind in the constructor so that port errors surface in the caller's thread.
-        self.router = ctx.socket(zmq.ROUTER)
-        self.pub = ctx.socket(zmq.PUB)
-        for s in (self.router, self.pub):
-            s.setsockopt(zmq.LINGER, 0)
-            configure_server_socket(s, host, security)
-        # Hard guard well above the codec limit, so that oversize gets an error reply first.
-        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.pub.setsockopt(zmq.SNDHWM, 4)
-        self.router.bind(f"tcp://{host}:{port}")
-        self.pub.bind(f"tcp://{host}:{pub_port}")
-        self.port = int(self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
-        self.pub_port = int(self.pub.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self.counters["dropped_replies"] = 0  # replies the gate could not take (restarting, full)
+        # Bind in the constructor so that port errors surface in the caller's thread. The
+        # network-facing sockets are the wire gate's (learner/server_sockets.py): no peer can
+        # abort this process or make it buffer without bound.
+        self._curve = bool(security.get("server_secret_key"))
+        self.sockets = open_server_sockets(
+            ctx, host=host, port=port, pub_port=pub_port, act_port=act_port, act_socket=act_socket,
+            security=security, max_message_bytes=max_message_bytes, memory_bytes=gate_memory_bytes)
+        self.gate = self.sockets.gate
+        self.router, self.pub = self.sockets.main, self.sockets.pub
+        self.port, self.pub_port = self.sockets.port, self.sockets.pub_port
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(OUTBOX_ADDR + "-" + self.learner_id)
         self.act_channel: ActChannel | None = None
-        if act_socket:
-            try:
-                sock = bind_act_socket(ctx, host, (port + 2 if port else 0) if act_port is None
-                                       else act_port, security, max_message_bytes, fallback=act_port is None)
-            except zmq.ZMQError:
-                for s in (self.router, self.pub, self.pull):
-                    s.close(0)
-                raise
-            self.act_channel = ActChannel(self, sock)
+        if self.sockets.act is not None:
+            self.act_channel = ActChannel(self, self.sockets.act, self.sockets.act_port)
 
     # ---- API for other threads -------------------------------------------------------
 
     def outbox(self) -> zmq.Socket:
         """This thread's PUSH socket into the service thread (created once per thread)."""
-        sock = getattr(self._outbox_local, "sock", None)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(OUTBOX_ADDR + "-" + self.learner_id)
-            self._outbox_local.sock = sock
-            with self._outbox_lock:
-                self._outbox_socks.append(sock)
-        return sock
+        return self._outboxes.get().sock
 
     def reply(self, identity: bytes, frames: list) -> None:
         """Send from any thread: via the outbox, or straight on the act socket (its thread)."""
@@ -210,10 +203,18 @@ class LearnerService(threading.Thread):
         if ch is not None and ch.owner == threading.get_ident() and is_act_token(identity):
             ch.send(identity, frames)
             return
-        self.outbox().send_multipart([b"R", identity, *frames], copy=False)
+        self._push([b"R", identity, *frames])
 
     def publish(self, frames: list) -> None:
-        self.outbox().send_multipart([b"P", *frames], copy=False)
+        self._push([b"P", *frames])
+
+    def _push(self, frames: list) -> None:
+        if self._outboxes.push(frames):
+            return
+        with self._count_lock:  # the socket thread is gone (or stuck): dropped, counted
+            self.counters["dropped_replies"] += 1
+        if not self.is_alive():
+            self._warn.warning("the socket thread is not running: a message to send was dropped")
 
     def active_actors(self) -> int:
         now = time.monotonic()
@@ -248,19 +249,25 @@ class LearnerService(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
+        skip = 2 if self._curve else 1  # [routing id, (CURVE User-Id,) message...]
         try:
             while not self._stop_event.is_set():
                 events = dict(poller.poll(100))
                 if self.pull in events:
                     for frames in _drain(self.pull, ready=True):
-                        out = self.router if frames[0].bytes == b"R" else self.pub
-                        send_frames(out, frames[1:])
+                        if frames[0].bytes == b"R":
+                            self._out(frames[1:])
+                        else:
+                            send_frames(self.pub, frames[1:])
                 if self.router in events:
                     for i, frames in enumerate(_drain(self.router, ready=True), 1):
-                        self._handle_safe(frames[0].bytes, frames[1:])
+                        self._handle_safe(frames[0].bytes, frames[skip:],
+                                          frames[1].bytes.decode("ascii", "replace") if skip == 2 else None)
                         if i % ACK_EVERY == 0:
                             self._send_acks()
                     self._send_acks()
+                if self.gate.poll():  # it died (a crafted peer, its memory cap): a new one serves
+                    self.counters["gate_restarts"] = self.gate.restarts
         except BaseException as exc:
             self.error = exc
             log.critical("the learner's socket thread died: %s: %s", type(exc).__name__, exc,
@@ -272,22 +279,26 @@ class LearnerService(threading.Thread):
         finally:
             for s in (self.router, self.pub, self.pull):
                 s.close(0)
+            self.gate.stop()
             if self.act_channel is not None:  # the inference thread closes it if it took it
                 self.act_channel.close(unless_owned=True)
-            with self._outbox_lock:
-                for s in self._outbox_socks:
-                    s.close(0)
+            self._outboxes.close_all()
+
+    def _out(self, frames: list) -> None:
+        """``[routing id, frames...]`` to the gate, or dropped (counted) when it cannot take it."""
+        if not send_or_drop(self.router, frames):
+            self.counters["dropped_replies"] += 1
 
     def _send_acks(self) -> None:
         while self._acks_owed:
             identity, (actor_id, acked) = self._acks_owed.popitem()
-            send_frames(self.router, [identity, *self.ack_frames(actor_id, acked)])
+            self._out([identity, *self.ack_frames(actor_id, acked)])
 
     def _send(self, identity: bytes, frames: list) -> None:
         if identity in self._acks_owed:  # what this peer is owed goes first, in order
             actor_id, acked = self._acks_owed.pop(identity)
-            send_frames(self.router, [identity, *self.ack_frames(actor_id, acked)])
-        send_frames(self.router, [identity, *frames])
+            self._out([identity, *self.ack_frames(actor_id, acked)])
+        self._out([identity, *frames])
 
     def _error(self, identity: bytes, code: str, message: str) -> None:
         self.count_rejection(code)
@@ -296,11 +307,11 @@ class LearnerService(threading.Thread):
                            code, message[:500])
         self._send(identity, encode("error", {"code": code, "message": message}))
 
-    def _handle_safe(self, identity: bytes, frames: list) -> None:
-        """One message: whatever it raises becomes an error reply and a count, never the end
-        of this thread."""
+    def _handle_safe(self, identity: bytes, frames: list, user_id: str | None = None) -> None:
+        """One message (``user_id``: the sender's CURVE key, z85): whatever it raises becomes an
+        error reply and a count, never the end of this thread."""
         try:
-            self._handle(identity, frames)
+            self._handle(identity, frames, user_id)
         except Exception as exc:
             self.count_rejection("internal_error", internal=True)
             self._warn.warning("message from %s raised %s (counted, serving on)", identity.hex(),
@@ -312,7 +323,10 @@ class LearnerService(threading.Thread):
             except Exception:  # the reply itself failed (the peer is gone): counted above
                 pass
 
-    def _handle(self, identity: bytes, frames: list) -> None:
+    def _handle(self, identity: bytes, frames: list, user_id: str | None = None) -> None:
+        if not frames:
+            self._error(identity, "bad_message", "empty message")
+            return
         try:
             msg = decode(frames, max_bytes=self.max_message_bytes)
         except CodecError as exc:
@@ -320,7 +334,7 @@ class LearnerService(threading.Thread):
                         str(exc))
             return
         if msg.type == "hello":
-            self._on_hello(identity, msg, _user_id(frames[0]))
+            self._on_hello(identity, msg, user_id)
             return
         peer = self.peers.get(identity)
         if peer is None:
@@ -342,73 +356,7 @@ class LearnerService(threading.Thread):
         handler(identity, peer, msg)
 
     def _on_hello(self, identity: bytes, msg, user_id: str | None = None) -> None:
-        actor_id = msg["actor_id"]
-        if not actor_id or len(actor_id) > 128:
-            self._error(identity, "bad_hello", "actor_id must be 1-128 characters")
-            return
-        if is_act_token(identity):  # replies to such ids are taken for the act socket's
-            self._error(identity, "bad_hello", f"a routing id of {ACT_TOKEN_BYTES} bytes not "
-                        "starting with 0 is reserved for act sockets; leave the main socket's "
-                        "routing id unset")
-            return
-        if self.key_ids is not None:
-            owner = self.key_ids.get(user_id or "")
-            if owner != actor_id:
-                self._error(identity, "identity_mismatch",
-                            f"this CURVE key is not actor {actor_id!r}'s (it belongs to "
-                            f"{owner!r}): each actor id is bound to its key in the "
-                            "authorised-keys folder")
-                return
-        if msg["config_hash"] != self.config_hash:
-            self._error(
-                identity, "config_mismatch",
-                f"actor {actor_id!r} has config hash {msg['config_hash']}, learner has "
-                f"{self.config_hash}: env, policy or chunk settings differ",
-            )
-            return
-        now = time.monotonic()
-        if len(self.peers) > 256:  # forget silent sessions: a flood of hellos stays bounded
-            self.peers = {i: p for i, p in self.peers.items() if now - p.last_seen < self.peer_timeout_s}
-            self.act_sessions = {p.token: p for p in self.peers.values() if p.token}
-        holders = [i for i, p in self.peers.items() if p.actor_id == actor_id and i != identity]
-        instance = msg.get("instance")
-        instance = instance if isinstance(instance, str) and 0 < len(instance) <= 64 else ""
-        live = [i for i in holders if now - self.peers[i].last_seen < self.peer_timeout_s
-                and not (instance and self.peers[i].instance == instance)]
-        if live and self.key_ids is None:
-            self._error(identity, "actor_id_in_use",
-                        f"actor id {actor_id!r} belongs to a live session (until it is silent for "
-                        f"{self.peer_timeout_s:.0f}s); retry later, or give this actor its own id")
-            return
-        resend_from = msg["resend_from"]
-        acked, _ = self.ingest.actor_position(actor_id)
-        if resend_from > acked + 1 and self.ingest.knows_acks(actor_id):
-            self._error(identity, "bad_resend",
-                        f"actor {actor_id!r} resends from seq {resend_from}, but this learner "
-                        f"acknowledged its records only up to {acked}; records in between would "
-                        "be skipped. If the learner's run_dir was replaced, clear the actor's spool")
-            return
-        # A reconnecting actor gets a new identity: forget the old (stale, or same-key) one.
-        for ident in holders:
-            self.act_sessions.pop(self.peers.pop(ident).token, None)
-        old = self.peers.get(identity)
-        if old is not None:  # a second hello on the same connection: a new session token
-            self.act_sessions.pop(old.token, None)
-        token = b"\x01" + os.urandom(ACT_TOKEN_BYTES - 1)
-        self.peers[identity] = peer = Peer(actor_id, now, instance, token)
-        self.act_sessions[token] = peer
-        ch = self.act_channel
-        act_port = ch.port if ch is not None and ch.claimed and not ch.closed else 0
-        self.ingest.resync(actor_id, resend_from)
-        acked, next_episode = self.ingest.actor_position(actor_id)
-        log.info("actor %s connected (acked seq %d)", actor_id, acked)
-        self._send(identity, encode("welcome", {
-            "learner_id": self.learner_id, "acked_seq": acked,
-            "received_seq": max(acked, self.ingest.received.get(actor_id, -1)),
-            "policy_version": self.get_version(), "mode": self.mode,
-            "next_episode": next_episode, "spec": self.spec.to_dict(), "jobs": self.next_job is not None,
-            "act_port": act_port, "act_token": token if act_port else b"",
-        }))
+        on_hello(self, identity, msg, user_id)
 
     def _on_act(self, identity: bytes, peer: Peer, msg) -> None:
         bad = self.check_act(msg)
@@ -428,7 +376,9 @@ class LearnerService(threading.Thread):
             return
         err = check_transitions_message(msg)
         if err:
-            self._error(identity, "bad_seq" if err.startswith("last_seq") else "bad_transitions", err)
+            self._reject(identity, peer.actor_id, msg["first_seq"], msg["last_seq"],
+                         "bad_seq" if err.startswith("last_seq") else "bad_transitions", err,
+                         msg.arrays.get("episode"))
             return
         batch = TransitionBatch.from_message(msg)
         try:
@@ -437,17 +387,43 @@ class LearnerService(threading.Thread):
             # Invalid records are consumed (counted, logged, never stored) so that the actor's
             # stream goes on; nothing stored before changes.
             self.ingest.count_rejection(str(exc))
-            self._error(identity, "bad_transitions", f"seq {batch.first_seq}..{batch.last_seq}: {exc}")
-            self._ack(identity, peer.actor_id, self.ingest.skip(batch))
+            self._reject(identity, peer.actor_id, batch.first_seq, batch.last_seq, "bad_transitions",
+                         f"seq {batch.first_seq}..{batch.last_seq}: {exc}", batch.arrays.get("episode"))
             return
         try:
-            acked, dup = self.ingest.add(batch)
+            acked, dup, rejected = self.ingest.add(batch)
         except TransitionError as exc:  # sequence gap: the actor resends from its ack
             self._error(identity, "bad_transitions", str(exc))
             return
         self.counters["duplicates"] += dup
-        self.counters["transitions"] += len(batch) - dup
+        if rejected is not None:  # an episode-level problem: consumed, counted by ingest
+            self.count_rejection("bad_episode")
+            self._send(identity, encode("batch_rejected", {
+                "first_seq": batch.first_seq, "last_seq": batch.last_seq, "code": "bad_episode",
+                "message": f"seq {batch.first_seq}..{batch.last_seq}: {rejected}"[:1000]}))
+        else:
+            self.counters["transitions"] += len(batch) - dup
         self._ack(identity, peer.actor_id, acked)
+
+    def _reject(self, identity: bytes, actor_id: str, first: int, last: int, code: str,
+                message: str, episodes) -> None:
+        """A batch refused as a whole: its sequence numbers are consumed (unless a gap comes
+        before them, or they are no range of 1..MAX_BATCH records) and the actor gets a typed
+        ``batch_rejected`` naming them, then the ack; otherwise an ``error``."""
+        if not 0 <= last - first < MAX_BATCH:
+            self._error(identity, code, message)
+            return
+        try:
+            acked = self.ingest.skip_range(actor_id, first, last, episodes)
+        except TransitionError as exc:  # after a gap: the actor resends from its ack first
+            self._error(identity, "bad_transitions", f"{exc} (a rejected batch)")
+            return
+        self.count_rejection(code)
+        self._warn.warning("rejected batch seq %d..%d of %s: %s: %s", first, last, actor_id, code,
+                           message[:500])
+        self._send(identity, encode("batch_rejected", {"first_seq": first, "last_seq": last,
+                                                       "code": code, "message": message[:1000]}))
+        self._ack(identity, actor_id, acked)
 
     def ack_frames(self, actor_id: str, acked: int) -> list:
         received = max(acked, self.ingest.received.get(actor_id, -1))

@@ -1,4 +1,5 @@
-"""Versioned weight snapshots: only the trainable tensors, latest wins.
+"""Versioned weight snapshots: only the trainable tensors, latest wins; never one holding a
+NaN or an infinity (refused and counted: the last good version keeps serving).
 
 ``publish`` hands a snapshot to the inference thread (its serving copy) and broadcasts it on
 the PUB socket; ``latest`` serves ``get_weights`` requests. Tensors travel as plain numeric
@@ -9,6 +10,7 @@ an actor verifies what it loads whichever path brought it (broadcast or ``get_we
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
 
@@ -17,6 +19,9 @@ import torch
 
 from data.core.codec import encode
 from data.core.weights import digest_hex, to_wire
+from learner.finite_guard import nonfinite
+
+log = logging.getLogger("tandem.learner.weights")
 
 
 class WeightPublisher:
@@ -28,8 +33,23 @@ class WeightPublisher:
         self._lock = threading.Lock()
         self.last_nbytes = 0
         self.last_digest = ""
+        #: snapshots refused because a tensor held a NaN or an infinity (never served, sent
+        #: or checkpointed: the last good version stays)
+        self.refused = 0
+        self.last_refused: list[str] = []
 
-    def publish(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
+    def publish(self, state: dict[str, torch.Tensor], version: int | None = None) -> int | None:
+        """Hand ``state`` to serving and the broadcast as the next version (or ``version``);
+        returns the version, or None when a tensor is not finite (refused, counted, logged:
+        serving and the actors keep the last good version)."""
+        bad = nonfinite(state)
+        if bad:
+            self.refused += 1
+            self.last_refused = bad[:10]
+            log.error("weights not published: %d tensor(s) hold NaN or Inf (%s%s); serving keeps "
+                      "version %d (%d refused so far)", len(bad), ", ".join(bad[:5]),
+                      ", ..." if len(bad) > 5 else "", self.version, self.refused)
+            return None
         with self._lock:
             self.version = self.version + 1 if version is None else int(version)
             arrays, bf16 = to_wire(state)

@@ -139,3 +139,23 @@ def test_encode_to_bytes_into_a_reused_buffer():
         out = encode_to_bytes(frames, buf)
         assert bytes(out) == blob and isinstance(out, bytearray)
         assert [bytes(f) for f in frames_from_bytes(out)] == [bytes(memoryview(f)) for f in frames]
+
+
+def test_a_cached_layout_does_not_let_inexact_shape_entries_through():
+    """Shape entries 4.0 / True and extra items in an array entry are refused also once the
+    layout they resemble is cached (the caches compare 4.0 == 4 and ignore a fourth item)."""
+    import msgpack
+    import numpy as np
+
+    state = np.zeros((1, 4), np.float32)
+    frames = encode("act", {"req_id": 1, "deterministic": False, "tasks": [""]},
+                    {"observation.state": state})
+    for _ in range(2):
+        decode(frames)  # cached twice over: the type's last layout and the layout cache
+    header = msgpack.unpackb(frames[0])
+    for entry in (["observation.state", "float32", [1, 4.0]], ["observation.state", "float32", [True, 4]],
+                  ["observation.state", "float32", [1, 4], "extra"]):
+        bad = [msgpack.packb(dict(header, arrays=[entry]), use_bin_type=True), state.tobytes()]
+        with pytest.raises(CodecError, match="observation.state|metadata #0"):
+            decode(bad)
+    assert decode(frames).arrays["observation.state"].shape == (1, 4)  # the real layout still decodes

@@ -45,13 +45,17 @@ def test_ranges_travel_in_the_welcome_spec_but_not_in_the_config_hash():
     assert config_hash(SPEC, **h) == config_hash(ENV.with_extras(dict(SPEC.extras)), **h)
 
 
-def test_a_range_must_name_an_integer_extra_and_not_be_empty():
-    with pytest.raises(ValueError, match="not an integer extra"):
-        ENV.with_extras(dict(SPEC.extras), {"log_prob": (0, 1)})
-    with pytest.raises(ValueError, match="not an integer extra"):
+def test_a_range_must_name_an_extra_and_not_be_empty():
+    # a float extra's range is a float range (float_ranges), an integer one's an extra range
+    spec = ENV.with_extras(dict(SPEC.extras), {"log_prob": (-50, 5), "action_tokens": (0, 255)})
+    assert spec.float_ranges["extra.log_prob"] == (-50.0, 5.0)
+    assert spec.extra_ranges == {"action_tokens": (0, 255)}
+    with pytest.raises(ValueError, match="not a float field"):
         ENV.with_extras(dict(SPEC.extras), {"missing": (0, 1)})
     with pytest.raises(ValueError, match="empty"):
         ENV.with_extras(dict(SPEC.extras), {"action_tokens": (5, 4)})
+    with pytest.raises(ValueError, match="finite and not empty"):
+        ENV.with_extras(dict(SPEC.extras), {"log_prob": (1, 0)})
 
 
 def test_a_policy_without_integer_extras_declares_no_range():

@@ -31,7 +31,7 @@ HASH = "cafe"
 
 
 def make_service(ports, *, ingest=None, security=None, peer_timeout_s=10.0, submit_act=None,
-                 on_fatal=None):
+                 on_fatal=None, **service_kw):
     ctx = zmq.Context()
     ingest = ingest or Ingest(ReplayBuffer(1000, SPEC))
     policy = MLPPolicy(MLPPolicyConfig(hidden_dims=(16,), cnn_channels=(4,), image_embed_dim=8), SPEC)
@@ -40,7 +40,8 @@ def make_service(ports, *, ingest=None, security=None, peer_timeout_s=10.0, subm
                          submit_act=submit_act or (lambda r: box["inf"].submit(r)),
                          get_version=lambda: box["w"].version, get_weights=lambda: box["w"].latest(),
                          port=ports[0], pub_port=ports[1], max_message_bytes=1 << 20,
-                         peer_timeout_s=peer_timeout_s, security=security, on_fatal=on_fatal)
+                         peer_timeout_s=peer_timeout_s, security=security, on_fatal=on_fatal,
+                         **service_kw)
     inf = InferenceServer(policy, reply=svc.reply, active_actors=svc.active_actors,
                           device=torch.device("cpu"), batch_window_ms=1.0)
     box["inf"], box["w"] = inf, WeightPublisher(inf.set_weights, svc.publish)
@@ -110,6 +111,16 @@ def batch_header(first_seq, n, arrays, actor_id="a0", last_seq=None):
             "arrays": arrays}
 
 
+def refused(sock, frames):
+    """A batch the learner refuses: its typed ``batch_rejected`` (returned), then the ack that
+    covers the consumed records."""
+    r = rpc(sock, frames)
+    assert r.type == "batch_rejected", r.fields
+    assert sock.poll(5000), "no ack after the rejection"
+    assert decode(sock.recv_multipart()).type == "ack"
+    return r
+
+
 def served(svc, ctx, actor_id="probe"):
     """The learner still answers a real client: hello, act, a batch acked."""
     s = dealer(ctx, svc.port)
@@ -143,20 +154,20 @@ def test_crafted_messages_each_get_an_error_and_the_learner_keeps_serving(learne
     # a 0-d reward where a batch [N] is expected
     zero_d = [[k, d, [] if k == "reward" else sh] for k, d, sh in meta]
     zbufs = [np.float32(1).tobytes() if m[0] == "reward" else b for m, b in zip(meta, bufs)]
-    r = rpc(s, raw(batch_header(0, 2, zero_d), *zbufs))
+    r = refused(s, raw(batch_header(0, 2, zero_d), *zbufs))
     assert r["code"] == "bad_transitions" and "'reward'" in r["message"]
     # sequence numbers near the int64 limit
     r = rpc(s, raw(batch_header(2**63 - 2, 2, meta), *bufs))
     assert r["code"] == "bad_request" and "first_seq" in r["message"]
     # an episode id near the int64 limit inside the arrays
     big = dict(good.arrays, episode=np.full(2, 2**63 - 1, np.int64))
-    r = rpc(s, TransitionBatch("a0", 0, big, ["", ""]).to_frames())
+    r = refused(s, TransitionBatch("a0", 0, big, ["", ""]).to_frames())
     assert r["code"] == "bad_transitions" and "episode" in r["message"]
-    # tasks and rows disagree; last_seq disagrees
-    r = rpc(s, raw(dict(batch_header(0, 2, meta), tasks=[""] * 3), *bufs))
+    # tasks and rows disagree; last_seq disagrees (each refused batch's records are consumed)
+    r = refused(s, raw(dict(batch_header(0, 2, meta), tasks=[""] * 3), *bufs))
     assert r["code"] == "bad_transitions"
-    r = rpc(s, raw(batch_header(0, 2, meta, last_seq=7), *bufs))
-    assert r["code"] == "bad_seq"
+    r = refused(s, raw(batch_header(0, 2, meta, last_seq=7), *bufs))
+    assert r["code"] == "bad_seq" and (r["first_seq"], r["last_seq"]) == (0, 7)
     # an act request whose state is 0-d; a non-finite ping time
     r = rpc(s, encode("act", {"req_id": 1, "deterministic": False, "tasks": [""]},
                       {"observation.state": np.float32(0), "observation.images.front":

@@ -7,6 +7,12 @@ i.e. every failure was named by an explicit check, not caught as a surprise). Af
 a real client still completes hello, act and an acknowledged transitions batch.
 
     python -m tools.fuzz_wire --examples 20000      # a long run (the suite runs a few hundred)
+    python -m tools.fuzz_wire --live --minutes 10 --out DIR   # + the attack classes, against a
+                                                    # learner process with a real actor attached
+
+The attack classes of issue 24 (routing ids, finite extremes in every float field, ids at range
+edges, huge frames and frame counts, malformed shapes) are in :mod:`tools.fuzz_attacks`; the
+live run in :mod:`tools.fuzz_live`.
 
 Each example is sent on a fresh DEALER, after a valid hello (with its own actor id) or
 without one; a ping follows it, and its answer marks the fuzzed message as processed (the
@@ -35,7 +41,8 @@ SPEC = EnvSpec(state_dim=3, action_dim=2, cameras={"front": (4, 4, 3)})
 HASH = "fuzz"
 SELF = "$self"  # placeholder for the session's actor id in a generated header
 #: replies a learner may send to a client request
-REPLY_TYPES = {"welcome", "act_reply", "job", "no_job", "ack", "pong", "weights", "error"}
+REPLY_TYPES = {"welcome", "act_reply", "job", "no_job", "ack", "pong", "weights", "error",
+               "batch_rejected"}
 
 _EDGE_INTS = [0, -1, 1, 2**31 - 1, 2**31, 2**53 - 1, 2**53, 2**62, 2**63 - 2, 2**63 - 1, -(2**63),
               2**64 - 1]
@@ -315,16 +322,17 @@ class FuzzTarget:
 
     def _count(self, r) -> None:
         assert r.type in REPLY_TYPES, f"unexpected reply type {r.type!r}"
-        key = r.type if r.type != "error" else "error:" + r["code"]
+        key = r.type if r.type not in ("error", "batch_rejected") else r.type + ":" + r["code"]
         self.replies[key] = self.replies.get(key, 0) + 1
 
     def served(self) -> None:
         """A real client still gets hello, act and an acknowledged batch through."""
         from data.transitions import TransitionBatch
 
+        real = f"real-{next(self._ids)}"
         s = self._dealer()
         try:
-            s.send_multipart(encode("hello", {"actor_id": "real", "config_hash": HASH, "resend_from": 0}))
+            s.send_multipart(encode("hello", {"actor_id": real, "config_hash": HASH, "resend_from": 0}))
             assert self._recv(s).type == "welcome"
             obs = {OBS_STATE: np.zeros((1, SPEC.state_dim), np.float32),
                    "observation.images.front": np.zeros((1, 4, 4, 3), np.uint8)}
@@ -340,7 +348,7 @@ class FuzzTarget:
                          if k not in ("action", "reward", "step")}}
             for name, (dt, shape) in self.spec.extras.items():
                 arrays["extra." + name] = np.zeros((n, *shape), dt)
-            s.send_multipart(TransitionBatch("real", 0, arrays, [""] * n).to_frames())
+            s.send_multipart(TransitionBatch(real, 0, arrays, [""] * n).to_frames())
             r = self._recv(s)
             assert r.type == "ack" and r["received_seq"] == n - 1, r.fields
         finally:
@@ -392,12 +400,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None, help="derandomize (repeatable run)")
     ap.add_argument("--store", action="store_true",
                     help="with a LeRobot episode store in a temporary folder (durable acks)")
+    ap.add_argument("--live", action="store_true",
+                    help="fuzz a learner process with a real actor attached (tools/fuzz_live.py)")
+    ap.add_argument("--minutes", type=float, default=10.0, help="--live: how long")
+    ap.add_argument("--out", default="runs/fuzz_live", help="--live: logs, run_dir, fuzz_live.json")
     args = ap.parse_args()
     import json
     import logging
     import tempfile
 
     logging.basicConfig(level=logging.ERROR)
+    if args.live:
+        from pathlib import Path
+
+        from tools.fuzz_live import run_live
+
+        res = run_live(Path(args.out), args.minutes)
+        print(json.dumps({k: v for k, v in res.items() if k != "samples"}, indent=1, default=str))
+        raise SystemExit(0 if res.get("ok") else 1)
     with tempfile.TemporaryDirectory() as tmp:
         store_dir = f"{tmp}/dataset" if args.store else None
         print(json.dumps(run(args.examples, seed=args.seed, store_dir=store_dir), indent=1))

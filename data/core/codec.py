@@ -270,7 +270,10 @@ def decode(
             f"arrays but the message has {nframes - 1} buffers"
         )
     last = plan[2]  # this type's last cached layout: (max_bytes, metadata, layout)
-    if last is not None and last[1] == meta and last[0] == max_bytes:
+    if not _meta_exact(meta):  # before any cache: 4.0 == 4 and True == 1 would hit it
+        layout = _check_layout(msg_type, meta, max_bytes)  # raises, naming the entry
+        cached = None
+    elif last is not None and last[1] == meta and last[0] == max_bytes:
         layout = cached = last[2]  # (list equality: no key to build and hash)
     else:
         try:
@@ -302,6 +305,22 @@ def decode(
         if a not in arrays:
             raise CodecError(f"{msg_type}: missing arrays {[a for a in schema.arrays if a not in arrays]}")
     return Message(msg_type, header, arrays, cached)
+
+
+def _meta_exact(meta: list) -> bool:
+    """Every metadata entry is exactly ``[str, str, [int, ...]]``: no float or bool dims, no
+    extra items. Checked before the layout caches are consulted (their keys compare 4.0 and
+    True equal to 4 and 1, and ignore items past the third)."""
+    for e in meta:
+        if type(e) is not list or len(e) != 3:
+            return False
+        name, dtype_name, shape = e
+        if type(name) is not str or type(dtype_name) is not str or type(shape) is not list:
+            return False
+        for d in shape:
+            if type(d) is not int:
+                return False
+    return True
 
 
 def _check_layout(msg_type: str, meta: list, max_bytes: int) -> list[tuple[str, np.dtype, tuple[int, ...], int]]:

@@ -86,19 +86,24 @@ MAX_BYTES_FIELD = 1024
 ACT_TOKEN_BYTES = 16
 
 #: inclusive bounds of header int fields, by name (the same name means the same quantity in
-#: every message type); the codec refuses a value outside them on decode
+#: every message type); the codec refuses a value outside them on decode. Where a value is
+#: followed by another one (a sequence number by the next, an episode id by the welcome's
+#: ``next_episode``), the accepted range stops one short of the field the successor goes
+#: into: nothing accepted can make a later message unencodable.
 FIELD_BOUNDS: dict[str, tuple[int, int]] = {
-    "resend_from": (0, MAX_SEQ), "first_seq": (0, MAX_SEQ), "last_seq": (0, MAX_SEQ),
+    "resend_from": (0, MAX_SEQ), "first_seq": (0, MAX_SEQ - 1), "last_seq": (0, MAX_SEQ - 1),
     "acked_seq": (-1, MAX_SEQ), "received_seq": (-1, MAX_SEQ), "req_id": (0, MAX_SEQ),
-    "have_version": (-1, MAX_SEQ), "policy_version": (0, MAX_SEQ), "episode": (0, MAX_SEQ),
+    "have_version": (-1, MAX_SEQ), "policy_version": (0, MAX_SEQ), "episode": (0, MAX_SEQ - 1),
     "next_episode": (0, MAX_SEQ), "act_port": (0, 65535),
     "job_id": (0, 2**31 - 1), "task_id": (0, 2**31 - 1), "init_state": (0, 2**31 - 1),
     "seed": (0, 2**31 - 1), "group_id": (-1, 2**31 - 1),
 }
 
-#: inclusive bounds of the integer per-step arrays of a ``transitions`` message
+#: inclusive bounds of the integer per-step arrays of a ``transitions`` message (an episode id
+#: or step one short of the top: its successor, the welcome's ``next_episode`` or the
+#: ``is_last`` record's step, stays in range)
 STEP_BOUNDS: dict[str, tuple[int, int]] = {
-    "policy_version": (0, MAX_SEQ), "episode": (0, MAX_SEQ), "step": (0, 2**31 - 1),
+    "policy_version": (0, MAX_SEQ), "episode": (0, MAX_SEQ - 1), "step": (0, 2**31 - 2),
     "chunk_index": (0, 2**31 - 1), "group_id": (-1, 2**31 - 1),
 }
 
@@ -148,6 +153,9 @@ MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
                           "seed": int, "group_id": int, "deterministic": bool}),
     "no_job": MessageSchema({"episode": int}),
     "ack": MessageSchema({"acked_seq": int, "received_seq": int, "policy_version": int}),
+    # a transitions batch the learner refused (records first_seq..last_seq, consumed: the
+    # following ack covers them); the actor keeps it as a dead letter and goes on
+    "batch_rejected": MessageSchema({"first_seq": int, "last_seq": int, "code": str, "message": str}),
     "pong": MessageSchema({"t": float, "policy_version": int}),
     "weights": MessageSchema({"policy_version": int}),
     "error": MessageSchema({"code": str, "message": str}),

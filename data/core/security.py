@@ -37,8 +37,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def configure_server_socket(sock: zmq.Socket, host: str, security: dict) -> None:
-    """Apply CURVE server settings to ``sock`` before bind, or refuse an insecure bind."""
+def check_bind_policy(host: str, security: dict) -> None:
+    """Raise ValueError for a bind the security settings do not allow: a non-loopback
+    address without CURVE keys (unless ``allow_insecure``), or keys that do not load."""
     secret = security.get("server_secret_key")
     if not secret:
         if not is_loopback(host) and not security.get("allow_insecure", False):
@@ -48,15 +49,25 @@ def configure_server_socket(sock: zmq.Socket, host: str, security: dict) -> None
                 "transport.security.authorized_keys_dir, or pass "
                 "transport.security.allow_insecure=true to accept unauthenticated actors"
             )
-        if not is_loopback(host):
-            log.warning("binding %s WITHOUT authentication or encryption (allow_insecure)", host)
         return
     keys_dir = security.get("authorized_keys_dir")
     if not keys_dir or not Path(keys_dir).is_dir():
         raise ValueError(f"transport.security.authorized_keys_dir {keys_dir!r} is not a folder")
-    public, secret_key = zmq.auth.load_certificate(secret)
+    _, secret_key = zmq.auth.load_certificate(secret)
     if secret_key is None:
         raise ValueError(f"{secret} holds no secret key (use the .key_secret file)")
+
+
+def configure_server_socket(sock: zmq.Socket, host: str, security: dict) -> None:
+    """Apply CURVE server settings to ``sock`` before bind, or refuse an insecure bind."""
+    check_bind_policy(host, security)
+    secret = security.get("server_secret_key")
+    if not secret:
+        if not is_loopback(host):
+            log.warning("binding %s WITHOUT authentication or encryption (allow_insecure)", host)
+        return
+    keys_dir = security["authorized_keys_dir"]
+    public, secret_key = zmq.auth.load_certificate(secret)
     _ensure_authenticator(sock.context, keys_dir)
     sock.curve_secretkey = secret_key
     sock.curve_publickey = public

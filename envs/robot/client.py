@@ -13,7 +13,9 @@ Client-side safety (this module): actions are clipped to the action space (and, 
 background thread sends heartbeats on its own socket and, when the driver stops answering
 for ``heartbeat_timeout``, marks the link lost: the next ``step`` sends a best-effort
 ``stop`` and raises :class:`RobotLinkLost`. ``reset`` re-handshakes, so an actor can
-recover after the driver comes back.
+recover after the driver comes back. While the actor's policy gives no action (its learner
+could not serve), :meth:`RobotEnv.on_policy_outage` stops the arm (``on_outage: stop``, the
+default) or lets it hold (``hold``).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class RobotEnv(gym.Env):
                  retries: int = 2, heartbeat_period: float = 0.2, heartbeat_timeout: float = 1.0,
                  stop_on_close: bool = True, curve_server_public: str | None = None,
                  curve_client_key: str | None = None, ctx: zmq.Context | None = None,
-                 spec: Mapping[str, Any] | None = None):
+                 spec: Mapping[str, Any] | None = None, on_outage: str = "stop"):
         if bool(curve_server_public) != bool(curve_client_key):
             raise ValueError("CURVE needs both curve_server_public (the driver's public key file) "
                              "and curve_client_key (this client's secret key file)")
@@ -73,6 +75,10 @@ class RobotEnv(gym.Env):
         self.heartbeat_period = float(heartbeat_period)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.stop_on_close = bool(stop_on_close)
+        if on_outage not in ("stop", "hold"):
+            raise ValueError(f"on_outage must be stop or hold, got {on_outage!r}")
+        #: what the arm does while the actor's policy gives no action (:meth:`on_policy_outage`)
+        self.on_outage = on_outage
         self._security = {"server_public_key": curve_server_public, "client_secret_key": curve_client_key}
         self._ctx = ctx or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
@@ -134,6 +140,7 @@ class RobotEnv(gym.Env):
         if self._sock is not None:
             self._sock.close(0)
         sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_DRIVER_MESSAGE_BYTES)
         sock.linger = 0
         configure_client_socket(sock, self._security)
         sock.connect(self.address)
@@ -269,6 +276,19 @@ class RobotEnv(gym.Env):
         """Tell the driver to stop the robot now (it stays stopped until the next reset)."""
         self._request("stop", {"reason": reason}, retries=0)
 
+    def on_policy_outage(self, reason: str) -> bool:
+        """The actor's policy gives no action (its learner could not serve): with
+        ``on_outage: stop`` (the default) the driver stops the arm until the next reset and
+        this returns True (the episode cannot go on); with ``hold`` the heartbeats keep the
+        link and the arm waits for its next command (False)."""
+        if self.on_outage == "hold" or not self._controlling or self.link_lost:
+            return self.on_outage != "hold"
+        try:
+            self.stop(f"policy outage: {reason}"[:200])
+        except (RobotLinkLost, RobotError):
+            pass  # the driver stops by itself once the heartbeats or commands end
+        return True
+
     def render(self):
         if self._last_obs is None:
             return None
@@ -314,5 +334,5 @@ def make_robot_env(cfg: dict) -> RobotEnv:
         stop_on_close=bool(cfg.get("stop_on_close", True)),
         curve_server_public=cfg.get("curve_server_public"),
         curve_client_key=cfg.get("curve_client_key"),
-        spec=cfg.get("spec"),
+        spec=cfg.get("spec"), on_outage=str(cfg.get("on_outage", "stop")),
     )

@@ -11,7 +11,9 @@ would a real arm. A driver for real hardware implements the same messages (see
 ``step``/``reset`` move the arm and whose ``unwrapped.stop()`` (if present) halts it.
 
 The driver runs the *raw* env (no time limit: episode length is the actor's business, the
-driver reports the env's ``default_max_episode_steps``). It binds loopback by default;
+driver reports the env's ``default_max_episode_steps``). A ``tcp://`` bind is served through
+the wire gate (:mod:`data.core.gate`: its socket lives in a process of its own, so no peer can
+abort the driver through libzmq or make it buffer without bound). It binds loopback by default;
 another interface needs CURVE keys (``--curve-secret``: this driver's key file, and
 ``--curve-clients``: a folder of allowed client public keys, both ``zmq.auth``
 certificates; applied by :mod:`data.core.security`) or ``--insecure``.
@@ -36,7 +38,8 @@ import numpy as np
 import zmq
 
 from data.core.codec import CodecError, decode, encode
-from data.core.security import configure_server_socket
+from data.core.gate import Front, Gate, GateError
+from data.core.security import check_bind_policy, configure_server_socket
 from envs.robot.protocol import (
     DEFAULT_PORT, DRIVER_PROTOCOL_VERSION, DRIVER_SCHEMAS, DRIVER_TO_CLIENT, MAX_DRIVER_MESSAGE_BYTES,
     endpoint_host, jsonable, obs_to_arrays, spec_message, with_req,
@@ -61,21 +64,44 @@ class RobotDriverServer:
         self.spec = spec_message(env)
         self._spec_json = json.dumps(self.spec)
         self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.linger = 0
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_DRIVER_MESSAGE_BYTES)
+        security = {"server_secret_key": curve_secret, "authorized_keys_dir": curve_clients,
+                    "allow_insecure": insecure}
+        host = endpoint_host(bind)
         try:
-            configure_server_socket(self._sock, endpoint_host(bind), {
-                "server_secret_key": curve_secret, "authorized_keys_dir": curve_clients,
-                "allow_insecure": insecure})
+            check_bind_policy(host, security)
         except ValueError as exc:
-            self._sock.close(0)
             raise ValueError(f"robot driver at {bind}: {exc} (here: curve_secret / curve_clients / "
                              "insecure, or --curve-secret / --curve-clients / --insecure)") from exc
-        if bind.endswith(":0"):
-            port = self._sock.bind_to_random_port(bind[: bind.rindex(":")])
+        self._gate = None
+        self._skip = 1  # frames before the message: [routing id, (CURVE User-Id,) ...]
+        if bind.startswith("tcp://"):
+            # the network-facing ROUTER lives in the wire gate's process (data/core/gate.py): no
+            # peer can abort the driver (and the robot's safety loop) through libzmq, nor make
+            # it buffer more than MAX_DRIVER_MESSAGE_BYTES per message
+            too_large = encode("error", {"req": 0, "code": "message_too_large", "message":
+                                         f"over {MAX_DRIVER_MESSAGE_BYTES} bytes"}, schemas=DRIVER_SCHEMAS)
+            port = int(bind.rsplit(":", 1)[1])
+            self._gate = Gate([Front("driver", host=host, port=port, max_frame_bytes=MAX_DRIVER_MESSAGE_BYTES,
+                                     max_message_bytes=MAX_DRIVER_MESSAGE_BYTES,
+                                     too_large_reply=[bytes(memoryview(f)) for f in too_large])],
+                              security, memory_bytes=1 << 30)
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.linger = 0
+            self._sock.setsockopt(zmq.SNDTIMEO, 0)  # a reply the gate cannot take is dropped
+            self._sock.bind(self._gate.backends["driver"])
+            try:
+                port = self._gate.start()["driver"]
+            except GateError as exc:
+                self._sock.close(0)
+                self._gate.stop()
+                raise zmq.ZMQError(zmq.EADDRINUSE, f"robot driver at {bind}: {exc}") from None
+            self._skip = 2 if curve_secret else 1
             self.bind = f"{bind[: bind.rindex(':')]}:{port}"
-        else:
+        else:  # ipc:// or inproc://: only this machine's processes reach it
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.linger = 0
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_DRIVER_MESSAGE_BYTES)
+            configure_server_socket(self._sock, host, security)
             self._sock.bind(bind)
         self.endpoint = self.bind
         # session state
@@ -94,9 +120,15 @@ class RobotDriverServer:
 
     # -- helpers
 
+    def _send(self, frames: list) -> None:
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.Again:  # the wire gate is restarting: the client retries, as on a lost reply
+            pass
+
     def _reply(self, ident, msg_type: str, fields: dict, arrays: dict | None = None) -> list[Any]:
         frames = encode(msg_type, fields, arrays, schemas=DRIVER_SCHEMAS)
-        self._sock.send_multipart([ident, *frames], copy=False)
+        self._send([ident, *frames])
         return frames
 
     def _error(self, ident, req: int, code: str, message: str) -> None:
@@ -219,7 +251,7 @@ class RobotDriverServer:
         seq = msg["seq"]
         if seq == self._last_seq and self._last_reply is not None:
             # a retry of the action we already executed: same answer, no motion
-            self._sock.send_multipart([ident, *with_req(self._last_reply, req)], copy=False)
+            self._send([ident, *with_req(self._last_reply, req)])
             return
         if self.stopped:
             self._error(ident, req, "stopped", f"robot is stopped ({self.stop_reason}); reset first")
@@ -269,10 +301,12 @@ class RobotDriverServer:
                 # before judging the heartbeat
                 while self._sock.poll(0):
                     parts = self._sock.recv_multipart(copy=False)
-                    if len(parts) < 2:
+                    if len(parts) <= self._skip:
                         continue
-                    self.handle(parts[0], parts[1:])
+                    self.handle(parts[0], parts[self._skip:])
             self._check_heartbeat()
+            if self._gate is not None and self._gate.poll():  # it died: a new one serves
+                log.error("robot driver: the wire gate was restarted (%d so far)", self._gate.restarts)
 
     def shutdown(self) -> None:
         self._halt.set()
@@ -285,6 +319,8 @@ class RobotDriverServer:
         self._closed = True
         self.stop_robot("driver shutting down")
         self._sock.close(0)
+        if self._gate is not None:
+            self._gate.stop()
         if close_env:
             self.env.close()
 

@@ -30,6 +30,7 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # heartbeat acks are a few bytes
         configure_client_socket(sock, self.security)
         sock.connect(self.address)
         req = itertools.count(1)
