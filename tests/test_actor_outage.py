@@ -89,6 +89,16 @@ def _poison(inf):
             p.fill_(float("nan"))
 
 
+
+def _teardown(stop, t, inf, svc, ctx):
+    stop.set()
+    t.join(30)
+    inf.stop()
+    svc.stop()
+    inf.join(2)
+    svc.join(2)
+    ctx.destroy(0)
+
 def test_the_actor_holds_backs_off_and_acts_again_when_serving_recovers(tmp_path):
     env = make_env({"name": "point_reach", "image_size": 16})
     spec = spec_from_env(env)
@@ -112,13 +122,7 @@ def test_the_actor_holds_backs_off_and_acts_again_when_serving_recovers(tmp_path
         from actor.console import actor_status
         assert actor_status(loop, client, device=None)["act_failures"] == loop.act_failures
     finally:
-        stop.set()
-        t.join(30)
-        inf.stop()
-        svc.stop()
-        inf.join(2)
-        svc.join(2)
-        ctx.destroy(0)
+        _teardown(stop, t, inf, svc, ctx)
     assert not errors, errors
 
 
@@ -140,11 +144,5 @@ def test_an_env_that_stops_on_an_outage_starts_a_new_episode(tmp_path):
         _wait(lambda: loop.holding is None and loop.steps > 0, 30, "the actor to act again")
         assert loop.episode > episode  # the stopped episode was left; a new one runs
     finally:
-        stop.set()
-        t.join(30)
-        inf.stop()
-        svc.stop()
-        inf.join(2)
-        svc.join(2)
-        ctx.destroy(0)
+        _teardown(stop, t, inf, svc, ctx)
     assert not errors, errors
