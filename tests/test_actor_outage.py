@@ -7,11 +7,13 @@ on loopback, a real env (point_reach)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import gymnasium as gym
 import torch
+import zmq
 
 from actor.client import LearnerClient
 from actor.loop import ActorLoop
@@ -89,24 +91,30 @@ def _poison(inf):
             p.fill_(float("nan"))
 
 
-
-def _teardown(stop, t, inf, svc, ctx):
-    stop.set()
-    t.join(30)
-    inf.stop()
-    svc.stop()
-    inf.join(2)
-    svc.join(2)
-    ctx.destroy(0)
-
-def test_the_actor_holds_backs_off_and_acts_again_when_serving_recovers(tmp_path):
-    env = make_env({"name": "point_reach", "image_size": 16})
-    spec = spec_from_env(env)
-    ctx = __import__("zmq").Context()
-    svc, inf, good = _learner(spec, ctx)
+@contextlib.contextmanager
+def _running(env, tmp_path):
+    """A learner service + inference server and an actor loop on ``env`` in a thread; yields
+    (loop, client, thread, errors, inf, good weights) and stops everything after."""
+    ctx = zmq.Context()
+    svc, inf, good = _learner(spec_from_env(env), ctx)
     stop = threading.Event()
     loop, client, t, errors = _run(env, tmp_path, ctx, svc, stop)
     try:
+        yield loop, client, t, errors, inf, good
+    finally:
+        stop.set()
+        t.join(30)
+        inf.stop()
+        svc.stop()
+        inf.join(2)
+        svc.join(2)
+        ctx.destroy(0)
+    assert not errors, errors
+
+
+def test_the_actor_holds_backs_off_and_acts_again_when_serving_recovers(tmp_path):
+    env = make_env({"name": "point_reach", "image_size": 16})
+    with _running(env, tmp_path) as (loop, client, t, errors, inf, good):
         _wait(lambda: loop.steps > 20, 30, "the actor to act")
         _poison(inf)  # the serving copy goes NaN: every act is inference_failed
         _wait(lambda: getattr(loop, "act_failures", 0) >= 3 or not t.is_alive(), 30, "failed acts")
@@ -121,19 +129,11 @@ def test_the_actor_holds_backs_off_and_acts_again_when_serving_recovers(tmp_path
         assert not errors and t.is_alive() and loop.outages == 1 and client.policy_version == 2
         from actor.console import actor_status
         assert actor_status(loop, client, device=None)["act_failures"] == loop.act_failures
-    finally:
-        _teardown(stop, t, inf, svc, ctx)
-    assert not errors, errors
 
 
 def test_an_env_that_stops_on_an_outage_starts_a_new_episode(tmp_path):
     env = StopsOnOutage(make_env({"name": "point_reach", "image_size": 16}))
-    spec = spec_from_env(env)
-    ctx = __import__("zmq").Context()
-    svc, inf, good = _learner(spec, ctx)
-    stop = threading.Event()
-    loop, client, t, errors = _run(env, tmp_path, ctx, svc, stop)
-    try:
+    with _running(env, tmp_path) as (loop, client, t, errors, inf, good):
         _wait(lambda: loop.steps > 5, 30, "the actor to act")
         _poison(inf)
         _wait(lambda: getattr(loop, "act_failures", 0) >= 2 or not t.is_alive(), 30, "failed acts")
@@ -143,6 +143,3 @@ def test_an_env_that_stops_on_an_outage_starts_a_new_episode(tmp_path):
         inf.set_weights(2, good)
         _wait(lambda: loop.holding is None and loop.steps > 0, 30, "the actor to act again")
         assert loop.episode > episode  # the stopped episode was left; a new one runs
-    finally:
-        _teardown(stop, t, inf, svc, ctx)
-    assert not errors, errors

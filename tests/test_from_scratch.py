@@ -96,14 +96,14 @@ def test_pi0_builds_where_lerobots_dataset_extra_is_missing(tmp_path):
     import subprocess
     import sys
 
-    code = f"""
+    code = """
 import lerobot.utils.import_utils as iu
 iu._require_package_cache["av"] = False          # as where av is not installed
 import torch
 from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import TINY_PI0_ARCH
-spec = EnvSpec(state_dim=8, action_dim=7, cameras={{"image": (32, 32, 3)}}, has_task=True)
+spec = EnvSpec(state_dim=8, action_dim=7, cameras={"image": (32, 32, 3)}, has_task=True)
 p = Pi0Policy(Pi0PolicyConfig(tokenizer="builtin", image_size=32, arch=dict(TINY_PI0_ARCH, vision_patch=8),
               chunk_size=4, device="cpu", lora_rank=0, train_full=True), spec)
 print("built", type(p.inner).__name__)

@@ -36,24 +36,24 @@ def run(tmp_path):
             p.wait()
 
 
+
+def _interrupt(proc, who: str, timeout: float) -> None:
+    """kill -INT ``proc``; it must exit 0 within ``timeout``."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the {who} ignored SIGINT:\n" + proc.log.read_text()[-2000:]) from None
+    assert proc.returncode == 0, proc.log.read_text()[-3000:]
+
 def test_sigint_stops_a_background_learner_and_actor_cleanly(run):
     learner = run.learner("algo.learning_starts=50", "trainer.checkpoint_every=0",
                           "trainer.checkpoint_every_s=0", "buffer.video=false")
     actor = run.actor("a0", "spool.batch_size=8")
     run.wait(lambda: run.status().get("updates", 0) >= 3, 180, "the learner to train")
     assert latest_checkpoint(run.dir / "checkpoints") is None  # none yet: only the stop writes one
-    actor.send_signal(signal.SIGINT)
-    try:
-        actor.wait(30)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the actor ignored SIGINT:\n" + actor.log.read_text()[-2000:]) from None
-    assert actor.returncode == 0, actor.log.read_text()[-2000:]
+    _interrupt(actor, "actor", 30)
     assert (run.dir / "spool" / "a0" / "meta.json").exists()  # the spool is kept
-    learner.send_signal(signal.SIGINT)
-    try:
-        learner.wait(60)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the learner ignored SIGINT:\n" + learner.log.read_text()[-2000:]) from None
-    assert learner.returncode == 0, learner.log.read_text()[-3000:]
+    _interrupt(learner, "learner", 60)
     assert latest_checkpoint(run.dir / "checkpoints") is not None, "no checkpoint at the stop"
     assert "SIGINT: stopping cleanly" in learner.log.read_text()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -92,7 +91,7 @@ def fetch_wheels(dest: Path, packages: Sequence[str], versions: dict[str, str]) 
     return sorted(dest.glob("*.whl"))
 
 
-def trace_opens(suite: str, workers_env: dict | None = None) -> set[str]:
+def trace_opens(suite: str) -> set[str]:
     """Files under robosuite's package that a LIBERO run of every task of ``suite`` opens
     (Python's opens, and the files the compiled MuJoCo model's XML names)."""
     script = f"""
@@ -119,8 +118,7 @@ import robosuite
 root = os.path.realpath(os.path.dirname(robosuite.__file__))
 print(json.dumps(sorted(p for p in opened if p.startswith(root + os.sep))))
 """
-    env = dict(os.environ, **(workers_env or {}))
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         raise SystemExit(f"tracing LIBERO's file opens failed:\n{out.stderr[-3000:]}")
     return set(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -11,15 +11,17 @@ commit for all of them::
         env.num_tasks=1 env.randomize_targets=true
     python -m learner algo=rejection_sampling env=point_reach ... buffer.demos=demos/point_reach
 
-Episode ``i`` is ``env.reset(seed=seed + i)`` (set ``--seed`` apart from the learner's
-evaluation init states to keep the demos off them; LIBERO: ``env.init_state_id=random`` starts
-every demo from a placement of LIBERO's own sampler, none of the 50 fixed evaluation states).
-``--per-task`` records ``--episodes`` of each task of a multi-task env::
+Try ``j`` resets with ``seed + j`` (``--per-task``: try ``j`` of task ``t`` with
+``seed + 10_000 * t + j``); set ``--seed`` apart from the learner's evaluation init states to
+keep the demos off them (LIBERO: ``env.init_state_id=random`` starts every demo from a
+placement of LIBERO's own sampler, none of the 50 fixed evaluation states). ``--noise`` adds
+N(0, noise^2) to the expert's actions (a less precise demonstrator); ``--only-success`` keeps
+only the episodes the expert solved (and records more until there are ``--episodes`` of them).
+``--per-task`` records ``--episodes`` of each task of a multi-task env, the tasks spread over
+``--workers`` processes::
 
     python -m tools.record_demos --out demos/spatial10 --episodes 10 --per-task --only-success \
-        env=libero_spatial env.task_id=all env.init_state_id=random env.image_size=64 ``--noise`` adds N(0, noise^2) to the
-expert's actions (a less precise demonstrator); ``--only-success`` keeps only the episodes
-the expert solved (and records more until there are ``--episodes`` of them).
+        --workers 10 env=libero_spatial env.task_id=all env.init_state_id=random env.image_size=64
 """
 
 from __future__ import annotations
@@ -110,8 +112,7 @@ def collect(env_cfg, tasks: Sequence[int | None], episodes: int, *, seed: int, n
                     log.warning("task %s: the expert solved %d of %d tries; keeping those", task, kept, tried)
                     break
                 if tried >= 10 * episodes + 10:
-                    raise RuntimeError(f"the expert solved only {sum(o for _, _, o in out)} of {tried} "
-                                       f"episodes of task {task}")
+                    raise RuntimeError(f"the expert solved only {kept} of {tried} episodes of task {task}")
                 options = None if task is None else {"task_id": int(task)}
                 records, ok = run_episode(env, 0, seed + 10_000 * (task or 0) + tried, noise=noise, rng=rng,
                                           options=options)
@@ -200,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--workers", type=int, default=1, help="processes (--per-task: tasks spread over them)")
     p.add_argument("--max-tries", type=int, default=None,
                    help="give up on a task after this many tries, keeping what it has (default: error)")
-    p.add_argument("--seed", type=int, default=1000, help="episode i resets with seed + i")
+    p.add_argument("--seed", type=int, default=1000,
+                   help="try j resets with seed + j (--per-task: seed + 10000 * task + j)")
     p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian action noise")
     p.add_argument("--only-success", action="store_true", help="keep only solved episodes")
     p.add_argument("--video", action="store_true", help="cameras as AV1 video (default: PNG)")

@@ -64,6 +64,8 @@ DESCENT_SPEED = 0.6
 #: horizontal distance from the robot's base it reaches comfortably, and the cost (per metre
 #: beyond it) of a grasp that makes it reach further (metres)
 REACH_OK, REACH_COST = 0.70, 0.5
+#: steps without movement after which a move near its goal counts as blocked
+STALL_STEPS = 8
 #: yaw turns tried for a rim grasp, in order of preference (radians)
 GRASP_YAWS = (0.0, np.pi / 2, np.pi / 4, -np.pi / 4)
 
@@ -175,6 +177,7 @@ class PickPlaceExpert:
         sc = self.scene
         pred, obj, target = self.goal()
         ee, ee_rot = sc.grip_pose()
+        self._trail = (self._trail + [ee])[-STALL_STEPS:]
         opos, tpos = sc.body_pos(obj), sc.body_pos(target)
         opening, both, either = sc.fingers(obj)
         # a grasp is made when both fingers touch the object after the gripper closed on it; it
@@ -196,11 +199,11 @@ class PickPlaceExpert:
             xy_err = np.linalg.norm(drop[:2] - ee[:2])
             # high enough that the load's bottom clears everything on the way
             transit = max(sc.path_height(ee, drop, self._skip, 0.05) + self._hang + CLEARANCE, drop[2])
-            if xy_err > 0.02 and not self._stalled(ee, 0.04):
+            if xy_err > 0.02 and not self._stalled(np.array([drop[0], drop[1], transit]), 0.04):
                 if ee[2] < transit - 0.03:
                     return self._command(np.array([ee[0], ee[1], transit]), 1.0, "lift")
                 return self._command(np.array([drop[0], drop[1], transit]), 1.0, "carry")
-            if ee[2] > drop[2] + 0.01 and not self._stalled(ee, 0.03):
+            if ee[2] > drop[2] + 0.01 and not self._stalled(drop, 0.03):
                 return self._command(drop, 1.0, "lower", DESCENT_SPEED)
             self._closing = 0
             return self._command(drop, -1.0, "release")
@@ -226,17 +229,17 @@ class PickPlaceExpert:
             if ee[2] < approach[2] - 0.03 and xy_err > 0.03:
                 return self._command(np.array([ee[0], ee[1], approach[2]]), -1.0, "rise")
             return self._command(approach, -1.0, "approach")
-        if np.linalg.norm(grasp - ee) > 0.008 and not self._stalled(ee, 0.02):
+        if np.linalg.norm(grasp - ee) > 0.008 and not self._stalled(grasp, 0.02):
             return self._command(grasp, -1.0, "descend", DESCENT_SPEED)
         self._closing = 1
         return self._command(grasp, 1.0, "close")
 
-    def _stalled(self, ee: np.ndarray, near: float) -> bool:
-        """The end effector has moved under 2 mm over the last 8 calls while within ``near``
-        metres of its goal (blocked by contact: go on with the next phase)."""
-        self._trail = (self._trail + [ee])[-8:]
-        return len(self._trail) == 8 and np.linalg.norm(self._trail[0] - ee) < 0.002 and \
-            self.goal_pos is not None and np.linalg.norm(self.goal_pos - ee) < near
+    def _stalled(self, goal: np.ndarray, near: float) -> bool:
+        """The end effector moved under 2 mm over the last ``STALL_STEPS`` steps while within
+        ``near`` metres of ``goal`` (blocked by contact: go on with the next phase)."""
+        t = self._trail
+        return len(t) == STALL_STEPS and np.linalg.norm(t[0] - t[-1]) < 0.002 and \
+            np.linalg.norm(goal - t[-1]) < near
 
     def _goal_rot(self) -> np.ndarray:
         return _rz(self._grasp_plan.yaw) @ self._home_rot
