@@ -100,6 +100,8 @@ start() {
     sleep 1
   done
   for i in $(seq 0 $((actors - 1))); do
+    # one thread of BLAS / OpenMP each: N simulator processes share the box's cores with the learner
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
     setsid "$ROOT/launch/run_actor.sh" actor_id="actor-$i" run_dir="$run_dir" env.gl=egl "${actor[@]}" \
       >"$run_dir/actor-$i.log" 2>&1 &
     echo "actor-$i $!" >> "$run_dir/pids"

@@ -6,18 +6,23 @@
 #
 #   setsid launch/libero_chain.sh > /tmp/lr/chain.log 2>&1 &
 #
-# Settings (environment variables, defaults = the measured run): R (work folder, /tmp/lr),
-# K (demos per task, 10), STEPS (SFT steps, 2000), N (actors, 14), RS_MIN (minutes of RL, 5),
-# CYCLE_STEPS / CYCLE_SFT (env steps that start a BC cycle / BC steps in it, 3000 / 300),
+# Settings (environment variables; defaults in brackets): R (work folder, /tmp/lr), K (demos per
+# task, 10), STEPS (SFT steps, 2000), N (actors of the protocol sweeps, 14), N_RL (actors of the RL
+# run, N), RS_MIN (minutes of RL, 5), CYCLE_STEPS / CYCLE_SFT (env steps that start a BC cycle / BC
+# steps in it, 3000 / 300), BATCH (BC batch of the RL run, 64), VARIANT (rs: plain rejection
+# sampling | rs_expert: the scripted expert corrects the first EXPERT_EPISODES episodes of every
+# RL actor, taking over after DRIFT_STEPS steps in a row farther than DRIFT from its own action),
 # WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids: 10, init_states: 50}),
-# EXTRA_ENV / EXTRA_POL (more overrides, e.g. a short time limit for a dry run on a CPU).
-# Every stage skips itself when its output exists, so a rerun continues where one stopped.
+# TASKS (env.task_id, all), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a short time limit for a dry run on a CPU).
+# Every stage skips itself when its output exists, so a rerun continues where one stopped, and a
+# second VARIANT reuses the demos, the SFT checkpoint and the protocol-before sweep.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${R:-/tmp/lr}; mkdir -p "$R/res"; PY=${TANDEM_PYTHON:-python3}
 eval "$(bash launch/gpu_box.sh env)"
-K=${K:-10}; STEPS=${STEPS:-2000}; RS_MIN=${RS_MIN:-5}; N=${N:-14}
-ENVB="env=libero_spatial env.task_id=all env.image_size=64"
+K=${K:-10}; STEPS=${STEPS:-2000}; RS_MIN=${RS_MIN:-5}; N=${N:-14}; N_RL=${N_RL:-$N}
+VARIANT=${VARIANT:-rs}; V="$R/$VARIANT"
+ENVB="env=libero_spatial env.task_id=${TASKS:-all} env.image_size=64"
 ENVO="$ENVB ${EXTRA_ENV:-}"
 POL="policy=pi0_small ${EXTRA_POL:-}"
 log() { echo "[$(date +%T)] $*" | tee -a "$R/res/timeline.txt"; }
@@ -38,7 +43,7 @@ log "sft: $STEPS steps"
 grep -a '^{' "$R/sft.log" | tail -1 > "$R/res/sft.json"
 
 COMMON="$ENVO $POL policy.checkpoint=$R/sft"
-LRN="algo=rejection_sampling logging.wandb=disabled buffer.video=false"
+LRN="algo=rejection_sampling logging.wandb=disabled"
 ACT="chunk.execute=5"
 sweep() {   # run_dir: LIBERO's protocol through the learner and N actors (the run_dir's checkpoint, if any)
   bash launch/gpu_box.sh start --actors "$N" --run-dir "$1" $COMMON $LRN mode=eval \
@@ -51,18 +56,24 @@ log "protocol before RL"
 [ -f "$R/before/eval_report.json" ] || sweep "$R/before"
 cp "$R/before/eval_report.json" "$R/res/eval_before.json"
 
-log "rejection sampling: $RS_MIN min"
-if [ ! -f "$R/res/rs_metrics.jsonl" ]; then
-  bash launch/gpu_box.sh start --actors "$N" --run-dir "$R/rs" $COMMON $LRN buffer.demos="$R/demos" \
+RL_ACT="$ACT env.init_state_id=random"
+if [ "$VARIANT" = rs_expert ]; then   # HG-DAgger: the expert takes over where the policy drifts
+  RL_ACT="$RL_ACT intervention.device=expert intervention.expert.episodes=${EXPERT_EPISODES:-10} \
+    intervention.expert.drift_steps=${DRIFT_STEPS:-4} intervention.expert.drift_threshold=${DRIFT:-0.8}"
+fi
+log "$VARIANT: $RS_MIN min with $N_RL actors"
+if [ ! -f "$R/res/${VARIANT}_metrics.jsonl" ]; then
+  bash launch/gpu_box.sh start --actors "$N_RL" --run-dir "$V" $COMMON $LRN buffer.demos="$R/demos" \
     algo.eval_episodes=0 algo.env_steps_per_cycle="${CYCLE_STEPS:-3000}" algo.sft_steps_per_cycle="${CYCLE_SFT:-300}" \
-    algo.lr=1e-4 algo.lr_min=1e-5 trainer.checkpoint_every_s=60 -- $COMMON $ACT env.init_state_id=random
+    algo.batch_size="${BATCH:-64}" algo.lr=1e-4 algo.lr_min=1e-5 trainer.checkpoint_every_s=60 -- $COMMON $RL_ACT
   sleep $((RS_MIN * 60))
-  bash launch/gpu_box.sh stop --run-dir "$R/rs"
-  cp "$R/rs/metrics.jsonl" "$R/res/rs_metrics.jsonl"; cp "$R/rs/status.json" "$R/res/rs_status.json"
-  cp "$R/rs/learner.log" "$R/res/rs_learner.log"
+  bash launch/gpu_box.sh stop --run-dir "$V"
+  cp "$V/metrics.jsonl" "$R/res/${VARIANT}_metrics.jsonl"; cp "$V/status.json" "$R/res/${VARIANT}_status.json"
+  cp "$V/learner.log" "$R/res/${VARIANT}_learner.log"
+  cat "$V"/actor-*.log | grep -a "takeover\|HOLDING" | tail -20 > "$R/res/${VARIANT}_actors.txt" || true
 fi
 
 log "protocol after RL"
-[ -f "$R/rs/eval_report.json" ] || sweep "$R/rs"
-cp "$R/rs/eval_report.json" "$R/res/eval_after.json"
+[ -f "$V/eval_report.json" ] || sweep "$V"
+cp "$V/eval_report.json" "$R/res/eval_after_${VARIANT}.json"
 log done

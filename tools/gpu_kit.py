@@ -68,8 +68,9 @@ def lock_versions(lock: Path = ROOT / "uv.lock") -> dict[str, str]:
 
 
 def _pip() -> list[str]:
-    """A pip to run (a uv environment has none: then the system's python3)."""
-    for exe in (sys.executable, shutil.which("python3")):
+    """A pip to run (a uv environment has none: then its base interpreter's, or the system's)."""
+    for exe in (sys.executable, getattr(sys, "_base_executable", None), shutil.which("python3"),
+                "/usr/bin/python3"):
         if exe and subprocess.run([exe, "-m", "pip", "--version"], capture_output=True).returncode == 0:
             return [exe, "-m", "pip"]
     raise SystemExit("no pip found (python3 -m pip)")
