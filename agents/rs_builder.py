@@ -295,7 +295,11 @@ class RSLearner:
                 return None
             self.phase, self.cycle_step = "train", 0
         lr = scheduled_lr(self.cfg, self.cycle_step, self.sft_updates)
-        m = self.agent.update(self.data.sampler.sample(self.cfg.batch_size, **self._kw), lr)
+        t0 = time.perf_counter()
+        batch = self.data.sampler.sample(self.cfg.batch_size, **self._kw)
+        sample_s = time.perf_counter() - t0
+        m = self.agent.update(batch, lr)
+        m["sample_s"] = sample_s
         self.updates += 1
         self.sft_updates += 1
         self.cycle_step += 1

@@ -416,9 +416,12 @@ class Learner:
         last_log, last_updates, last_ckpt = time.monotonic(), self.algo.updates, self.algo.updates
         last_ckpt_t, every_s = time.monotonic(), float(cfg.get("checkpoint_every_s", 0) or 0)
         metrics: dict[str, float] = {}
+        busy = 0.0  # seconds of this logging period in steps that updated (sampling included)
         while not self._stop.is_set():
+            t0 = time.monotonic()
             m = self.algo.step()
             if m:
+                busy += time.monotonic() - t0
                 metrics = m
                 self._note_skips()
                 if self.algo.should_publish():
@@ -434,6 +437,11 @@ class Learner:
             if now - last_log >= self.cfg.logging.every_s:
                 status = {k: v for k, v in self.full_status().items() if isinstance(v, (int, float))}
                 status["updates_per_s"] = (self.algo.updates - last_updates) / (now - last_log)
+                # where the main thread's time goes: steps that updated vs waiting, publishing, saving
+                status["train_busy"] = busy / (now - last_log)
+                if self.algo.updates > last_updates:
+                    status["step_s"] = busy / (self.algo.updates - last_updates)
+                busy = 0.0
                 self.metrics.log({**status, **metrics}, step=self.algo.updates, console_keys=[
                     "updates", "updates_per_s", "version", "env_steps", "episodes", "return",
                     "success", "actors", "infer_batch"])
