@@ -71,6 +71,8 @@ if [ ! -f "$R/res/${VARIANT}_metrics.jsonl" ]; then
   cp "$V/metrics.jsonl" "$R/res/${VARIANT}_metrics.jsonl"; cp "$V/status.json" "$R/res/${VARIANT}_status.json"
   cp "$V/learner.log" "$R/res/${VARIANT}_learner.log"
   cat "$V"/actor-*.log | grep -a "takeover\|HOLDING" | tail -20 > "$R/res/${VARIANT}_actors.txt" || true
+  # the run in parts of <= 15 MiB, to carry it to the next machine (tools/carry_run.py unpack there)
+  [ -n "${CARRY:-}" ] && $PY -m tools.carry_run pack "$V" "$R/carry" --part-mib 15 > "$R/res/carry.json"
 fi
 
 log "protocol after RL"
