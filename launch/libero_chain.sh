@@ -13,7 +13,9 @@
 # sampling | rs_expert: the scripted expert corrects the first EXPERT_EPISODES episodes of every
 # RL actor, taking over after DRIFT_STEPS steps in a row farther than DRIFT from its own action),
 # WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids: 10, init_states: 50}),
-# TASKS (env.task_id, all), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a short time limit for a dry run on a CPU).
+# TASKS (env.task_id, all), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a short time limit for a
+# dry run on a CPU), CARRY (set: pack the RL run into $R/carry for the next machine, where
+# tools/carry_run.py unpacks it into $R/$VARIANT and a rerun goes on from its checkpoint).
 # Every stage skips itself when its output exists, so a rerun continues where one stopped, and a
 # second VARIANT reuses the demos, the SFT checkpoint and the protocol-before sweep.
 set -uo pipefail
