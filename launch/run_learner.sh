@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start the learner (GPU box).
-#   launch/run_learner.sh [--gpus N] [--cpu] [--host 0.0.0.0] [--port 5588] [--pub-port 5589] [hydra overrides...]
+#   launch/run_learner.sh [--gpus N] [--cpu] [--host 0.0.0.0] [--port 5588] [--pub-port 5589]
+#                         [--nodes M --node-rank R --main-addr HOST [--main-port 29500]] [hydra overrides...]
 # e.g. launch/run_learner.sh algo=sac policy=mlp env=reacher run_dir=runs/exp1
 #      launch/run_learner.sh --gpus 2 deepspeed.stage=2 algo=ppo policy=pi0 ...
 # --gpus N (or the override gpus=N): N learner ranks, rank 0 owns the network, every rank
@@ -8,6 +9,11 @@
 # with `accelerate launch --multi_gpu`, plus DeepSpeed ZeRO (config/deepspeed/zero<S>.json)
 # when deepspeed.stage=S is 2 or 3; --cpu (or device=cpu) starts N CPU processes (gloo)
 # with torchrun instead, to try the multi-rank learner without GPUs.
+# Several hosts: the same command on each, with --nodes M (hosts), --node-rank R (0..M-1; rank
+# 0 of node 0 owns the network), --main-addr (node 0's address, reachable from the others) and
+# --main-port (its rendezvous port, default TANDEM_RDZV_PORT or 29500); --gpus is per node.
+# run_dir must be the same folder on every host (a shared filesystem): checkpoints are written
+# by every rank and loaded by every rank; a learner whose ranks do not see it stops at start.
 # Binding a non-loopback host needs CURVE keys (tools/gen_keys.py) or
 # transport.security.allow_insecure=true.
 set -euo pipefail
@@ -25,33 +31,46 @@ for a in "${TANDEM_ARGS[@]}"; do
     --cpu) CPU=1 ;;
   esac
 done
+NODES=1
+NODE_RANK=0
+ADDR=127.0.0.1
+PORT="${TANDEM_RDZV_PORT:-29500}"
 ARGS=()
-for a in "${TANDEM_ARGS[@]}"; do
-  case "$a" in
-    --cpu) ;;
-    gpus=*) ;;
-    *) ARGS+=("$a") ;;
+set -- "${TANDEM_ARGS[@]}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu|gpus=*) shift ;;
+    --nodes) NODES="$2"; shift 2 ;;
+    --node-rank) NODE_RANK="$2"; shift 2 ;;
+    --main-addr) ADDR="$2"; shift 2 ;;
+    --main-port) PORT="$2"; shift 2 ;;
+    nodes=*) NODES="${1#nodes=}"; shift ;;
+    *) ARGS+=("$1"); shift ;;
   esac
 done
-if ! [[ "$GPUS" =~ ^[1-9][0-9]*$ ]]; then
-  echo "--gpus must be a positive integer, got '$GPUS'" >&2
-  exit 2
-fi
-if [ "$GPUS" = 1 ]; then
+[[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "--gpus must be a positive integer, got '$GPUS'" >&2; exit 2; }
+[[ "$NODES" =~ ^[1-9][0-9]*$ ]] || { echo "--nodes must be a positive integer, got '$NODES'" >&2; exit 2; }
+[[ "$NODE_RANK" =~ ^[0-9]+$ ]] && [ "$NODE_RANK" -lt "$NODES" ] || {
+  echo "--node-rank must be 0..$((NODES - 1)) for --nodes $NODES, got '$NODE_RANK'" >&2; exit 2; }
+if [ "$GPUS" = 1 ] && [ "$NODES" = 1 ]; then
   exec "${PY[@]}" -m learner "${ARGS[@]}" gpus=1
 fi
-PORT="${TANDEM_RDZV_PORT:-29500}"
+if [ "$NODES" -gt 1 ] && [ "$ADDR" = 127.0.0.1 ]; then
+  echo "note: --main-addr is 127.0.0.1: every node must run on this host (pass node 0's address)" >&2
+fi
 if [ "$CPU" = 1 ]; then
   [ "$STAGE" = 0 ] || { echo "deepspeed.stage=$STAGE needs CUDA; drop it with --cpu" >&2; exit 2; }
   [ "$DEVICE_SET" = 1 ] || ARGS+=(device=cpu)
-  exec "${PY[@]}" -m torch.distributed.run --nnodes 1 --nproc_per_node "$GPUS" \
-    --master_addr 127.0.0.1 --master_port "$PORT" -m learner "${ARGS[@]}" gpus="$GPUS"
+  exec "${PY[@]}" -m torch.distributed.run --nnodes "$NODES" --node_rank "$NODE_RANK" \
+    --nproc_per_node "$GPUS" --master_addr "$ADDR" --master_port "$PORT" \
+    -m learner "${ARGS[@]}" gpus="$GPUS" nodes="$NODES"
 fi
-LAUNCH=("${PY[@]}" -m accelerate.commands.launch --num_processes "$GPUS" --num_machines 1
+LAUNCH=("${PY[@]}" -m accelerate.commands.launch --num_processes "$((GPUS * NODES))"
+        --num_machines "$NODES" --machine_rank "$NODE_RANK" --main_process_ip "$ADDR"
         --main_process_port "$PORT" --mixed_precision no --dynamo_backend no)
 case "$STAGE" in
   0) LAUNCH+=(--multi_gpu) ;;
   2|3) LAUNCH+=(--use_deepspeed --deepspeed_config_file "config/deepspeed/zero$STAGE.json") ;;
   *) echo "deepspeed.stage must be 0 (DDP), 2 or 3, got '$STAGE'" >&2; exit 2 ;;
 esac
-exec "${LAUNCH[@]}" -m learner "${ARGS[@]}" gpus="$GPUS"
+exec "${LAUNCH[@]}" -m learner "${ARGS[@]}" gpus="$GPUS" nodes="$NODES"

@@ -42,7 +42,8 @@ from data.live_view import LiveView
 from data.stops import StopSignals
 from learner.console import RateMeter, Stages, render, view_status
 from learner.distributed import (CTRL_GATHER, CTRL_IDLE, CTRL_STOP, RankError, Ranks, RootAgent,
-                                 check_world, gathered_trainable, make_accelerator, needs_gather)
+                                 check_shared_run_dir, check_world, gathered_trainable, make_accelerator,
+                                 needs_gather)
 from learner.engine_state import engines_of, ranks_meta, restore_algo, save_ranked
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
@@ -110,6 +111,7 @@ class Learner:
         self.accelerator = make_accelerator(self.device.type == "cpu", cfg.distributed.timeout_s)
         self.ranks = Ranks(self.accelerator)
         check_world(cfg, self.ranks.world, cfg.algo.name)
+        check_shared_run_dir(self.ranks, self.run_dir)
         if self.ranks.world > 1:
             self.device = self.accelerator.device  # this rank's GPU (cuda:0 on rank 0)
         env = env_spec(cfg.env)

@@ -300,10 +300,12 @@ class _NoData:
 
 def check_world(cfg: Any, world: int, algo_name: str) -> None:
     """Start-up checks of an N-rank learner, with messages naming what to change."""
-    want = int(cfg.get("gpus", 1) or 1)
+    gpus, nodes = int(cfg.get("gpus", 1) or 1), int(cfg.get("nodes", 1) or 1)
+    want = gpus * nodes
     if world != want:
-        raise ValueError(f"gpus={want} but the learner runs as {world} processes: start it "
-                         f"with launch/run_learner.sh --gpus {want}")
+        how = f"--gpus {gpus}" + (f" --nodes {nodes} on each of {nodes} hosts" if nodes > 1 else "")
+        raise ValueError(f"gpus={gpus} x nodes={nodes} but the learner runs as {world} processes: "
+                         f"start it with launch/run_learner.sh {how}")
     if world > 1 and cfg.mode != "train":
         raise ValueError(f"mode={cfg.mode} does not train: run it with gpus=1")
     if world > 1 and algo_name == "rejection_sampling":
@@ -313,6 +315,30 @@ def check_world(cfg: Any, world: int, algo_name: str) -> None:
     if world > 1 and algo_name == "sac" and bs % world:
         raise ValueError(f"algo.batch_size={bs} must be a multiple of gpus={world} (every rank "
                          "trains on an equal share of each batch)")
+
+
+def check_shared_run_dir(ranks: "Ranks", run_dir: Any) -> None:
+    """Every rank must see the run folder rank 0 writes (checkpoints are written by all ranks
+    into the folder rank 0 names, and loaded by all from the path rank 0 picks): rank 0 leaves
+    a marker there, every rank looks for it; on hosts that do not share that folder, every rank
+    stops with the same message."""
+    import secrets
+    from pathlib import Path
+
+    if ranks.world == 1:
+        return
+    run_dir = Path(run_dir)
+    token = ranks.share_text(secrets.token_hex(8) if ranks.rank == 0 else None)
+    marker = run_dir / f".rank0-{token}"
+    if ranks.rank == 0:
+        marker.write_text("written by rank 0")
+    ranks.all_ok(True)  # the marker exists before anyone looks
+    ok = ranks.all_ok(marker.exists())
+    if ranks.rank == 0:
+        marker.unlink(missing_ok=True)
+    if not ok:
+        raise ValueError(f"run_dir {run_dir} is not the same folder on every learner rank: on several "
+                         "hosts put run_dir on a filesystem every node shares (NFS, say), at the same path")
 
 
 class Follower:
@@ -336,6 +362,8 @@ class Follower:
         self.ranks = Ranks(self.accelerator)
         check_world(cfg, self.ranks.world, cfg.algo.name)
         self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_shared_run_dir(self.ranks, self.run_dir)
         builder = registry.build_builder(cfg.algo)
         env = env_spec(cfg.env)
         policy = registry.build_trained_policy(builder, cfg.policy, env)

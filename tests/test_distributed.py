@@ -228,3 +228,14 @@ def test_two_rank_cpu_learner_trains_an_actor_end_to_end(tmp_path):
     versions = pd.concat(pd.read_parquet(f, columns=["policy_version"])
                          for f in (run_dir / "dataset").rglob("data/**/*.parquet"))["policy_version"]
     assert versions.min() == 0 and versions.max() >= 1, versions.value_counts()
+
+
+if __name__ == "__main__":  # one rank of a launch (torchrun sets RANK, WORLD_SIZE, MASTER_*):
+    import sys               # tests/test_multinode.py starts it as two one-process "nodes"
+
+    torch.set_num_threads(1)
+    rank_, world_ = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    params_ = run_updates(rank_, world_, broken=False)
+    save_file({k: v.contiguous() for k, v in params_.items()},
+              str(Path(sys.argv[1]) / f"launch_rank{rank_}.safetensors"))
+    torch.distributed.destroy_process_group()
