@@ -112,6 +112,35 @@ def test_pi0_and_pi05_export_to_lerobot(variant, tmp_path):
     torch.testing.assert_close(again.act(o, noise=noise).actions, want, atol=1e-5, rtol=1e-5)
 
 
+def test_pi0_from_an_sft_file_and_from_an_exported_folder_through_the_command_line(tmp_path):
+    """--checkpoint as tools/sft.py writes it (the trainable state, with policy.checkpoint the base
+    model), and an exported folder given back as --checkpoint (a policy checkpoint folder)."""
+    from safetensors.torch import save_file
+
+    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from agents.registry import build_policy
+    from envs.registry import env_spec
+    from tools.make_tiny_checkpoints import make_pi0
+    from tools.sft import learner_config
+
+    spec = env_spec(learner_config(["env=point_reach"]).env)  # a 32x32 camera, 2-D state and action
+    ckpt = make_pi0(tmp_path / "ckpt", spec, chunk_size=4)
+    common = ["env=point_reach", "policy=pi0", "policy.chunk_size=4", "+policy.clip_actions=false"]
+    trained = perturb(build_policy(learner_config([*common, f"policy.checkpoint={ckpt}", "policy.lora_rank=4"]).policy, spec))
+    save_file({k: v.contiguous() for k, v in trained.trainable_state_dict().items()}, str(tmp_path / "sft.safetensors"))
+    first = export_main(["--checkpoint", str(tmp_path / "sft.safetensors"), "--format", "lerobot",
+                         "--out", str(tmp_path / "a"), *common, f"policy.checkpoint={ckpt}", "policy.lora_rank=4"])
+    assert first["source_kind"] == "trainable" and first["merged_lora_layers"] > 0
+    again = export_main(["--checkpoint", str(tmp_path / "a"), "--format", "lerobot", "--out", str(tmp_path / "b"),
+                         *common, "policy.lora_rank=0"])
+    assert again["source_kind"] == "policy_checkpoint" and again["merged_lora_layers"] == 0
+    o = obs(spec, b=2)
+    noise = torch.randn(2, 4, int(trained.lr_cfg.max_action_dim), generator=torch.Generator().manual_seed(2))
+    loaded = Pi0Policy(Pi0PolicyConfig(checkpoint=str(tmp_path / "b"), chunk_size=4, lora_rank=0, clip_actions=False), spec)
+    torch.testing.assert_close(loaded.eval().act(o, noise=noise).actions, trained.eval().act(o, noise=noise).actions,
+                               atol=1e-5, rtol=1e-5)
+
+
 # -- OpenVLA-OFT ------------------------------------------------------------------------------------
 # From moojink/openvla-oft @ 213c5ff (MIT): experiments/robot/openvla_utils.py (find_checkpoint_file,
 # load_component_state_dict, normalize_proprio), prismatic/models/action_heads.py and projectors.py
