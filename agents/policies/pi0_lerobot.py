@@ -161,6 +161,13 @@ def _sizes(mod, arch: Pi0Arch):
             mod.get_gemma_config, mod.PaliGemmaWithExpertModel = saved
 
 
+def lerobot_sizes(variant: str, arch: Pi0Arch):
+    """A context in which lerobot's own PI0 / PI0.5 classes, ``from_pretrained`` included,
+    build at the sizes of ``arch``: how an export of a test-size model loads in lerobot (at
+    the standard sizes nothing is substituted)."""
+    return _sizes(lerobot_pi_module(variant), arch)
+
+
 def build_lerobot_pi(variant: str, lr_cfg, arch: Pi0Arch, *, seed: int | None = 0):
     """lerobot's PI0Policy / PI05Policy for ``lr_cfg`` at the sizes of ``arch``; random weights
     drawn from ``seed`` (so that two builds, e.g. the learner's training and serving copies,
