@@ -4,7 +4,7 @@ rejection-sampling rounds through a real learner and actor, each stage fed by th
 
 It checks that every stage runs and hands the next what it needs (a dataset, a checkpoint, a
 report, published versions the actor acts with), not that success rises: the GPU box runs
-that (README, "LIBERO for real"). libero_spatial task 0, 32x32 cameras, a PI0 of the tiny
+that (docs/libero.md). libero_spatial task 0, 32x32 cameras, a PI0 of the tiny
 test sizes built from scratch (``policy=pi0_small`` with a tiny ``arch``). Skipped without
 LIBERO's assets.
 """

@@ -17,7 +17,7 @@ through the real learner and actor processes on loopback, from a deliberately we
 
 The recipe (:data:`FLOW_O`, :data:`PPO_O`) is tests/test_flow_ppo_learning.py's, which gives the
 measured figures: on the 2-core machine 0.31 (256 episodes) -> best window 0.66 in 45 updates;
-on a 16-core box a rise of >= 0.15 in 5 of 12 seeds and smaller ones in 6 (README "Learning").
+on a 16-core box a rise of >= 0.15 in 5 of 12 seeds and smaller ones in 6 (docs/learning.md).
 ``--algo grpo`` trains the same policy with GRPO's group advantages instead (no critic), to tell
 the critic from the policy.
 

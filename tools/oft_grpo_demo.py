@@ -30,7 +30,7 @@ ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "en
 CHUNK = 4
 #: the recipe (tests/test_oft_grpo_learning.py): 4 groups of 8 per update, 2 epochs of token-level
 #: clipped ratios at lr 3e-4, every episode weighted alike. Bigger rounds (8 groups) or lr 1e-4
-#: rose no better per episode in the same time (half the updates; README, issue 9)
+#: rose no better per episode in the same time (half the updates; docs/learning.md)
 ALGO_O = ["algo=grpo", "algo.group_size=8", "algo.batch_groups=4", "algo.lr=3e-4", "algo.epochs=2",
           "algo.minibatch_size=32", "algo.loss_agg=episode_mean", "algo.job_timeout_s=60",
           "algo.round_timeout_s=120"]
