@@ -35,9 +35,16 @@ class StopsOnOutage(gym.Wrapper):
     def __init__(self, env):
         super().__init__(env)
         self.outages: list[str] = []
+        self.resets = 0
+        self.resets_at_outage: list[int] = []
+
+    def reset(self, **kw):
+        self.resets += 1
+        return self.env.reset(**kw)
 
     def on_policy_outage(self, reason: str) -> bool:
         self.outages.append(reason)
+        self.resets_at_outage.append(self.resets)
         return True
 
 
@@ -135,11 +142,12 @@ def test_an_env_that_stops_on_an_outage_starts_a_new_episode(tmp_path):
     env = StopsOnOutage(make_env({"name": "point_reach", "image_size": 16}))
     with _running(env, tmp_path) as (loop, client, t, errors, inf, good):
         _wait(lambda: loop.steps > 5, 30, "the actor to act")
+        episode = loop.episode  # the episode the outage stops (read before it: the loop moves on at once)
         _poison(inf)
         _wait(lambda: getattr(loop, "act_failures", 0) >= 2 or not t.is_alive(), 30, "failed acts")
         assert t.is_alive() and not errors, f"the actor loop ended: {errors}"
-        episode = loop.episode
         assert len(env.outages) == 1 and "inference_failed" in env.outages[0]  # once per outage
         inf.set_weights(2, good)
         _wait(lambda: loop.holding is None and loop.steps > 0, 30, "the actor to act again")
         assert loop.episode > episode  # the stopped episode was left; a new one runs
+        assert env.resets > env.resets_at_outage[0]  # ... begun by a reset after the stop
