@@ -7,6 +7,7 @@ jobs (its welcome says so) the loop asks for one before every reset.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -37,6 +38,22 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"chunk.execute must be >= 0, got {cfg.chunk.execute}")
     if cfg.spool.batch_size < 1:
         raise ValueError(f"spool.batch_size must be >= 1, got {cfg.spool.batch_size}")
+    if cfg.mode == "local":
+        _require("torch", "mode=local (the policy runs on this box)", "local-policy")
+    if str(cfg.get("rerun", "none") or "none") != "none":
+        _require("rerun", f"rerun={cfg.rerun}", "viz")
+
+
+#: the install that lacks a module gets this hint (README, "Two installs")
+THIN_HINT = "uv sync --frozen --no-default-groups --group {group}"
+
+
+def _require(module: str, what: str, group: str) -> None:
+    """A clear start-up error when a thin install (``--no-default-groups``) lacks ``module``."""
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{what} needs {module}, which this install lacks (a thin install: "
+                         f"add it with `{THIN_HINT.format(group=group)}`, or `uv sync --frozen` "
+                         "for everything)")
 
 
 def make_intervention(icfg):
@@ -97,10 +114,15 @@ class Actor:
         )
         self.local = None
         if cfg.mode == "local":
-            from actor.local_policy import LocalPolicy
+            try:
+                from actor.local_policy import LocalPolicy
 
-            self.local = LocalPolicy(cfg.policy, self.spec, ctx=self.ctx, host=t.host,
-                                     pub_port=t.pub_port, security=OmegaConf.to_container(t.security, resolve=True))
+                self.local = LocalPolicy(cfg.policy, self.spec, ctx=self.ctx, host=t.host, pub_port=t.pub_port,
+                                         security=OmegaConf.to_container(t.security, resolve=True))
+            except ModuleNotFoundError as exc:  # torch is there (validate); the policy's library not
+                self.close()
+                raise ValueError(f"mode=local policy={cfg.policy.name} needs {exc.name}, which this "
+                                 f"install lacks: `{THIN_HINT.format(group='learner')}`") from exc
         self._stopping = False
         self._signals = StopSignals(on_stop=self._mark_stopping)
 

@@ -11,7 +11,8 @@ from typing import Any, Callable
 class LiveView:
     """A rich ``Live`` that redraws ``get_renderable()`` while log lines print above it.
 
-    Inactive (start/stop do nothing) unless ``enabled`` and stdout is a terminal."""
+    Inactive (start/stop do nothing) unless ``enabled``, stdout is a terminal and rich is
+    installed (a thin install may lack it: then the plain status lines are all there is)."""
 
     def __init__(self, get_renderable: Callable[[], Any], *, enabled: bool = True,
                  refresh_per_second: float = 2.0, stray_output: str | None = None):
@@ -40,8 +41,13 @@ class LiveView:
     def start(self) -> "LiveView":
         if not self.enabled or not sys.stdout.isatty():
             return self
-        from rich.console import Console
-        from rich.live import Live
+        try:
+            from rich.console import Console
+            from rich.live import Live
+        except ImportError:
+            logging.getLogger("tandem").info("no live view: rich is not installed (plain status "
+                                             "lines; `--group viz` adds it to a thin install)")
+            return self
 
         out = sys.stdout
         console = Console()
