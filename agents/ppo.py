@@ -334,7 +334,8 @@ class PPOAgent:
             perm = torch.randperm(n, device=self.device)
             for s in range(0, n, cfg.minibatch_size):
                 idx = perm[s:s + cfg.minibatch_size]
-                pick = (lambda x: None if x is None else x[idx])
+                def pick(x, idx=idx):
+                    return None if x is None else x[idx]
                 m = self._minibatch_step(take(obs, idx), actions[idx], old[idx], adv[idx],
                                          mask[idx], pick(is_w), pick(ref), pick(returns),
                                          pick(old_values), pick(pmask))

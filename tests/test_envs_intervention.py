@@ -19,7 +19,6 @@ from envs.intervention import (
     ScriptedIntervention, SpaceMouseIntervention, default_action_map, make_source,
 )
 from envs.registry import make_env
-from data.core.spec import EnvSpec
 from envs.spec import spec_from_env
 from test_envs_wrappers import PointEnv
 

@@ -24,7 +24,6 @@ from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from envs.registry import make_env, make_raw_env
 from envs.robot import DRIVER_SCHEMAS, RobotEnv, RobotError, RobotLinkLost, RobotStopped
 from envs.robot.driver import RobotDriverServer, serve_in_thread
-from data.core.spec import EnvSpec
 from envs.spec import spec_from_env
 from tandem_testutil import ROOT, free_port
 

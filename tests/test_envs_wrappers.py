@@ -13,7 +13,6 @@ from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from data.transitions import TransitionBatch
 from envs import registry
 from envs import wrappers as W
-from data.core.spec import EnvSpec
 from envs.spec import spec_from_env
 
 

@@ -12,7 +12,7 @@ from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
 from data.replay import ReplayBuffer
 from envs.intervention import ScriptedIntervention
 from envs.registry import make_env
-from data.core.spec import EnvSpec, config_hash
+from data.core.spec import config_hash
 from envs.spec import spec_from_env
 from learner.inference import InferenceServer
 from learner.ingest import Ingest

@@ -51,7 +51,7 @@ def test_short_padding_changes_nothing_but_the_columns(ckpts, variant):
     full.load_state_dict(short.state_dict())
     o = obs()
     lb_s, lb_f = short.lerobot_batch(o), full.lerobot_batch(o)
-    ids_s, m_s = lb_s["observation.language.tokens"], lb_s["observation.language.attention_mask"]
+    ids_s = lb_s["observation.language.tokens"]
     ids_f, m_f = lb_f["observation.language.tokens"], lb_f["observation.language.attention_mask"]
     max_len = full.prompt_tokens.max_len
     assert ids_f.shape[1] == max_len == (48 if variant == "pi0" else 200)

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tandem_testutil import ROOT
-from tools.fuzz_attacks import UNSEEDED_STARTS, routing_ids
+from tools.fuzz_attacks import routing_ids
 
 BARE_ROUTER = """
 import zmq

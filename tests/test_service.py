@@ -1,6 +1,5 @@
 """The learner's socket thread and inference thread over real loopback sockets."""
 
-import threading
 import time
 
 import numpy as np

@@ -119,7 +119,8 @@ def bench_case(case: str, args, spec, tmp: Path) -> dict:
             chunk = policy.act({k: v[: args.minibatch] for k, v in batch.items() if k != "action"})
             policy.train()
         reps = -(-args.batch // args.minibatch)
-        rep = (lambda t: t.cpu().repeat(reps, *([1] * (t.ndim - 1)))[: args.batch])
+        def rep(t):
+            return t.cpu().repeat(reps, *([1] * (t.ndim - 1)))[: args.batch]
         batch["action"] = rep(chunk.actions)
         batch["old_log_prob"] = rep(chunk.log_prob.float())
         batch.update({f"extra.{k}": rep(v) for k, v in chunk.extras.items()})

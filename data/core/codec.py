@@ -49,7 +49,7 @@ def _check_unpackb_defaults() -> None:
 
 _check_unpackb_defaults()
 
-from data.core.schema import (INT64_BOUNDS, MAX_BYTES_FIELD, MAX_LIST_LEN, MESSAGE_SCHEMAS,
+from data.core.schema import (INT64_BOUNDS, MAX_BYTES_FIELD, MAX_LIST_LEN, MESSAGE_SCHEMAS,  # noqa: E402
                               PROTOCOL_VERSION, MessageSchema)
 
 ALLOWED_DTYPES = frozenset(

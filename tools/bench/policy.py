@@ -107,7 +107,7 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
     obs_np = random_obs(spec.state_dim, spec.cameras)
     obs = {k: torch.from_numpy(v) for k, v in obs_np.items()}
     obs["task"] = [TASK]
-    it, wu = args.iters, args.warmup
+    it = args.iters
     timed = _timer(args, sync)
     res["gpu_before"] = gpu_state() if cuda else None
     if callable(getattr(policy, "warm_up", None)):  # as the learner's inference server does first

@@ -123,7 +123,8 @@ def table(rows: list[dict]) -> str:
             "| x 1 GPU same stage | peak GB per GPU | trainable (M) | wall (s) | error |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        f = (lambda k, fmt: (fmt % r[k]) if r.get(k) is not None else "-")
+        def f(k, fmt, r=r):
+            return (fmt % r[k]) if r.get(k) is not None else "-"
         peaks = "/".join(f"{m['peak_gb']:.1f}" for m in r.get("per_rank", []) if "peak_gb" in m) or "-"
         ratio = f("vs_1gpu", "%.2f")
         if r.get("world", 1) == 2 and r.get("vs_1gpu") is not None:
