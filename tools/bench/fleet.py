@@ -23,7 +23,12 @@ would. Figures per N (:mod:`tools.bench.fleet_report`): act latency p50/p99 over
 per actor, the rate each actor kept, served batch sizes, ingest records/s and MB/s, acks, CPU
 of every learner thread and child process (wire gate, encoders), of the simulated robots and
 of the machine, peak RSS, and what saturates first. ``--learner-root DIR`` runs the learner
-from another source tree (a before/after comparison: the robots stay this tree's).
+from another source tree (the robots stay this tree's); ``--compare-root DIR`` runs every
+point twice, interleaved, the learner from DIR first, and adds the JSON's ``before`` (its
+points and a per-point comparison)::
+
+    git archive BASE | tar -x -C /tmp/base
+    python -m tools.bench.fleet --compare-root /tmp/base --json docs/fleet.json --png docs/fleet.png
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import time
 from pathlib import Path
 
 from tools.bench.common import ROOT, emit_json, quiet_logging
-from tools.bench.fleet_report import plot, summarize, verdict
+from tools.bench.fleet_report import compare, plot, summarize, verdict
 from tools.bench.procstat import cpu_delta, label_cpu, task_cpu, thread_cpu
 from tools.learning_run import stop_processes
 
@@ -323,6 +328,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--status-every-s", type=float, default=1.0, help="the learner's logging.every_s")
     ap.add_argument("--train", action="store_true", help="let the algorithm train during the run")
     ap.add_argument("--learner-root", default=None, help="run the learner from this source tree")
+    ap.add_argument("--compare-root", default=None, help="also run each point with the learner from this "
+                    "tree, just before (interleaved): the JSON's 'before' and its comparison")
     ap.add_argument("--learner-override", action="append", default=[], help="extra learner override")
     ap.add_argument("--work", default=None, help="run dirs (default: a temporary folder)")
     ap.add_argument("--spool-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
@@ -338,15 +345,20 @@ def main(argv=None) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="tandem-fleet-"))
     work.mkdir(parents=True, exist_ok=True)
     ckpt = tiny_pi0(work, args.chunk, args.episode_steps) if "camera" in loads else None
-    points = []
+    # --compare-root: each point twice, interleaved, the learner from that tree first ("before")
+    roots = ([("before", args.compare_root), ("after", args.learner_root)] if args.compare_root
+             else [(args.tag, args.learner_root)])
+    points, base = [], []
     for load in loads:
         for n in ns:
-            print(f"[fleet] {load} N={n}: load avg {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
-            p = run_point(load, n, args, work, ckpt)
-            print(f"[fleet]   act p50 {p['act_ms']['p50']:.1f} ms p99 {p['act_ms']['p99']:.1f} ms, "
-                  f"rate kept by {p['rate']['kept_fraction']:.0%}, batch {p['infer_batch']:.1f}, "
-                  f"ingest {p['ingest']['records_per_s']:.0f} rec/s", file=sys.stderr, flush=True)
-            points.append(p)
+            for tag, root in roots:
+                args.tag, args.learner_root = tag, root
+                print(f"[fleet] {load} N={n} {tag}: load avg {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+                p = run_point(load, n, args, work, ckpt)
+                print(f"[fleet]   act p50 {p['act_ms']['p50']:.1f} ms p99 {p['act_ms']['p99']:.1f} ms, "
+                      f"rate kept by {p['rate']['kept_fraction']:.0%}, batch {p['infer_batch']:.1f}, "
+                      f"ingest {p['ingest']['records_per_s']:.0f} rec/s", file=sys.stderr, flush=True)
+                (base if tag == "before" and args.compare_root else points).append(p)
     out = {"command": "python -m tools.bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "hardware": {"cpus": os.cpu_count(), "gpu": None, "machine": platform.machine(),
@@ -354,6 +366,9 @@ def main(argv=None) -> dict:
                         " the simulated robots run on the same cores as the learner"},
            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "png")},
            "points": points, "saturation": verdict(points)}
+    if base:
+        out["before"] = {"learner_root": args.compare_root, "points": base, "saturation": verdict(base),
+                         "comparison": compare(base, points)}
     emit_json(out, args.json)
     if args.png:
         plot(out, args.png)

@@ -104,6 +104,27 @@ def verdict(points: list[dict]) -> dict:
     return res
 
 
+def compare(before: list[dict], after: list[dict]) -> list[dict]:
+    """Per (load, N): the before and after figures side by side."""
+    rows = []
+    for b in before:
+        a = next((p for p in after if (p["load"], p["actors"]) == (b["load"], b["actors"])), None)
+        if a is None:
+            continue
+        row = {"load": b["load"], "actors": b["actors"]}
+        for name, get in (("act_p50_ms", lambda p: p["act_ms"]["p50"]), ("act_p99_ms", lambda p: p["act_ms"]["p99"]),
+                          ("kept_fraction", lambda p: p["rate"]["kept_fraction"]),
+                          ("median_hz", lambda p: p["rate"]["median_hz"]),
+                          ("ingest_records_per_s", lambda p: p["ingest"]["records_per_s"]),
+                          ("pending_at_end", lambda p: p["acks"]["pending_at_end"]),
+                          ("dataset_pending", lambda p: p["learner"]["dataset_pending"]),
+                          ("learner_cores", lambda p: round(sum(p["cpu_cores"]["learner_threads"].values()), 3)),
+                          ("load_avg_before", lambda p: p["load_avg_before"][0])):
+            row[name] = [get(b), get(a)]
+        rows.append(row)
+    return rows
+
+
 def plot(out: dict, path: str) -> None:
     import matplotlib
 
