@@ -5,7 +5,8 @@ images stored twice (lerobot's RL buffer) plus one final frame per episode. ``lz
 the ``lz4`` package; ``auto`` picks it when installed) and ``zlib`` keep each frame as a
 lossless blob (vertical-delta filter + codec): simulator renders shrink 10-40x, noisy camera
 images 1.0-1.8x; decoding costs ~60 us (lz4) or ~300 us (zlib) per 128x128 frame at sample
-time. Frames that do not compress are kept as they are.
+time. Frames that do not compress are kept as they are (lz4: those its fast pass cannot
+shrink by 5%, without trying its far slower high-compression mode).
 
 A store is either eager (``lazy = False``: ``put`` / ``get`` arrays under the buffer's lock)
 or lazy (``lazy = True``: ``encode`` and ``decode`` run outside the lock, only ``put`` and
@@ -139,7 +140,11 @@ class Lz4Images(BlobImages):
     def encode(self, img: np.ndarray) -> bytes:
         d = _up_filter(img).tobytes()
         blob = self._lz4.compress(d, store_size=True)
-        if len(blob) > 0.8 * self.raw_size:
+        # high compression only where the fast pass found something but saved little: on a
+        # frame it cannot shrink at all (a camera's sensor noise) it costs ~50x the fast pass
+        # (5-6 ms per 224x224 frame on the socket thread: ~80 camera records/s in all) for
+        # ~20% (image_codec=zlib: ~40% at half that cost, slower sampling)
+        if 0.8 * self.raw_size < len(blob) <= 0.95 * self.raw_size:
             blob = min(blob, self._lz4.compress(d, mode="high_compression", compression=3,
                                                 store_size=True), key=len)
         if len(blob) > 0.95 * self.raw_size:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -408,7 +409,8 @@ class Learner:
                   checkpoints_refused=self.checkpoints_refused,
                   internal_errors=self.service.counters["internal_errors"],
                   rejection_logs_suppressed=self.service._warn.suppressed_total,
-                  stopped=self.stopped)
+                  stopped=self.stopped, pid=os.getpid(),  # threads: for per-thread CPU (/proc)
+                  threads={str(t.native_id): t.name for t in threading.enumerate() if t.native_id})
         tmp = self.run_dir / ".status.json.tmp"
         tmp.write_text(json.dumps(st, indent=1))
         tmp.replace(self.run_dir / "status.json")

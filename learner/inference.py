@@ -201,6 +201,10 @@ class InferenceServer(threading.Thread):
             else:
                 self.channel = None
         torch.set_grad_enabled(False)
+        # the process's intra-op thread count (trainer.num_threads) for this thread too: set in
+        # the main thread, it does not reach a new thread's OpenMP team, whose first MKL/oneDNN
+        # call (a Linear) would start one of every core, its workers spinning between batches
+        torch.set_num_threads(torch.get_num_threads())
         try:
             with torch.inference_mode():  # once for the thread: entering it per batch costs ~10-50 us
                 self._loop()

@@ -9,7 +9,11 @@ Per front (its JSON config comes on stdin, see :class:`data.core.gate.Front`):
   the per-frame limit (a larger frame disconnects its peer before it is buffered). A whole
   message of at most ``max_frames`` frames and ``max_message_bytes`` bytes goes to the
   server's DEALER as ``[routing id, (CURVE User-Id,) frames...]``; a larger one is dropped,
-  counted and answered with the server's ``too_large_reply`` frames. Replies come back as
+  counted and answered with the server's ``too_large_reply`` frames. When the server's end is
+  full (a server thread behind), that one message waits here and its front is not read until
+  the server takes it (``server_full`` counts the pauses; the peers wait in their own queues):
+  the other fronts and the replies never wait behind it (one server thread's backlog, the
+  learner's ingest, must not hold up another's, its act socket). Replies come back as
   ``[routing id, frames...]`` and go out on the ROUTER (dropped when the peer is gone).
 - ``pub`` (weight broadcasts): a PUB bound to ``host:port`` fed by a SUB connected to the
   server's PUB; subscribers' inbound frames are limited to ``max_frame_bytes`` too.
@@ -37,6 +41,7 @@ import time
 import zmq
 
 _SNDMORE, _RCVMORE, _NOBLOCK = 2, 13, 1
+_POLLIN, _POLLOUT = 1, 2
 
 
 def _recv(sock: zmq.Socket) -> list:
@@ -103,7 +108,7 @@ def main() -> None:
     ctx = zmq.Context()
     fronts, backs, routes = [], [], {}
     counters = {"forwarded": 0, "replies": 0, "broadcasts": 0, "too_large": 0, "too_many_frames": 0,
-                "dropped_to_server": 0}
+                "dropped_to_server": 0, "server_full": 0}
     curve = bool(cfg["security"].get("server_secret_key"))
     ports = {}
     try:
@@ -118,7 +123,6 @@ def main() -> None:
                 front.setsockopt(zmq.RCVHWM, int(f.get("rcvhwm", 16)))
                 back = ctx.socket(zmq.DEALER)
                 back.setsockopt(zmq.SNDHWM, int(f.get("sndhwm", 32)))
-                back.setsockopt(zmq.SNDTIMEO, 1000)  # the server drains it; never wait forever
             else:
                 front.setsockopt(zmq.SNDHWM, 2)
                 back = ctx.socket(zmq.SUB)
@@ -148,21 +152,33 @@ def main() -> None:
         os.set_blocking(sys.stdout.fileno(), False)  # a stats line never blocks the relay
     except OSError:
         pass
-    poller = zmq.Poller()
-    for s in fronts + backs:
-        if s.type != zmq.PUB:  # (a PUB has nothing to read)
-            poller.register(s, zmq.POLLIN)
+    readable = [s for s in fronts + backs if s.type != zmq.PUB]  # (a PUB has nothing to read)
+    # a router front whose server end is full: its message waits here and the front is not
+    # read (its peers wait in their own queues), while every other front and the replies go on
+    pending: dict[zmq.Socket, list] = {}
     last_stats, shown = time.monotonic(), dict(counters)
     while True:
-        for sock, _ in poller.poll(500):
+        items = [(s, _POLLIN | (_POLLOUT if routes[s][0] in pending else 0)) for s in readable
+                 if s not in pending]
+        for sock, ev in zmq.zmq_poll(items, 500):
             other, f = routes[sock]
+            if ev & _POLLOUT and other in pending:  # the server takes the waiting message now
+                msg = pending.pop(other)
+                if not _to_server(sock, msg, counters):
+                    pending[other] = msg
+            if not ev & _POLLIN:
+                continue
             for _ in range(64):  # a few per wake-up, so no socket starves
                 try:
                     frames = _recv(sock)
                 except zmq.Again:
                     break
                 if sock in fronts and f["kind"] == "router":
-                    _inbound(frames, sock, other, f, curve, counters)
+                    left = _inbound(frames, sock, other, f, curve, counters)
+                    if left is not None:
+                        pending[sock] = left
+                        counters["server_full"] += 1
+                        break
                 elif f["kind"] == "router":  # the server's reply: [routing id, frames...]
                     try:
                         _send(other, frames, _NOBLOCK)
@@ -189,8 +205,9 @@ def main() -> None:
 
 
 def _inbound(frames: list, front: zmq.Socket, back: zmq.Socket, f: dict, curve: bool,
-             counters: dict) -> None:
-    """A peer's message ([routing id, frames...]): within the limits, to the server."""
+             counters: dict) -> list | None:
+    """A peer's message ([routing id, frames...]): within the limits, to the server. Returns
+    the message to send when the server's end is full (else None: sent, or refused)."""
     n = len(frames) - 1
     size = sum(map(len, frames)) - len(frames[0])
     why = ("too_many_frames" if n > f["max_frames"] else
@@ -203,7 +220,7 @@ def _inbound(frames: list, front: zmq.Socket, back: zmq.Socket, f: dict, curve: 
                 _send(front, [frames[0], *[bytes.fromhex(x) for x in reply]], _NOBLOCK)
             except zmq.ZMQError:
                 pass
-        return
+        return None
     head = [frames[0]]
     if curve:
         try:
@@ -211,11 +228,19 @@ def _inbound(frames: list, front: zmq.Socket, back: zmq.Socket, f: dict, curve: 
         except zmq.ZMQError:
             user = None
         head.append((user or "").encode())
+    msg = head + frames[1:]
+    return None if _to_server(back, msg, counters) else msg
+
+
+def _to_server(back: zmq.Socket, msg: list, counters: dict) -> bool:
+    """Hand ``msg`` to the server's end without waiting; False when it is full (nothing sent:
+    libzmq takes the rest of a message once it took its first frame)."""
     try:
-        _send(back, head + frames[1:])
-        counters["forwarded"] += 1
-    except zmq.Again:  # the server is gone or stalled for a second: dropped (the peer retries)
-        counters["dropped_to_server"] += 1
+        _send(back, msg, _NOBLOCK)
+    except zmq.Again:
+        return False
+    counters["forwarded"] += 1
+    return True
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ class CommitWorker:
     when it raises) and :meth:`_report_failure`.
 
     ``submit(episode)`` queues; the thread groups whatever is queued into one commit (at most
-    ``max_episodes_per_commit``, at most one commit per ``commit_interval_s``), then calls
-    ``on_durable(durable, dropped)``. A failed commit's episodes go back to the front of the
+    ``max_episodes_per_commit``; at most one commit per ``commit_interval_s``, unless a whole
+    commit's worth is already queued: then the next one starts at once, so that the interval
+    never caps the store at ``max_episodes_per_commit / commit_interval_s`` episodes per second
+    while actors produce more), then calls ``on_durable(durable, dropped)``. A failed commit's episodes go back to the front of the
     queue and are retried after a backoff between ``retry_min_s`` and ``retry_max_s``.
     """
 
@@ -127,8 +129,12 @@ class CommitWorker:
                 self._cv.wait()
             if self._stop:
                 return None
-            wait = last_commit + self.commit_interval_s - time.monotonic()
-            if wait > 0:
+            # the rest of the interval (a submit's notify does not end it), unless a whole
+            # commit's worth is queued
+            while len(self._queue) < self.max_episodes_per_commit:
+                wait = last_commit + self.commit_interval_s - time.monotonic()
+                if wait <= 0:
+                    break
                 self._cv.wait(timeout=wait)
                 if self._stop:
                     return None

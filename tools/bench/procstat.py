@@ -43,19 +43,11 @@ def prefault(obj: Any, depth: int = 3) -> int:
     return walk(obj, depth)
 
 
-def thread_cpu(labels: dict[int, str] | None = None, pid: int | str = "self") -> dict[str, float]:
-    """CPU seconds used so far by each thread of this process, by label (Linux /proc; else {}).
-
-    Reads /proc/self/task/<tid>/schedstat (nanoseconds), falling back to the tick-granular
-    utime+stime of .../stat. Python threads are named by their Thread name (or
-    ``labels[native_id]``), others by their kernel name (libzmq's I/O threads: ZMQbg/...);
-    threads sharing a label are summed."""
-    names = {}
-    if pid == "self":
-        names = {t.native_id: "pyzmq-gc" if type(t).__name__ == "GarbageCollectorThread" else t.name
-                 for t in threading.enumerate() if t.native_id is not None}
-    names.update(labels or {})
-    out: dict[str, float] = {}
+def task_cpu(pid: int | str = "self") -> dict[int, tuple[str, float]]:
+    """Thread id -> (kernel name, CPU seconds so far) of every thread of ``pid`` (Linux /proc;
+    else {}): /proc/<pid>/task/<tid>/schedstat (nanoseconds), falling back to the
+    tick-granular utime+stime of .../stat."""
+    out: dict[int, tuple[str, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -74,9 +66,31 @@ def thread_cpu(labels: dict[int, str] | None = None, pid: int | str = "self") ->
                 cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except OSError:
             continue
-        label = names.get(int(tid), comm)
+        out[int(tid)] = (comm, cpu)
+    return out
+
+
+def label_cpu(tasks: dict[int, tuple[str, float]], labels: dict[int, str]) -> dict[str, float]:
+    """:func:`task_cpu`'s figures summed by label (``labels[tid]``, else the kernel name)."""
+    out: dict[str, float] = {}
+    for tid, (comm, cpu) in tasks.items():
+        label = labels.get(tid, comm)
         out[label] = out.get(label, 0.0) + cpu
     return out
+
+
+def thread_cpu(labels: dict[int, str] | None = None, pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds used so far by each thread of this process, by label (Linux /proc; else {}).
+
+    Python threads are named by their Thread name (or ``labels[native_id]``), others by their
+    kernel name (libzmq's I/O threads: ZMQbg/...); threads sharing a label are summed
+    (:func:`task_cpu` reads them)."""
+    names = {}
+    if pid == "self":
+        names = {t.native_id: "pyzmq-gc" if type(t).__name__ == "GarbageCollectorThread" else t.name
+                 for t in threading.enumerate() if t.native_id is not None}
+    names.update(labels or {})
+    return label_cpu(task_cpu(pid), names)
 
 
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
