@@ -6,7 +6,8 @@
 Per load and N, a fresh ``python -m learner`` on loopback (as a user runs it: buffer
 persistence on, the LeRobot episode store writing video, the wire gate) and N simulated robots
 in ``--processes`` processes (:mod:`tools.bench.fleet_actors`: the product's ActorLoop,
-LearnerClient and Spool on a thread each, in front of a stand-in stepping at ``--hz``). All
+LearnerClient and Spool on a thread each, in front of a stand-in stepping at ``--hz``; niced by
+``--robots-nice``, as they stand in for machines of their own). All
 start together, run ``--seconds`` (the first ``--warmup-s`` are not counted), finish their
 episodes and wait for the acks. Loads:
 
@@ -260,7 +261,7 @@ def run_point(load: str, n: int, args, work: Path, ckpt: Path | None) -> dict:
             "batch_records": args.batch_records, "seconds": args.seconds, "warmup_s": args.warmup_s,
             "drain_s": args.drain_s, "timeout_s": 2.0, "heartbeat_s": 1.0, "connect_s": 120.0,
             "phase_s": (args.chunk if load == "camera" else 1) / hz, "spool_cache_mb": args.spool_cache_mb,
-            "seed": 0}
+            "seed": 0, "nice": args.robots_nice}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
            "OMP_NUM_THREADS": "1"}
     workers: list[subprocess.Popen] = []
@@ -268,7 +269,8 @@ def run_point(load: str, n: int, args, work: Path, ckpt: Path | None) -> dict:
         for i in range(procs):
             ids = [f"robot{j:04d}" for j in range(i, n, procs)]
             w = subprocess.Popen([sys.executable, "-m", "tools.bench.fleet_actors"], cwd=ROOT, env=env,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 stderr=open(work / f"{tag}_robots{i}.log", "w"))
             w.stdin.write(json.dumps({**base, "actors": ids, "first_index": i}) + "\n")
             w.stdin.flush()
             workers.append(w)
@@ -288,10 +290,17 @@ def run_point(load: str, n: int, args, work: Path, ckpt: Path | None) -> dict:
         a = sampler.snapshot()
         time.sleep(max(0.0, t0 + args.seconds - time.monotonic()))
         b = sampler.snapshot()
-        outs = []
-        for w in workers:
+        outs, lost = [], []
+        for i, w in enumerate(workers):
             out, _ = w.communicate(timeout=args.drain_s + 180)
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+            lines = out.strip().splitlines()
+            if lines and lines[-1].startswith("{"):
+                outs.append(json.loads(lines[-1]))
+            else:  # counted, not fatal: the point keeps the other processes' robots
+                lost.append(f"robot process {i} ended without figures (exit {w.returncode}, "
+                            f"see {work / f'{tag}_robots{i}.log'})")
+        if not outs:
+            raise RuntimeError("; ".join(lost))
         sampler.close()
         final = read_status(run_dir)
         names = {**a["status"].get("threads", {}), **b["status"].get("threads", {}), **final.get("threads", {})}
@@ -305,6 +314,7 @@ def run_point(load: str, n: int, args, work: Path, ckpt: Path | None) -> dict:
                       batch_records=args.batch_records,
                       robots=[r for o in outs for r in o["actors"]], window_s=outs[0]["window_s"],
                       cpu=window(a, b, names), status=(a["status"], b["status"], final), peak_rss=sampler.peak)
+    point["errors"] = lost + point["errors"]
     point.update(processes=procs, load_avg_before=[round(x, 2) for x in load_before],
                  load_avg_after=[round(x, 2) for x in os.getloadavg()], learner_exit=learner.returncode,
                  tag=args.tag or None)
@@ -323,6 +333,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--episode-steps", type=int, default=50, help="steps per episode (truncated)")
     ap.add_argument("--batch-records", type=int, default=1, help="records per transitions message")
     ap.add_argument("--processes", type=int, default=8, help="robot processes (threads share them)")
+    ap.add_argument("--robots-nice", type=int, default=10, help="the robot processes' niceness: on the "
+                    "learner's cores they stand in for machines of their own and yield to it (0: equal)")
     ap.add_argument("--camera-capacity", type=int, default=2000, help="camera load: replay capacity")
     ap.add_argument("--spool-cache-mb", type=int, default=4, help="each robot's in-memory spool copies")
     ap.add_argument("--status-every-s", type=float, default=1.0, help="the learner's logging.every_s")
@@ -359,6 +371,8 @@ def main(argv=None) -> dict:
                       f"rate kept by {p['rate']['kept_fraction']:.0%}, batch {p['infer_batch']:.1f}, "
                       f"ingest {p['ingest']['records_per_s']:.0f} rec/s", file=sys.stderr, flush=True)
                 (base if tag == "before" and args.compare_root else points).append(p)
+                if args.json != "-":  # what is done so far survives a later failure
+                    Path(args.json + ".partial").write_text(json.dumps({"points": points, "before": base}))
     out = {"command": "python -m tools.bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "hardware": {"cpus": os.cpu_count(), "gpu": None, "machine": platform.machine(),

@@ -209,6 +209,8 @@ def main() -> None:
     global T0
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
     cfg = json.loads(sys.stdin.readline())
+    # the robots stand in for machines of their own: on the learner's cores they yield to it
+    os.nice(int(cfg.get("nice", 0)))
     sys.setswitchinterval(cfg.get("switch_interval_s", 0.001))  # the harness's GIL hand-offs
     ctx = zmq.Context()
     pics = frames({k: tuple(v) for k, v in cfg["spec"].get("cameras", {}).items()}, 4, cfg["seed"])

@@ -96,9 +96,11 @@ def verdict(points: list[dict]) -> dict:
         first = bad[0] if bad else pts[-1]
         busy = [(k, round(v, 2)) for k, v in limits(first) if v >= BUSY] or \
             [(k, round(v, 2)) for k, v in limits(first)[:3]]
+        inside = [(k, round(v, 2)) for k, v in limits(first) if not k.startswith("machine")]
         res[load] = {"kept_rate_up_to": max(ok) if ok else None,
                      "saturated_at": bad[0]["actors"] if bad else None,
                      "busiest_at_that_point": busy,
+                     "busiest_inside_the_learner": inside[:4],
                      "note": "saturated within the tested N" if bad else
                              f"not saturated up to N={pts[-1]['actors']}: busiest resources listed"}
     return res
@@ -145,19 +147,31 @@ def plot(out: dict, path: str) -> None:
         axes[1].plot(n, [p["offered_acts_per_s"] for p in ps], ":", color=c, alpha=0.6)
         axes[1].plot(n, [p["ingest"]["records_per_s"] for p in ps], "s--", color=c, label=f"{load} records/s")
         axes[1].plot(n, [p["ingest"]["offered_records_per_s"] for p in ps], ":", color=c, alpha=0.6)
-        top = sorted({k for p in ps for k in list(p["cpu_cores"]["learner_threads"])[:3]})
+        top = sorted({k for p in ps for k in list(p["cpu_cores"]["learner_threads"])[:2]})
         for k in top:
             axes[2].plot(n, [p["cpu_cores"]["learner_threads"].get(k, 0) for p in ps], "o-", alpha=0.8,
                          label=f"{load}: {k}")
         gate = [p["cpu_cores"]["learner_children"].get("wire-gate", 0) for p in ps]
         axes[2].plot(n, gate, "^--", label=f"{load}: wire gate")
+        enc = [p["cpu_cores"]["learner_children"].get("encoder-workers", 0) for p in ps]
+        if any(enc):
+            axes[2].plot(n, enc, "v--", label=f"{load}: video encoders")
         axes[2].plot(n, [p["cpu_cores"]["robots"] for p in ps], "x:", label=f"{load}: robots (harness)")
+    for load in loads if "before" in out else ():  # the same points with the base learner
+        ps = sorted((p for p in out["before"]["points"] if p["load"] == load), key=lambda p: p["actors"])
+        axes[0].plot([p["actors"] for p in ps], [p["act_ms"]["p50"] for p in ps], "o:", color=colors.get(load),
+                     alpha=0.35, label=f"{load} p50, before")
+        axes[1].plot([p["actors"] for p in ps], [p["ingest"]["records_per_s"] for p in ps], "s:",
+                     color=colors.get(load), alpha=0.35, label=f"{load} records/s, before")
     axes[0].set(xscale="log", yscale="log", xlabel="robots N", ylabel="act latency (ms)",
                 title="act latency, all acts")
     axes[1].set(xscale="log", yscale="log", xlabel="robots N", ylabel="per second",
                 title="served acts and ingested records (dotted: offered)")
     axes[2].set(xscale="log", xlabel="robots N", ylabel="cores", title="CPU: busiest learner threads")
+    ticks = sorted({p["actors"] for p in pts})
     for ax in axes:
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Tandem fleet bench · {out['date']} · {out['hardware']['cpus']}-core VM, no GPU", fontsize=10)
