@@ -92,7 +92,14 @@ start() {
   mkdir -p "$run_dir"
   eval "$(env_lines)"
   : > "$run_dir/pids"
-  setsid "$ROOT/launch/run_learner.sh" run_dir="$run_dir" "${learner[@]}" >"$run_dir/learner.log" 2>&1 &
+  # TANDEM_LEARNER_GPU: the one GPU the learner sees (CUDA_VISIBLE_DEVICES for the learner alone:
+  # robosuite's EGL renderer in the actors takes its device from CUDA_VISIBLE_DEVICES)
+  if [ -n "${TANDEM_LEARNER_GPU:-}" ]; then
+    CUDA_VISIBLE_DEVICES="$TANDEM_LEARNER_GPU" setsid "$ROOT/launch/run_learner.sh" run_dir="$run_dir" "${learner[@]}" \
+      >"$run_dir/learner.log" 2>&1 &
+  else
+    setsid "$ROOT/launch/run_learner.sh" run_dir="$run_dir" "${learner[@]}" >"$run_dir/learner.log" 2>&1 &
+  fi
   echo "learner $!" >> "$run_dir/pids"
   for _ in $(seq 1 600); do   # until the learner serves (its start-up line)
     grep -q "serving on" "$run_dir/learner.log" 2>/dev/null && break

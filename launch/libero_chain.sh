@@ -7,29 +7,33 @@
 #   setsid launch/libero_chain.sh > /tmp/lr/chain.log 2>&1 &
 #
 # Settings (environment variables; defaults in brackets): R (work folder, /tmp/lr), K (demos per
-# task, 10), STEPS (SFT steps, 2000), N (actors of the protocol sweeps, 14), N_RL (actors of the RL
-# run, N), RS_MIN (minutes of RL, 5), CYCLE_STEPS / CYCLE_SFT (env steps that start a BC cycle / BC
+# task, 10), STEPS (SFT steps, 2000), N (actors of the protocol sweeps, 14), N_BEFORE (actors of
+# the protocol-before sweep, N), N_RL (actors of the RL run, N), RS_MIN (minutes of RL, 5), CYCLE_STEPS / CYCLE_SFT (env steps that start a BC cycle / BC
 # steps in it, 3000 / 300), BATCH (BC batch of the RL run, 64), VARIANT (rs: plain rejection
 # sampling | rs_expert: the scripted expert corrects the first EXPERT_EPISODES episodes of every
 # RL actor, taking over after DRIFT_STEPS steps in a row farther than DRIFT from its own action),
 # WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids: 10, init_states: 50}),
 # TASKS (env.task_id, all), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a short time limit for a
 # dry run on a CPU), CARRY (set: pack the RL run into $R/carry for the next machine, where
-# tools/carry_run.py unpacks it into $R/$VARIANT and a rerun goes on from its checkpoint).
+# tools/carry_run.py unpacks it into $R/$VARIANT and a rerun goes on from its checkpoint), GPU_LOG
+# (0: no nvidia-smi log, for a second chain beside this one).
+# Two variants side by side on a two-GPU box: the second chain waits for $R/before/eval_report.json,
+# has its learners on GPU 1 (TANDEM_LEARNER_GPU=1, read by gpu_box.sh) with other ports
+# (EXTRA_ENV="transport.port=5688 transport.pub_port=5689") and GPU_LOG=0: launch/libero_pair.sh.
 # Every stage skips itself when its output exists, so a rerun continues where one stopped, and a
 # second VARIANT reuses the demos, the SFT checkpoint and the protocol-before sweep.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${R:-/tmp/lr}; mkdir -p "$R/res"; PY=${TANDEM_PYTHON:-python3}
 eval "$(bash launch/gpu_box.sh env)"
-K=${K:-10}; STEPS=${STEPS:-2000}; RS_MIN=${RS_MIN:-5}; N=${N:-14}; N_RL=${N_RL:-$N}
+K=${K:-10}; STEPS=${STEPS:-2000}; RS_MIN=${RS_MIN:-5}; N=${N:-14}; N_RL=${N_RL:-$N}; N_BEFORE=${N_BEFORE:-$N}
 VARIANT=${VARIANT:-rs}; V="$R/$VARIANT"
 ENVB="env=libero_spatial env.task_id=${TASKS:-all} env.image_size=64"
 ENVO="$ENVB ${EXTRA_ENV:-}"
 POL="policy=pi0_small ${EXTRA_POL:-}"
 log() { echo "[$(date +%T)] $*" | tee -a "$R/res/timeline.txt"; }
-gpu() { command -v nvidia-smi >/dev/null || return 0
-        while true; do nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader >> "$R/res/gpu.csv"; sleep 5; done; }
+gpu() { command -v nvidia-smi >/dev/null && [ "${GPU_LOG:-1}" != 0 ] || return 0
+        while true; do nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,noheader >> "$R/res/gpu.csv"; sleep 5; done; }
 gpu & GPUPID=$!
 trap 'kill $GPUPID 2>/dev/null' EXIT
 
@@ -47,15 +51,15 @@ grep -a '^{' "$R/sft.log" | tail -1 > "$R/res/sft.json"
 COMMON="$ENVO $POL policy.checkpoint=$R/sft"
 LRN="algo=rejection_sampling logging.wandb=disabled"
 ACT="chunk.execute=5"
-sweep() {   # run_dir: LIBERO's protocol through the learner and N actors (the run_dir's checkpoint, if any)
-  bash launch/gpu_box.sh start --actors "$N" --run-dir "$1" $COMMON $LRN mode=eval \
+sweep() {   # run_dir [actors]: LIBERO's protocol through the learner and N actors (the run_dir's checkpoint, if any)
+  bash launch/gpu_box.sh start --actors "${2:-$N}" --run-dir "$1" $COMMON $LRN mode=eval \
     "eval.sweep=${SWEEP:-{task_ids: 10, init_states: 50\}}" -- $COMMON $ACT
   for _ in $(seq 1 1800); do [ -f "$1/eval_report.json" ] && break; sleep 2; done
   bash launch/gpu_box.sh stop --run-dir "$1"
 }
 
 log "protocol before RL"
-[ -f "$R/before/eval_report.json" ] || sweep "$R/before"
+[ -f "$R/before/eval_report.json" ] || sweep "$R/before" "$N_BEFORE"
 cp "$R/before/eval_report.json" "$R/res/eval_before.json"
 
 RL_ACT="$ACT env.init_state_id=random"
