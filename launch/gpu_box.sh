@@ -93,7 +93,8 @@ start() {
   eval "$(env_lines)"
   : > "$run_dir/pids"
   # TANDEM_LEARNER_GPU: the one GPU the learner sees (CUDA_VISIBLE_DEVICES for the learner alone:
-  # robosuite's EGL renderer in the actors takes its device from CUDA_VISIBLE_DEVICES)
+  # robosuite's EGL renderer in the actors takes its device from CUDA_VISIBLE_DEVICES);
+  # TANDEM_RENDER_GPU: the EGL device the actors render on (MUJOCO_EGL_DEVICE_ID; default the first)
   if [ -n "${TANDEM_LEARNER_GPU:-}" ]; then
     CUDA_VISIBLE_DEVICES="$TANDEM_LEARNER_GPU" setsid "$ROOT/launch/run_learner.sh" run_dir="$run_dir" "${learner[@]}" \
       >"$run_dir/learner.log" 2>&1 &
@@ -108,7 +109,7 @@ start() {
   done
   for i in $(seq 0 $((actors - 1))); do
     # one thread of BLAS / OpenMP each: N simulator processes share the box's cores with the learner
-    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+    env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 ${TANDEM_RENDER_GPU:+MUJOCO_EGL_DEVICE_ID=$TANDEM_RENDER_GPU} \
     setsid "$ROOT/launch/run_actor.sh" actor_id="actor-$i" run_dir="$run_dir" env.gl=egl "${actor[@]}" \
       >"$run_dir/actor-$i.log" 2>&1 &
     echo "actor-$i $!" >> "$run_dir/pids"

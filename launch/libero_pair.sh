@@ -3,7 +3,9 @@
 # the same demos, SFT checkpoint and protocol-before sweep: the first chain (VARIANT_A, default
 # rs_expert) on GPU 0 makes the shared stages and runs its RL; the second (VARIANT_B, default rs)
 # waits for the protocol-before report, then runs its RL on GPU 1 with its own ports, so both RL
-# runs and both protocol-after sweeps run at the same time, at equal load. Every other setting is
+# runs and both protocol-after sweeps run at the same time, at equal load: each chain's actors
+# render on the other chain's GPU (RENDER_A=1, RENDER_B=0: EGL device numbers), so each GPU holds
+# one learner and one chain's rendering. Every other setting is
 # libero_chain.sh's (environment variables, read by both chains). Run it in the background:
 #
 #   setsid launch/libero_pair.sh > /tmp/lr/pair.log 2>&1 &
@@ -13,14 +15,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${R:-/tmp/lr}; export R; mkdir -p "$R/res"
 A=${VARIANT_A:-rs_expert}; B=${VARIANT_B:-rs}
-TANDEM_LEARNER_GPU=0 VARIANT=$A bash launch/libero_chain.sh > "$R/chain_$A.log" 2>&1 &
+TANDEM_LEARNER_GPU=0 TANDEM_RENDER_GPU=${RENDER_A:-1} VARIANT=$A bash launch/libero_chain.sh > "$R/chain_$A.log" 2>&1 &
 PA=$!
 for _ in $(seq 1 3600); do
   [ -f "$R/before/eval_report.json" ] && break
   kill -0 $PA 2>/dev/null || { echo "chain $A ended before the protocol-before sweep" >&2; exit 1; }
   sleep 2
 done
-TANDEM_LEARNER_GPU=1 VARIANT=$B GPU_LOG=0 \
+TANDEM_LEARNER_GPU=1 TANDEM_RENDER_GPU=${RENDER_B:-0} VARIANT=$B GPU_LOG=0 \
   EXTRA_ENV="${EXTRA_ENV:-} transport.port=${PORT_B:-5688} transport.pub_port=$((${PORT_B:-5688} + 1))" \
   bash launch/libero_chain.sh > "$R/chain_$B.log" 2>&1 &
 PB=$!

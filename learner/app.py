@@ -51,7 +51,7 @@ from learner.inference import InferenceServer
 from learner.ingest import Ingest
 from learner.eval_sweep import EvalSweep
 from learner.jobs import JobQueue
-from learner.metrics import MetricsLogger
+from learner.metrics import LoopClock, MetricsLogger
 from learner.service import LearnerService
 from learner.finite_guard import nonfinite
 from learner.weights import WeightPublisher
@@ -420,19 +420,21 @@ class Learner:
         last_log, last_updates, last_ckpt = time.monotonic(), self.algo.updates, self.algo.updates
         last_ckpt_t, every_s = time.monotonic(), float(cfg.get("checkpoint_every_s", 0) or 0)
         metrics: dict[str, float] = {}
-        busy = 0.0  # seconds of this logging period in steps that updated (sampling included)
+        clock = LoopClock()  # where the main thread's time goes: updating, publishing, saving
         while not self._stop.is_set():
             t0 = time.monotonic()
             m = self.algo.step()
             if m:
-                busy += time.monotonic() - t0
+                clock.spent["busy"] += time.monotonic() - t0
                 metrics = m
                 self._note_skips()
                 if self.algo.should_publish():
-                    self.weights.publish(self._trainable())
+                    with clock.timed("publish_s"):
+                        self.weights.publish(self._trainable())
                 if ((cfg.checkpoint_every and self.algo.updates - last_ckpt >= cfg.checkpoint_every)
                         or (every_s and time.monotonic() - last_ckpt_t >= every_s)):
-                    self.save()
+                    with clock.timed("checkpoint_s"):
+                        self.save()
                     last_ckpt, last_ckpt_t = self.algo.updates, time.monotonic()
             else:
                 self._heartbeat()
@@ -441,11 +443,7 @@ class Learner:
             if now - last_log >= self.cfg.logging.every_s:
                 status = {k: v for k, v in self.full_status().items() if isinstance(v, (int, float))}
                 status["updates_per_s"] = (self.algo.updates - last_updates) / (now - last_log)
-                # where the main thread's time goes: steps that updated vs waiting, publishing, saving
-                status["train_busy"] = busy / (now - last_log)
-                if self.algo.updates > last_updates:
-                    status["step_s"] = busy / (self.algo.updates - last_updates)
-                busy = 0.0
+                status.update(clock.period(now - last_log, self.algo.updates - last_updates))
                 self.metrics.log({**status, **metrics}, step=self.algo.updates, console_keys=[
                     "updates", "updates_per_s", "version", "env_steps", "episodes", "return",
                     "success", "actors", "infer_batch"])

@@ -9,6 +9,7 @@ is a number (NaN and infinities are written as null). ``tools/plot_run.py`` read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -98,3 +99,33 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class LoopClock:
+    """Where the training loop's time goes in one logging period: ``busy`` (steps that
+    updated, sampling included), ``publish_s`` (handing a version to serving and the
+    broadcast) and ``checkpoint_s`` (writing checkpoints). ``with clock.timed(key):``
+    adds a block's seconds; :meth:`period` returns the figures and starts a new period."""
+
+    KEYS = ("busy", "publish_s", "checkpoint_s")
+
+    def __init__(self):
+        self.spent = dict.fromkeys(self.KEYS, 0.0)
+
+    @contextlib.contextmanager
+    def timed(self, key: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.spent[key] += time.monotonic() - t0
+
+    def period(self, seconds: float, updates: int) -> dict[str, float]:
+        """``train_busy`` (share of the period), ``step_s`` (busy seconds an update, when
+        there were updates), ``publish_s`` and ``checkpoint_s`` (seconds in the period)."""
+        out = {"train_busy": self.spent["busy"] / seconds if seconds > 0 else 0.0,
+               "publish_s": self.spent["publish_s"], "checkpoint_s": self.spent["checkpoint_s"]}
+        if updates > 0:
+            out["step_s"] = self.spent["busy"] / updates
+        self.spent = dict.fromkeys(self.KEYS, 0.0)
+        return out

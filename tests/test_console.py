@@ -126,6 +126,11 @@ def test_plot_run_on_the_real_run(tmux_run, tmp_path):
     steps = [r["env_steps"] for r in rows]
     assert steps == sorted(steps) and steps[-1] > steps[0]
     assert all(r["wall_s"] >= 0 for r in rows) and any("critic_loss" in r for r in rows)
+    # where the main thread's time went in each period: shares and seconds, never negative
+    ticks = [r for r in rows if "train_busy" in r]
+    assert ticks and all(0 <= r["train_busy"] <= 1.05 and r["publish_s"] >= 0 and r["checkpoint_s"] >= 0
+                         for r in ticks)
+    assert all(r["step_s"] > 0 for r in ticks if "step_s" in r) and any("step_s" in r for r in ticks)
     other = tmp_path / "other"  # overlay: a second run folder (the first half of this one)
     other.mkdir()
     (other / "metrics.jsonl").write_text("\n".join(lines[: len(lines) // 2]) + "\n")
