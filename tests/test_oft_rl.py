@@ -214,3 +214,45 @@ def test_chunks_cut_short_train_on_their_executed_actions_only(ckpt, mask_unexec
     lora_b = [n for n in moved[0] if ".lora_B" in n]  # zero at the start, whatever the seed
     trained = any(not torch.allclose(moved[0][n], start[n]) for n in lora_b)
     assert trained == mask_unexecuted
+
+
+def test_a_round_of_partial_own_chunks_updates_through_the_learner(ckpt):
+    """With ``chunk.execute`` below the chunk size every chunk is partial (``mask`` all False)
+    but the policy's own: the on-policy learner must still run the update (token ratios train
+    on the executed actions) and publish, not skip the round."""
+    from accelerate import Accelerator
+
+    from agents.on_policy import OnPolicyLearner, Round
+    from agents.ppo import PPOAgent, PPOConfig
+
+    o = obs(8, seed=5)
+    torch.manual_seed(0)
+    p = make(ckpt)
+    with torch.no_grad():
+        tok = p.act(o).extras["action_tokens"]
+        behaviour = p.log_prob(o, tokens=tok)
+    p.train()
+    batch = dict(o, action=torch.zeros(8, p.chunk_size, 2), old_log_prob=behaviour,
+                 advantages=torch.tensor([1.0, -1.0] * 4), mask=torch.zeros(8, dtype=torch.bool),
+                 own_chunk=torch.ones(8, dtype=torch.bool), chunk_steps=torch.full((8,), 2, dtype=torch.long),
+                 **{"extra.action_tokens": tok})
+
+    class OneRound:  # a collector that has one round ready (its queue reports nothing)
+        queue = type("Queue", (), {"status": staticmethod(lambda: {})})()
+
+        def __init__(self):
+            self.rounds = [Round(batch, {"round_episodes": 2.0})]
+
+        def collect(self, version):
+            return self.rounds.pop() if self.rounds else None
+
+    agent = PPOAgent(PPOConfig(lr=1e-3, epochs=1, minibatch_size=8), p, None, Accelerator(cpu=True))
+    start = {n: q.detach().clone() for n, q in p.named_parameters() if ".lora_B" in n}
+    learner = OnPolicyLearner(agent, OneRound())
+    m = learner.step()
+    assert m is not None and learner.updates == 1 and learner.should_publish() and learner.version == 1
+    assert any(not torch.allclose(q, start[n]) for n, q in p.named_parameters() if n in start)
+    # a round whose chunks are neither full nor the policy's own (a person drove them) is skipped
+    learner.collector.rounds = [Round(dict(batch, own_chunk=torch.zeros(8, dtype=torch.bool)), {})]
+    learner.step()
+    assert learner.updates == 1 and not learner.should_publish()
