@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # LIBERO for real on one GPU box, in order: scripted-expert demos -> SFT of a PI0 trained from
-# scratch -> LIBERO's 500-episode protocol -> rejection sampling through the learner and N actors
-# -> the protocol again (docs/libero.md has the figures of a run). Install the kit first
-# (launch/gpu_box.sh install); run it in the background and read $R/res/ as it goes:
+# scratch -> LIBERO's 500-episode protocol -> RL (rejection sampling, plain or expert-corrected,
+# or Flow-Noise PPO) through the learner and N actors -> the protocol again (docs/libero.md has
+# the figures of a run). Install the kit first (launch/gpu_box.sh install); run it in the
+# background and read $R/res/ as it goes:
 #
 #   setsid launch/libero_chain.sh > /tmp/lr/chain.log 2>&1 &
 #
 # Settings (environment variables; defaults in brackets): R (work folder, /tmp/lr), K (demos per
 # task, 10), STEPS (SFT steps, 2000), N (actors of the protocol sweeps, 14), N_BEFORE (actors of
-# the protocol-before sweep, N), N_RL (actors of the RL run, N), RS_MIN (minutes of RL, 5), CYCLE_STEPS / CYCLE_SFT (env steps that start a BC cycle / BC
-# steps in it, 3000 / 300), BATCH (BC batch of the RL run, 64), VARIANT (rs: plain rejection
-# sampling | rs_expert: the scripted expert corrects the first EXPERT_EPISODES episodes of every
-# RL actor, taking over after DRIFT_STEPS steps in a row farther than DRIFT from its own action),
-# WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids: 10, init_states: 50}),
-# TASKS (env.task_id, all), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a short time limit for a
-# dry run on a CPU), CARRY (set: pack the RL run into $R/carry for the next machine, where
-# tools/carry_run.py unpacks it into $R/$VARIANT and a rerun goes on from its checkpoint), GPU_LOG
-# (0: no nvidia-smi log, for a second chain beside this one).
+# the protocol-before sweep, N), N_RL (actors of the RL run, N), RS_MIN (minutes of RL, 5),
+# VARIANT (rs: plain rejection sampling | rs_expert: the scripted expert corrects the first
+# EXPERT_EPISODES episodes of every RL actor, taking over after DRIFT_STEPS steps in a row farther
+# than DRIFT from its own action | flow_ppo: Flow-Noise PPO, PPO_EPISODES episodes a round, lr
+# PPO_LR), CYCLE_STEPS / CYCLE_SFT (rejection sampling: env steps that start a BC cycle / BC steps
+# in it, 3000 / 300), BATCH (BC batch, 64; PPO's minibatch, 128), CKPT_S (seconds between the RL
+# run's checkpoints, 60), WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids:
+# 10, init_states: 50}), TASKS (env.task_id, all), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a
+# short time limit for a dry run on a CPU), CARRY (set: pack the RL run into $R/carry for the next
+# machine, where tools/carry_run.py unpacks it into $R/$VARIANT and a rerun goes on from its
+# checkpoint), GPU_LOG (0: no nvidia-smi log, for a second chain beside this one).
 # Two variants side by side on a two-GPU box: the second chain waits for $R/before/eval_report.json,
 # has its learners on GPU 1 (TANDEM_LEARNER_GPU=1, read by gpu_box.sh) with other ports
 # (EXTRA_ENV="transport.port=5688 transport.pub_port=5689") and GPU_LOG=0: launch/libero_pair.sh.
@@ -52,8 +55,8 @@ COMMON="$ENVO $POL policy.checkpoint=$R/sft"
 LRN="algo=rejection_sampling logging.wandb=disabled"
 ACT="chunk.execute=5"
 sweep() {   # run_dir [actors]: LIBERO's protocol through the learner and N actors (the run_dir's checkpoint, if any)
-  bash launch/gpu_box.sh start --actors "${2:-$N}" --run-dir "$1" $COMMON $LRN mode=eval \
-    "eval.sweep=${SWEEP:-{task_ids: 10, init_states: 50\}}" -- $COMMON $ACT
+  bash launch/gpu_box.sh start --actors "${2:-$N}" --run-dir "$1" $COMMON ${SWEEP_POL:-} $LRN mode=eval \
+    "eval.sweep=${SWEEP:-{task_ids: 10, init_states: 50\}}" -- $COMMON ${SWEEP_POL:-} $ACT
   for _ in $(seq 1 1800); do [ -f "$1/eval_report.json" ] && break; sleep 2; done
   bash launch/gpu_box.sh stop --run-dir "$1"
 }
@@ -63,15 +66,27 @@ log "protocol before RL"
 cp "$R/before/eval_report.json" "$R/res/eval_before.json"
 
 RL_ACT="$ACT env.init_state_id=random"
-if [ "$VARIANT" = rs_expert ]; then   # HG-DAgger: the expert takes over where the policy drifts
-  RL_ACT="$RL_ACT intervention.device=expert intervention.expert.episodes=${EXPERT_EPISODES:-10} \
-    intervention.expert.drift_steps=${DRIFT_STEPS:-4} intervention.expert.drift_threshold=${DRIFT:-0.8}"
-fi
+RL_POL=""   # policy overrides of the RL run and its protocol-after sweep (learner and actors)
+case "$VARIANT" in
+  rs|rs_expert)
+    RL_LRN="$LRN buffer.demos=$R/demos algo.eval_episodes=0 algo.env_steps_per_cycle=${CYCLE_STEPS:-3000} \
+      algo.sft_steps_per_cycle=${CYCLE_SFT:-300} algo.batch_size=${BATCH:-64} algo.lr=1e-4 algo.lr_min=1e-5"
+    if [ "$VARIANT" = rs_expert ]; then   # HG-DAgger: the expert takes over where the policy drifts
+      RL_ACT="$RL_ACT intervention.device=expert intervention.expert.episodes=${EXPERT_EPISODES:-10} \
+        intervention.expert.drift_steps=${DRIFT_STEPS:-4} intervention.expert.drift_threshold=${DRIFT:-0.8}"
+    fi ;;
+  flow_ppo)   # Flow-Noise PPO (πRL): a learned noise std at every Euler step, GAE on the value head
+    RL_POL="policy.flow_rl=noise"
+    LRN="algo=ppo logging.wandb=disabled"
+    RL_LRN="$LRN algo.batch_episodes=${PPO_EPISODES:-48} algo.min_batch_chunks=0 \
+      algo.minibatch_size=${BATCH:-128} algo.epochs=2 algo.lr=${PPO_LR:-2e-5} algo.lr_warmup_updates=3 \
+      algo.loss_agg=episode_mean algo.clip_high=0.28 algo.max_staleness=1" ;;
+  *) echo "VARIANT must be rs, rs_expert or flow_ppo, got $VARIANT" >&2; exit 2 ;;
+esac
 log "$VARIANT: $RS_MIN min with $N_RL actors"
 if [ ! -f "$R/res/${VARIANT}_metrics.jsonl" ]; then
-  bash launch/gpu_box.sh start --actors "$N_RL" --run-dir "$V" $COMMON $LRN buffer.demos="$R/demos" \
-    algo.eval_episodes=0 algo.env_steps_per_cycle="${CYCLE_STEPS:-3000}" algo.sft_steps_per_cycle="${CYCLE_SFT:-300}" \
-    algo.batch_size="${BATCH:-64}" algo.lr=1e-4 algo.lr_min=1e-5 trainer.checkpoint_every_s=60 -- $COMMON $RL_ACT
+  bash launch/gpu_box.sh start --actors "$N_RL" --run-dir "$V" $COMMON $RL_POL $RL_LRN \
+    trainer.checkpoint_every_s="${CKPT_S:-60}" -- $COMMON $RL_POL $RL_ACT
   sleep $((RS_MIN * 60))
   bash launch/gpu_box.sh stop --run-dir "$V"
   cp "$V/metrics.jsonl" "$R/res/${VARIANT}_metrics.jsonl"; cp "$V/status.json" "$R/res/${VARIANT}_status.json"
@@ -82,6 +97,6 @@ if [ ! -f "$R/res/${VARIANT}_metrics.jsonl" ]; then
 fi
 
 log "protocol after RL"
-[ -f "$V/eval_report.json" ] || sweep "$V"
+[ -f "$V/eval_report.json" ] || SWEEP_POL="$RL_POL" sweep "$V"
 cp "$V/eval_report.json" "$R/res/eval_after_${VARIANT}.json"
 log done
