@@ -25,18 +25,18 @@ POLICIES: dict[str, tuple[str, str, str]] = {
 }
 # name -> (builder module, builder class (or factory of the config), config module, config dataclass)
 ALGOS: dict[str, tuple[str, str, str, str]] = {
-    "sac": ("agents.sac_builder", "make_sac_builder", "agents.sac", "SACConfig"),
-    "rejection_sampling": ("agents.rs_builder", "RejectionSamplingBuilder",
-                           "agents.rejection_sampling", "RejectionSamplingConfig"),
-    "ppo": ("agents.ppo_builder", "PPOBuilder", "agents.ppo_builder", "PPOBuilderConfig"),
-    "grpo": ("agents.grpo_builder", "GRPOBuilder", "agents.grpo_builder", "GRPOBuilderConfig"),
+    "sac": ("agents.sac.builder", "make_sac_builder", "agents.sac.agent", "SACConfig"),
+    "rejection_sampling": ("agents.rs.builder", "RejectionSamplingBuilder",
+                           "agents.rs.agent", "RejectionSamplingConfig"),
+    "ppo": ("agents.ppo.builder", "PPOBuilder", "agents.ppo.builder", "PPOBuilderConfig"),
+    "grpo": ("agents.grpo.builder", "GRPOBuilder", "agents.grpo.builder", "GRPOBuilderConfig"),
 }
 # (algorithm, config key, value) -> an entry as in ALGOS: the variant that value selects, with
 # its own builder and config dataclass (which may add keys; the algorithm's yaml lists them,
 # and the other variants drop them)
 VARIANTS: dict[tuple[str, str, str], tuple[str, str, str, str]] = {
-    ("sac", "action_space", "residual"): ("agents.residual_sac_builder", "ResidualSACBuilder",
-                                          "agents.residual_sac", "ResidualSACConfig"),
+    ("sac", "action_space", "residual"): ("agents.sac.residual_builder", "ResidualSACBuilder",
+                                          "agents.sac.residual", "ResidualSACConfig"),
 }
 
 

@@ -34,7 +34,7 @@ next start, or to the episode's end. For each chunk (numpy, one row per chunk):
 ``action`` [H, A]     the executed actions of its steps, padded with the last one (H = horizon)
 ``reward``            the plain sum of its steps' rewards (a chunk is one decision)
 ``discount``          ``gamma ** (steps / H)``: ``gamma`` is the discount *per chunk* (as
-                      :class:`agents.ppo.PPOConfig` has it), so a full chunk is discounted by
+                      :class:`agents.ppo.agent.PPOConfig` has it), so a full chunk is discounted by
                       ``gamma`` and an irregular one (a human's stretch) by its share of it
 ``terminated``        / ``truncated`` at the chunk's last step (only an episode's last can be)
 ``behaviour_log_prob`` ``extra.log_prob`` of the chunk-start record (0 without that extra)
@@ -50,7 +50,7 @@ it, or the actor ran only part of each chunk): its recorded actions are then not
 the policy sampled, so neither its log-probability nor its importance ratio means anything.
 A policy with per-token log-probs of the chunk it sampled (the records' extras: OFT-discrete
 tokens, a PI0 flow chain) can still learn from such a chunk's executed actions: ``own_mask``
-and ``steps`` say which (:meth:`agents.ppo.PPOAgent.update`, ``mask_unexecuted``).
+and ``steps`` say which (:meth:`agents.ppo.agent.PPOAgent.update`, ``mask_unexecuted``).
 """
 
 from __future__ import annotations

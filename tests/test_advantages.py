@@ -1,4 +1,4 @@
-"""Advantage estimators (agents/advantages.py) and KL penalties (agents/kl.py) on small
+"""Advantage estimators (agents/common/advantages.py) and KL penalties (agents/common/kl.py) on small
 inputs computed by hand."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import statistics
 import pytest
 import torch
 
-from agents.advantages import (ESTIMATORS, dynamic_sampling_mask, gae, grpo, masked_whiten,
+from agents.common.advantages import (ESTIMATORS, dynamic_sampling_mask, gae, grpo, masked_whiten,
                                reinforce_pp, remax, rloo)
-from agents.kl import kl_k1, kl_k2, kl_k3, kl_penalty
+from agents.common.kl import kl_k1, kl_k2, kl_k3, kl_penalty
 
 
 def t(x, dtype=torch.float32):
@@ -161,7 +161,7 @@ def test_k3_is_an_unbiased_kl_estimate():
 def test_episode_mean_weights_give_every_episode_the_same_total():
     import torch
 
-    from agents.on_policy import ChunkBatch, episode_mean_weights
+    from agents.ppo.on_policy import ChunkBatch, episode_mean_weights
 
     lengths = [1, 3, 4]
     row = torch.tensor([0, 1, 1, 1, 2, 2, 2, 2])

@@ -11,7 +11,7 @@ Per ZeRO stage (2 and 3), fp32 engines without gradient clipping, so that the co
 are exact up to reduction order:
 
 - **SAC equivalence**: each rank updates on its half of every global batch through the actor
-  and critic engines (agents/sac_deepspeed.py); the weights after K updates equal a single
+  and critic engines (agents/sac/deepspeed.py); the weights after K updates equal a single
   CPU process's (no DeepSpeed) on the whole batches. Without the engines' gradient averaging
   each rank would follow its own half-batch gradients and differ from it.
 - **Checkpoint + resume**: PPO (policy + value net in one engine) and SAC (two engines) train
@@ -50,7 +50,7 @@ def _ds_config(stage: int) -> dict:
 
 def _sac(acc, seed: int):
     from agents.policies.mlp import MLPPolicyConfig
-    from agents.sac import SACAgent, SACConfig
+    from agents.sac.agent import SACAgent, SACConfig
     from data.core.spec import EnvSpec
     from test_distributed import B, SPEC_KW, _policy_cls
 
@@ -62,8 +62,8 @@ def _sac(acc, seed: int):
 
 def _ppo(acc, seed: int):
     from agents.policies.mlp import MLPPolicyConfig
-    from agents.ppo import PPOAgent, PPOConfig
-    from agents.value import ValueNet, ValueNetConfig
+    from agents.ppo.agent import PPOAgent, PPOConfig
+    from agents.common.value import ValueNet, ValueNetConfig
     from data.core.spec import EnvSpec
     from test_distributed import B, SPEC_KW, _policy_cls
 

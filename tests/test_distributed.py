@@ -88,9 +88,9 @@ def run_updates(rank: int, world: int, broken: bool) -> dict[str, torch.Tensor]:
 
     from agents.base import accelerator_kwargs
     from agents.policies.mlp import MLPPolicyConfig
-    from agents.ppo import PPOAgent, PPOConfig
-    from agents.sac import SACAgent, SACConfig
-    from agents.value import ValueNet, ValueNetConfig
+    from agents.ppo.agent import PPOAgent, PPOConfig
+    from agents.sac.agent import SACAgent, SACConfig
+    from agents.common.value import ValueNet, ValueNetConfig
     from data.core.spec import EnvSpec
 
     spec = EnvSpec(**SPEC_KW)

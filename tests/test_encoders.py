@@ -8,9 +8,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from agents.encoders import EncoderConfig, ObsEncoder, SpatialLearnedEmbeddings
+from agents.common.encoders import EncoderConfig, ObsEncoder, SpatialLearnedEmbeddings
 from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
-from agents.sac import SACAgent, SACConfig, make_critic
+from agents.sac.agent import SACAgent, SACConfig, make_critic
 from data.core.spec import EnvSpec
 from test_sac import obs_batch, repeat, train_batch
 

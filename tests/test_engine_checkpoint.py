@@ -233,7 +233,7 @@ def test_a_deepspeed_sac_state_without_engine_optimizers_loads_for_evaluation():
 
     from agents.base import accelerator_kwargs
     from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
-    from agents.sac import SACAgent, SACConfig
+    from agents.sac.agent import SACAgent, SACConfig
     from data.core.spec import EnvSpec
 
     spec = EnvSpec(state_dim=5, action_dim=2, max_episode_steps=50)

@@ -165,7 +165,7 @@ def test_reference_is_the_model_without_adapters_and_sync_carries_the_noise_head
 def test_ppo_update_moves_chain_log_probs_with_the_advantages(ckpts):
     from accelerate import Accelerator
 
-    from agents.ppo import PPOAgent, PPOConfig
+    from agents.ppo.agent import PPOAgent, PPOConfig
 
     p = build(ckpts["pi0"], value_features="prefix").eval()
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
-from agents.sac import SACAgent, SACConfig
+from agents.sac.agent import SACAgent, SACConfig
 from data.replay import ReplayBuffer
 from data.core.schema import OBS_STATE
 from data.transitions import TransitionBatch

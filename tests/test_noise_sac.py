@@ -44,9 +44,9 @@ _BASES: dict = {}
 def make_agent(ckpt, **cfg):
     """An agent around the module's one frozen PI0 (LoRA 4: the adapters must stay frozen
     too); sharing it is safe because nothing may change it (the tests check that)."""
-    from agents.noise_sac_builder import NoiseSACBuilder
+    from agents.sac.noise_builder import NoiseSACBuilder
     from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
-    from agents.sac import SACConfig
+    from agents.sac.agent import SACConfig
 
     path, spec = ckpt
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def make_agent(ckpt, **cfg):
                   **{"utd_ratio": 1, **cfg})
     builder = NoiseSACBuilder(c)
     nets = builder.make_networks(spec.with_extras(base.extras_spec()), base, torch.device("cpu"))
-    from agents.noise_sac import NoiseSACAgent
+    from agents.sac.noise import NoiseSACAgent
 
     return NoiseSACAgent(c, nets.policy, nets.spec, Accelerator(cpu=True), critic=nets.critic)
 
@@ -90,8 +90,8 @@ def assert_same(a: dict, b: dict):
 
 
 def test_features_are_computed_once_per_batch_and_match_per_observation(ckpt):
-    from agents.noise_actor import pi0_features
-    from agents.noise_sac import attach_features
+    from agents.sac.noise_actor import pi0_features
+    from agents.sac.noise import attach_features
 
     agent = make_agent(ckpt)
     p = agent.policy
@@ -116,7 +116,7 @@ def test_features_are_computed_once_per_batch_and_match_per_observation(ckpt):
 
 
 def test_feature_cache_runs_the_backbone_once_per_distinct_observation(ckpt):
-    from agents.noise_sac import FeatureCache, attach_features
+    from agents.sac.noise import FeatureCache, attach_features
 
     p = make_agent(ckpt).policy
     b1, b2 = hand_batch(p, seed=0), hand_batch(p, seed=1)
@@ -146,7 +146,7 @@ def test_feature_cache_runs_the_backbone_once_per_distinct_observation(ckpt):
 
 
 def test_critic_target_is_computed_in_noise_space(ckpt):
-    from agents.noise_sac import attach_features
+    from agents.sac.noise import attach_features
 
     agent = make_agent(ckpt, gamma=0.9, init_temperature=0.3)
     b = attach_features(agent.policy, hand_batch(agent.policy))
@@ -185,7 +185,7 @@ def test_critic_target_is_computed_in_noise_space(ckpt):
 
 
 def test_actor_loss_goes_through_the_critic_and_frozen_parts_stay_bit_identical(ckpt):
-    from agents.noise_sac import attach_features
+    from agents.sac.noise import attach_features
 
     agent = make_agent(ckpt, init_temperature=1e-3, actor_lr=3e-3)
     b = attach_features(agent.policy, hand_batch(agent.policy))

@@ -123,7 +123,7 @@ def test_value_head_trains_alone_and_travels_in_the_snapshot(ckpt):
 def test_ppo_update_with_gae_on_the_policy_value_head(ckpt):
     from accelerate import Accelerator
 
-    from agents.ppo import PPOAgent, PPOConfig
+    from agents.ppo.agent import PPOAgent, PPOConfig
 
     p = make(ckpt)
     p.train()
@@ -183,7 +183,7 @@ def test_chunks_cut_short_train_on_their_executed_actions_only(ckpt, mask_unexec
     tokens were cannot change the update; without it such chunks do not train at all."""
     from accelerate import Accelerator
 
-    from agents.ppo import PPOAgent, PPOConfig
+    from agents.ppo.agent import PPOAgent, PPOConfig
 
     o = obs(8, seed=4)
     base = make(ckpt)
@@ -222,8 +222,8 @@ def test_a_round_of_partial_own_chunks_updates_through_the_learner(ckpt):
     on the executed actions) and publish, not skip the round."""
     from accelerate import Accelerator
 
-    from agents.on_policy import OnPolicyLearner, Round
-    from agents.ppo import PPOAgent, PPOConfig
+    from agents.ppo.on_policy import OnPolicyLearner, Round
+    from agents.ppo.agent import PPOAgent, PPOConfig
 
     o = obs(8, seed=5)
     torch.manual_seed(0)

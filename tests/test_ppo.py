@@ -1,4 +1,4 @@
-"""PPO / GRPO losses on known inputs (agents/ppo.py) and the agents' updates on the MLP policy."""
+"""PPO / GRPO losses on known inputs (agents/ppo/agent.py) and the agents' updates on the MLP policy."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from agents.grpo import GRPOAgent, GRPOConfig, group_advantages
+from agents.grpo.agent import GRPOAgent, GRPOConfig, group_advantages
 from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
-from agents.ppo import (PPOAgent, PPOConfig, entropy_bonus, policy_loss, truncated_is_weights,
+from agents.ppo.agent import (PPOAgent, PPOConfig, entropy_bonus, policy_loss, truncated_is_weights,
                         value_loss)
 from data.core.schema import OBS_STATE
 from data.core.spec import EnvSpec
@@ -392,12 +392,12 @@ class _Rounds:
         self.batch = batch
 
     def collect(self, version):
-        from agents.on_policy import Round
+        from agents.ppo.on_policy import Round
         return Round(batch=self.batch, metrics={})
 
 
 def test_lr_warmup_raises_the_policy_lr_linearly_and_leaves_the_value_lr():
-    from agents.on_policy import OnPolicyLearner
+    from agents.ppo.on_policy import OnPolicyLearner
 
     torch.manual_seed(0)
     policy = NamedValueMLP(SMALL, SPEC)

@@ -1,4 +1,4 @@
-"""Rejection sampling (agents/rejection_sampling.py, agents/rs_builder.py), the scripted expert
+"""Rejection sampling (agents/rs/agent.py, agents/rs/builder.py), the scripted expert
 (envs/intervention/expert.py) and tools/record_demos.py, without processes: the pure
 functions, the success store (a view of the replay that a restarted learner refills from a
 real LeRobot dataset), the cadence (pretrain -> evaluate -> collect -> train -> publish ->
@@ -15,9 +15,9 @@ from accelerate import Accelerator
 
 from agents import registry
 from agents.base import check_pair
-from agents.rejection_sampling import (BCAgent, RejectionSamplingConfig, bc_inputs, cosine_lr,
+from agents.rs.agent import (BCAgent, RejectionSamplingConfig, bc_inputs, cosine_lr,
                                        episode_outcome, keep_version, scheduled_lr)
-from agents.rs_builder import EVAL_GROUP_BASE
+from agents.rs.builder import EVAL_GROUP_BASE
 from data.core.spec import EnvSpec
 from data.transitions import TransitionBatch
 from tandem_testutil import ROOT

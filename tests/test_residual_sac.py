@@ -54,8 +54,8 @@ _BASES: dict = {}
 def make_agent(ckpt, **cfg):
     """An agent around the module's one frozen OFT (LoRA 4: the adapters must stay frozen too);
     sharing it is safe because nothing may change it (the tests check that)."""
-    from agents.residual_sac import ResidualSACAgent, ResidualSACConfig
-    from agents.residual_sac_builder import ResidualSACBuilder
+    from agents.sac.residual import ResidualSACAgent, ResidualSACConfig
+    from agents.sac.residual_builder import ResidualSACBuilder
 
     path, spec = ckpt
     if path not in _BASES:
@@ -121,8 +121,8 @@ def test_executed_chunk_is_the_clipped_base_plus_scaled_residual(ckpt):
 
 
 def test_features_are_computed_once_per_batch_and_cached_per_observation(ckpt):
-    from agents.noise_sac import FeatureCache, attach_features
-    from agents.residual_actor import oft_features
+    from agents.sac.noise import FeatureCache, attach_features
+    from agents.sac.residual_actor import oft_features
 
     p = make_agent(ckpt).policy
     b1, b2 = hand_batch(seed=0), hand_batch(seed=1)
@@ -151,7 +151,7 @@ def test_features_are_computed_once_per_batch_and_cached_per_observation(ckpt):
 
 
 def test_critic_target_is_computed_on_the_residual(ckpt):
-    from agents.noise_sac import attach_features
+    from agents.sac.noise import attach_features
 
     agent = make_agent(ckpt, gamma=0.9, init_temperature=0.3)
     b = attach_features(agent.policy, hand_batch())
@@ -186,7 +186,7 @@ def test_critic_target_is_computed_on_the_residual(ckpt):
 
 
 def test_actor_step_goes_through_the_critic_and_the_base_stays_bit_identical(ckpt):
-    from agents.noise_sac import attach_features
+    from agents.sac.noise import attach_features
 
     agent = make_agent(ckpt, init_temperature=1e-3, actor_lr=3e-3)
     b = attach_features(agent.policy, hand_batch())
@@ -237,8 +237,8 @@ def test_bad_pairs_fail_at_start_up_and_plain_sac_ignores_the_residual_keys():
     from hydra import compose, initialize_config_dir
 
     from agents import registry
-    from agents.residual_sac_builder import ResidualSACBuilder
-    from agents.sac_builder import SACBuilder
+    from agents.sac.residual_builder import ResidualSACBuilder
+    from agents.sac.builder import SACBuilder
     from learner.app import Learner
 
     algo = {"name": "sac", "action_space": "residual"}

@@ -140,7 +140,7 @@ def test_episode_chunks_policy_mask_rewards_and_discounts():
 
 
 def test_gae_over_chunk_batches_matches_a_hand_loop():
-    from agents.on_policy import chunk_batch, gae_advantages, ppo_batch
+    from agents.ppo.on_policy import chunk_batch, gae_advantages, ppo_batch
     from data.rollouts import RolloutEpisode
 
     rng = np.random.default_rng(0)
@@ -195,7 +195,7 @@ class Clock:
 
 
 def grpo_cfg(**kw):
-    from agents.grpo_builder import GRPOBuilderConfig
+    from agents.grpo.builder import GRPOBuilderConfig
 
     base = dict(group_size=2, batch_groups=2, task_ids=(0, 1), num_init_states=5,
                 job_timeout_s=10.0, round_timeout_s=100.0, prefetch_rounds=1)
@@ -204,7 +204,7 @@ def grpo_cfg(**kw):
 
 
 def test_group_job_source_issues_groups_and_reissues_lost_jobs():
-    from agents.grpo_builder import GroupJobSource
+    from agents.grpo.builder import GroupJobSource
     from data.rollouts import RolloutEpisode
 
     clock = Clock()
@@ -243,7 +243,7 @@ def test_group_job_source_issues_groups_and_reissues_lost_jobs():
 
 
 def test_group_rounds_complete_timeout_and_dynamic_sampling():
-    from agents.grpo_builder import GroupJobSource, GroupRounds
+    from agents.grpo.builder import GroupJobSource, GroupRounds
     from data.rollouts import RolloutQueue
 
     clock = Clock()
@@ -317,7 +317,7 @@ def test_ppo_builder_rounds_update_and_publish(estimator, tmp_path):
     from accelerate import Accelerator
 
     from agents import registry
-    from agents.value import ValueNet
+    from agents.common.value import ValueNet
     from data.core.spec import EnvSpec
 
     spec0 = EnvSpec(state_dim=3, action_dim=A)
@@ -345,7 +345,7 @@ def test_ppo_builder_rounds_update_and_publish(estimator, tmp_path):
 
 
 def test_remax_groups_get_a_greedy_baseline_job():
-    from agents.grpo_builder import GroupJobSource, GroupRounds
+    from agents.grpo.builder import GroupJobSource, GroupRounds
     from data.rollouts import RolloutQueue
 
     cfg = grpo_cfg(estimator="remax", batch_groups=1, prefetch_rounds=0, max_staleness=0)
@@ -367,8 +367,8 @@ def test_ppo_rounds_weigh_episodes_alike_with_episode_mean(loss_agg, tmp_path):
     """algo=ppo loss_agg=episode_mean: each chunk's weight is 1 / its episode's chunk count (scaled
     to a chunk mean of 1), so a 1-chunk success counts as much as a 4-chunk failure."""
     from agents import registry
-    from agents.on_policy import EpisodeRounds
-    from agents.value import ValueNet
+    from agents.ppo.on_policy import EpisodeRounds
+    from agents.common.value import ValueNet
     from data.core.spec import EnvSpec
     from data.rollouts import RolloutQueue
 

@@ -21,7 +21,7 @@ Figures are printed (``pytest -s``); on a 2-core CPU with other work running, ru
 corrected). The demos-only control (the same cycle, updates and demo batches, the online
 successes unused), in an in-process replica of the cycle over 4 seeds: best 0.15-0.35, where
 rejection sampling reached 0.25-0.50 (the MLP keeps learning from the 15 demo transitions, so
-the control is not flat; the tiny PI0 gains far more: figures in agents/rejection_sampling.py).
+the control is not flat; the tiny PI0 gains far more: figures in agents/rs/agent.py).
 Before this setting (std bound [e^-5, e^-1.5], lr 1e-3, demos 50%) run 1 reached only 0.25 on
 CI, the same as its control.
 """

@@ -10,10 +10,10 @@ from accelerate import Accelerator
 
 from agents.base import (ActionChunk, BCPolicy, FeaturePolicy, LogProbPolicy, Policy, ReparamSampler,
                          capabilities_of)
-from agents.critics import EnsembleCritic
-from agents.encoders import ObsEncoder
+from agents.common.critics import EnsembleCritic
+from agents.common.encoders import ObsEncoder
 from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
-from agents.sac import (
+from agents.sac.agent import (
     SACAgent,
     SACConfig,
     actor_loss,

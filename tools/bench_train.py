@@ -3,11 +3,11 @@ GPU, LoRA) or the tiny test checkpoints on a CPU.
 
 Per case, one update of ``--batch`` action chunks through the algorithm's own update code:
 
-- ``oft_grpo``: OpenVLA-OFT with the 256-bin token head, :class:`agents.grpo.GRPOAgent`
+- ``oft_grpo``: OpenVLA-OFT with the 256-bin token head, :class:`agents.grpo.agent.GRPOAgent`
   (clipped ratio over the 7 x 8 action tokens' log-probs, one epoch, minibatches of
   ``--minibatch``), log-probs of the behaviour policy recomputed (``is_truncation``);
 - ``pi0_ppo``: PI0 with Flow-Noise (``flow_rl=noise``, :mod:`agents.policies.flow_rl`),
-  :class:`agents.ppo.PPOAgent` with the policy's own value head (one epoch, minibatches of
+  :class:`agents.ppo.agent.PPOAgent` with the policy's own value head (one epoch, minibatches of
   ``--minibatch``): the behaviour log-probs of the stored denoising chains and the values
   recomputed, then the clipped ratio over the chains' joint log-probs plus the value loss;
 - ``pi0_noise_sac``: noise-space SAC (DSRL) with PI0 frozen: one update (frozen features of
@@ -94,7 +94,7 @@ def bench_case(case: str, args, spec, tmp: Path) -> dict:
     policy.train()
     batch = _batch(policy, spec, args.batch, "pick up the cube")
     if case == "oft_grpo":
-        from agents.grpo import GRPOAgent, GRPOConfig
+        from agents.grpo.agent import GRPOAgent, GRPOConfig
 
         agent = GRPOAgent(GRPOConfig(epochs=1, minibatch_size=args.minibatch, lr=1e-5), policy,
                           Accelerator(cpu=not cuda, mixed_precision="no"))
@@ -110,7 +110,7 @@ def bench_case(case: str, args, spec, tmp: Path) -> dict:
         def step():
             agent.update(batch)
     elif case == "pi0_ppo":
-        from agents.ppo import PPOAgent, PPOConfig
+        from agents.ppo.agent import PPOAgent, PPOConfig
 
         agent = PPOAgent(PPOConfig(epochs=1, minibatch_size=args.minibatch, lr=1e-5, is_truncation=2.0),
                          policy, policy, Accelerator(cpu=not cuda, mixed_precision="no"))

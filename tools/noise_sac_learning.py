@@ -111,7 +111,7 @@ def make_weak_base(out: Path, demos: Path, steps: int, *, lr: float = 3e-4, batc
     import torch
 
     from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, save_lerobot_checkpoint
-    from agents.rejection_sampling import bc_inputs
+    from agents.rs.agent import bc_inputs
     from data.demos import load_demos
     from envs.registry import env_spec
     from tools.make_tiny_checkpoints import make_pi0

@@ -1,5 +1,5 @@
 """PI0 / PI0.5 with a tractable likelihood (πRL, RLinf): Flow-Noise and Flow-SDE, a value
-head and a LoRA-disabled reference, so that PPO (:mod:`agents.ppo`) can train a flow policy.
+head and a LoRA-disabled reference, so that PPO (:mod:`agents.ppo.agent`) can train a flow policy.
 
 ``policy=pi0`` (or ``pi05``) with ``policy.flow_rl=noise|sde`` builds :class:`Pi0FlowRLPolicy`
 (:meth:`agents.policies.pi0.Pi0Policy.class_for_config`); ``flow_rl=null`` is plain PI0.
@@ -36,7 +36,7 @@ D = max_action_dim), ``log_prob`` [] and, for SDE, ``sde_step`` [1] (k*). Determ
 carry the ODE chain, k* = 0 and the log-density of that chain under the stochastic policy.
 
 Update time: :meth:`log_prob` reads ``obs["extra.chain"]`` (and ``extra.sde_step``), which the
-on-policy batches carry for each chunk (:func:`agents.on_policy.chunk_batch`), and recomputes
+on-policy batches carry for each chunk (:func:`agents.ppo.on_policy.chunk_batch`), and recomputes
 the same Gaussians with the current weights: one prefix pass, then K expert passes (Flow-Noise)
 or one (Flow-SDE, at each row's own t_k*). The ``actions`` argument only sets the batch size:
 the chain, not the clipped env actions, is what was sampled. With the same weights the act's

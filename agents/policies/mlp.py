@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agents.base import ActionChunk, Batch, ExtrasSpec
-from agents.encoders import ObsEncoder, activation
+from agents.common.encoders import ObsEncoder, activation
 from data.core.spec import EnvSpec
 
 _LOG2 = math.log(2.0)
@@ -35,7 +35,7 @@ _LOG2 = math.log(2.0)
 
 @dataclass
 class MLPPolicyConfig:
-    """Architecture of :class:`MLPPolicy` (the encoder fields are :class:`agents.encoders.EncoderConfig`'s)."""
+    """Architecture of :class:`MLPPolicy` (the encoder fields are :class:`agents.common.encoders.EncoderConfig`'s)."""
 
     #: widths of the actor's hidden layers (after the observation encoder)
     hidden_dims: tuple[int, ...] = (256, 256)

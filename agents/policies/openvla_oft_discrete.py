@@ -14,7 +14,7 @@
   removes the head (GRPO needs none). The head is a trainable head: it is in
   ``trainable_state_dict`` (actors receive it and ignore it).
 - ``reference()``: inside it the model computes with every LoRA adapter off, the KL
-  reference of :class:`agents.ppo.PPOAgent` without a second copy of the weights.
+  reference of :class:`agents.ppo.agent.PPOAgent` without a second copy of the weights.
 - ``bc_loss``: the cross-entropy of the demonstrated actions' tokens.
 
 Capabilities: BCPolicy, LogProbPolicy, TokenLogProbPolicy (per action token), ReferencePolicy and

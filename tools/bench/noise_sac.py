@@ -1,5 +1,5 @@
 """``tools.bench_train --cases pi0_noise_sac``: one noise-space SAC update (DSRL,
-:mod:`agents.noise_sac`) with PI0 frozen, at ``--batch`` chunk windows.
+:mod:`agents.sac.noise`) with PI0 frozen, at ``--batch`` chunk windows.
 
 Reported (p50 over ``--iters``):
 
@@ -56,9 +56,9 @@ def bench_noise_sac(args, spec, tmp: Path) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from agents.noise_sac import NoiseSACAgent, attach_features
-    from agents.noise_sac_builder import NoiseSACBuilder
-    from agents.sac import SACConfig
+    from agents.sac.noise import NoiseSACAgent, attach_features
+    from agents.sac.noise_builder import NoiseSACBuilder
+    from agents.sac.agent import SACConfig
     from tools.bench.common import p50_p99, timed_ms
     from tools.bench.policy import build
 

@@ -1,5 +1,5 @@
 """``tools.bench_train --cases oft_residual_sac``: one residual-SAC update (PLD style,
-:mod:`agents.residual_sac`) with OpenVLA-OFT (L1 head) frozen, at ``--batch`` chunk windows.
+:mod:`agents.sac.residual`) with OpenVLA-OFT (L1 head) frozen, at ``--batch`` chunk windows.
 
 Reported (p50 over ``--iters``):
 
@@ -36,9 +36,9 @@ def bench_residual_sac(args, spec, tmp: Path) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from agents.noise_sac import attach_features
-    from agents.residual_sac import ResidualSACAgent, ResidualSACConfig
-    from agents.residual_sac_builder import ResidualSACBuilder
+    from agents.sac.noise import attach_features
+    from agents.sac.residual import ResidualSACAgent, ResidualSACConfig
+    from agents.sac.residual_builder import ResidualSACBuilder
     from tools.bench.common import p50_p99, timed_ms
     from tools.bench.policy import build
 

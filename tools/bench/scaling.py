@@ -3,7 +3,7 @@
 Each rank builds the whole policy (random bf16 weights at full size, as
 :mod:`tools.bench.policy` does; the tiny test checkpoints with ``--tiny``), puts its BC loss
 behind one ``accelerator.prepare``-d module with an AdamW optimizer (the rejection-sampling
-learner's :class:`agents.rejection_sampling.BCLoss`; DDP or a DeepSpeed engine), and runs
+learner's :class:`agents.rs.agent.BCLoss`; DDP or a DeepSpeed engine), and runs
 optimizer steps of a fixed *global* batch: rank r takes ``global_batch / N`` samples per
 step, ``micro_batch`` at a time with gradient accumulation (``accelerator.accumulate``; under
 DeepSpeed the engine's ``gradient_accumulation_steps`` is set to the same count). Timed
@@ -101,16 +101,16 @@ def _build_policy(case: str, tiny: bool, device: str, tmp: Path, spec, tiny_dir:
 
 
 class BCStep:
-    """``agents.rejection_sampling.BCLoss`` (the policy's ``bc_loss`` as the prepared module's
+    """``agents.rs.agent.BCLoss`` (the policy's ``bc_loss`` as the prepared module's
     forward); with ``autocast`` its forward runs under the same autocast as
-    ``agents.ppo.PolicyCalls`` (a DeepSpeed bf16 engine casts the weights to bf16 while the
+    ``agents.ppo.agent.PolicyCalls`` (a DeepSpeed bf16 engine casts the weights to bf16 while the
     batch stays float32; a no-op for fp32 or CPU weights)."""
 
     @staticmethod
     def module(policy, autocast: bool):
         import torch
 
-        from agents.rejection_sampling import BCLoss
+        from agents.rs.agent import BCLoss
 
         if not autocast:
             return BCLoss(policy)

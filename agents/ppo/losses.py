@@ -1,4 +1,4 @@
-"""PPO's loss pieces on known inputs (:mod:`agents.ppo` uses them; tests check them by hand).
+"""PPO's loss pieces on known inputs (:mod:`agents.ppo.agent` uses them; tests check them by hand).
 
 Log-probabilities come at one of two levels (``PPOConfig.ratio_level``):
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from agents.advantages import masked_mean
+from agents.common.advantages import masked_mean
 
 
 def per_token(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ executed chunk Q(s_t, a_{t:t+H}), trained on replay windows of H steps (``action
 with ``horizon``) against r_t + g r_{t+1} + ... + g^(k-1) r_{t+k-1} + g^k V(s_{t+k}), with k
 the real steps of the window (fewer than H when the episode ended inside it).
 
-The builder (:mod:`agents.sac_builder`) makes the networks and the data, and drives
+The builder (:mod:`agents.sac.builder`) makes the networks and the data, and drives
 updates; this file is the update itself. The losses are plain functions (:func:`td_target`,
 :func:`critic_loss`, :func:`actor_loss`, :func:`temperature_loss`, :func:`soft_update`),
 checkable on known inputs.
@@ -30,14 +30,14 @@ import torch
 from torch import nn
 
 from agents.base import Batch, FeaturePolicy, NoiseConditionedPolicy, ReparamSampler, check_pair
-from agents.critics import EnsembleCritic, make_critic
-from agents.policy_calls import to_device
+from agents.common.critics import EnsembleCritic, make_critic
+from agents.common.policy_calls import to_device
 from data.core.spec import EnvSpec
 
 
 @dataclass
 class SACConfig:
-    """Hyperparameters of :class:`SACAgent` and its cadence (:mod:`agents.sac_builder`).
+    """Hyperparameters of :class:`SACAgent` and its cadence (:mod:`agents.sac.builder`).
 
     The defaults are ``config/algo/sac.yaml``'s, tuned for the CPU demo task
     tandem/InvertedPendulum-v0 (one thread, solved in ~1.2-2.1k env steps) with
@@ -87,7 +87,7 @@ class SACConfig:
     critic_image_embed_dim: int = 50
     #: the own encoder's state MLP width with cameras (0: raw state)
     critic_state_embed_dim: int = 64
-    #: the own encoder's image encoder: "flatten" or "pool" (:mod:`agents.encoders`)
+    #: the own encoder's image encoder: "flatten" or "pool" (:mod:`agents.common.encoders`)
     critic_image_encoder: str = "flatten"
     #: subtract alpha * log pi(a'|s') inside the TD target (soft backup)
     backup_entropy: bool = True
@@ -101,7 +101,7 @@ class SACConfig:
     max_update_ratio: float = 1.0
     #: updates between published weight versions
     publish_every: int = 25
-    # -- noise-space SAC (DSRL; agents/noise_sac.py) --
+    # -- noise-space SAC (DSRL; agents/sac/noise.py) --
     #: "action": the actor outputs the executed actions (the policy must be a ReparamSampler);
     #: "noise": a small actor outputs the initial noise of a frozen flow policy (PI0/PI0.5,
     #: a NoiseConditionedPolicy), the critic scores (features, noise)
@@ -248,7 +248,7 @@ class SACModel(nn.Module):
 
     Under DDP it is exact (each part keeps its optimizer; a phase's backward all-reduces the
     gradients of the parts it touched) and free on one process. Under DeepSpeed SAC uses one
-    engine per trained model instead (:mod:`agents.sac_deepspeed`).
+    engine per trained model instead (:mod:`agents.sac.deepspeed`).
 
     Phases (``what``), each one forward:
 
@@ -296,7 +296,7 @@ def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, tempera
                 deepspeed: bool = False):
     """Optimizers for the three parts, ``model`` through ``accelerator.prepare`` (one model,
     three optimizers: DDP or one process; under DeepSpeed, with ``deepspeed``, two engines:
-    :mod:`agents.sac_deepspeed`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
+    :mod:`agents.sac.deepspeed`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
     ``critic_opt``/``temp_opt``, ``agent.engines`` (None without DeepSpeed), the raw parts
     ``agent._actor_raw``/``_critic_raw``/``_temp_raw`` and the target critic."""
     from agents.base import uses_deepspeed
@@ -307,7 +307,7 @@ def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, tempera
         if not deepspeed:
             raise ValueError(f"{type(agent).__name__} does not run under DeepSpeed: run it multi-GPU "
                              "with deepspeed.stage=0 (DDP)")
-        from agents.sac_deepspeed import prepare_sac_deepspeed
+        from agents.sac.deepspeed import prepare_sac_deepspeed
 
         return prepare_sac_deepspeed(agent, model.actor, actor_params, critic, temperature)
     # fused Adam: one kernel per step instead of ~10 ops per tensor (2x faster on CPU)
@@ -345,7 +345,7 @@ def sac_critic_step(agent, batch: Batch, actions: torch.Tensor) -> dict[str, tor
         q = agent.model(batch, "critic", actions)
     loss = critic_loss(q, target)
     if agent.engines is not None:  # DeepSpeed: the critic engine steps, then the soft update
-        from agents.sac_deepspeed import critic_update
+        from agents.sac.deepspeed import critic_update
 
         critic_update(agent, loss)
     else:
@@ -377,7 +377,7 @@ def sac_actor_step(agent, batch: Batch) -> tuple[dict[str, torch.Tensor], torch.
         t_loss = temperature_loss(log_alpha, logp.detach(), agent.target_entropy)
         agent.temp_opt.zero_grad(set_to_none=True)
         if agent.engines is not None:  # DeepSpeed: the actor engine's backward and step
-            from agents.sac_deepspeed import actor_update
+            from agents.sac.deepspeed import actor_update
 
             actor_update(agent, a_loss + t_loss)
         else:
@@ -466,7 +466,7 @@ class SACAgent:
     def state_dict(self) -> dict:
         """Policy, critics, target critics, log_alpha, the three optimizers and the counter."""
         if self.engines is not None:
-            from agents import sac_deepspeed
+            from agents.sac import deepspeed as sac_deepspeed
             return sac_deepspeed.state_dict(self)
         return {
             "policy": {k: v.detach().clone() for k, v in self._actor_raw.state_dict().items()},
@@ -481,7 +481,7 @@ class SACAgent:
 
     def load_state_dict(self, state: dict) -> None:
         if self.engines is not None:
-            from agents import sac_deepspeed
+            from agents.sac import deepspeed as sac_deepspeed
             return sac_deepspeed.load_state_dict(self, state)
         self._actor_raw.load_state_dict(state["policy"])
         self._critic_raw.load_state_dict(state["critic"])

@@ -1,7 +1,7 @@
 """Q-function ensembles an algorithm builds for any policy.
 
 A critic reads observation features from an *encoder* (a module ``encoder(obs, prefix)
--> [B, D]`` with ``out_dim``): either its own :class:`agents.encoders.ObsEncoder` (trained by
+-> [B, D]`` with ``out_dim``): either its own :class:`agents.common.encoders.ObsEncoder` (trained by
 the critic loss; the usual choice for small policies and pixels) or :class:`PolicyFeatures`,
 the frozen features of a :class:`agents.base.FeaturePolicy` (a VLA's backbone, so a critic
 for a 3B-parameter policy is a small head). Shapes (E = ensemble size):
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agents.base import Batch
-from agents.encoders import EncoderConfig, ObsEncoder, activation
+from agents.common.encoders import EncoderConfig, ObsEncoder, activation
 
 
 class _Ref:
@@ -117,7 +117,7 @@ class EnsembleCritic(nn.Module):
 
 
 def make_critic(cfg, spec, policy) -> EnsembleCritic:
-    """SAC's critic ensemble (``cfg``: :class:`agents.sac.SACConfig`) for ``policy``: over its
+    """SAC's critic ensemble (``cfg``: :class:`agents.sac.agent.SACConfig`) for ``policy``: over its
     own encoder or the policy's features (``cfg.critic_encoder``), scoring whole chunks of
     ``policy.chunk_size`` actions."""
     if cfg.critic_encoder == "policy":

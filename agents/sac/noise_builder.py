@@ -1,6 +1,6 @@
-"""Noise-space SAC's builder (``algo=sac algo.action_space=noise``, see :mod:`agents.noise_sac`).
+"""Noise-space SAC's builder (``algo=sac algo.action_space=noise``, see :mod:`agents.sac.noise`).
 
-- the policy the learner trains and serves is :class:`agents.noise_actor.NoiseSpacePolicy`
+- the policy the learner trains and serves is :class:`agents.sac.noise_actor.NoiseSpacePolicy`
   around the configured PI0/PI0.5 (:meth:`NoiseSACBuilder.wrap_policy`; the registry calls it
   for the trained copy and the serving copy alike), so what is served is
   PI0(noise = noise_actor(features)) and what is published is the noise actor alone;
@@ -8,7 +8,7 @@
   start at a chunk start (one executed chunk = one transition, its ``extra.noise`` the
   action). Demonstrations (``buffer.demos``) are not mixed in: their noise is unknown
   (nothing produced their actions from a noise); they are ignored, with a warning;
-- the cadence: :class:`agents.off_policy.OffPolicyLearner` (learning_starts, update ratio,
+- the cadence: :class:`agents.sac.off_policy.OffPolicyLearner` (learning_starts, update ratio,
   publish_every) with windows of ``execute_steps`` (0: ``chunk_size``) steps.
 
 Actors run the whole chunk (``chunk.execute`` = 0 or ``algo.execute_steps``) in remote mode:
@@ -25,15 +25,15 @@ import numpy as np
 import torch
 
 from agents.base import check_pair
-from agents.critics import EnsembleCritic
-from agents.noise_actor import NoiseSpacePolicy
-from agents.noise_sac import NoiseSACAgent, make_noise_critic
-from agents.off_policy import OffPolicyLearner
-from agents.sac import SACConfig
+from agents.common.critics import EnsembleCritic
+from agents.sac.noise_actor import NoiseSpacePolicy
+from agents.sac.noise import NoiseSACAgent, make_noise_critic
+from agents.sac.off_policy import OffPolicyLearner
+from agents.sac.agent import SACConfig
 from data.core.spec import EnvSpec
 from data.sampler import Replay, build_replay
 
-log = logging.getLogger("tandem.agents.noise_sac")
+log = logging.getLogger("tandem.agents.sac.noise")
 
 
 class ChunkStartView:
@@ -62,11 +62,11 @@ class NoiseSACNetworks:
 
 
 class NoiseSACBuilder:
-    """Noise-space SAC's builder; the residual-SAC builder (:mod:`agents.residual_sac_builder`)
+    """Noise-space SAC's builder; the residual-SAC builder (:mod:`agents.sac.residual_builder`)
     reuses everything but the wrapped policy, the critic, the agent class and the demo note."""
 
     name = "sac"
-    #: the update (:class:`agents.noise_sac.NoiseSACAgent` or a subclass)
+    #: the update (:class:`agents.sac.noise.NoiseSACAgent` or a subclass)
     agent_cls: type = NoiseSACAgent
     #: why demonstrations are not mixed in (logged when ``buffer.demos`` is set)
     demos_ignored = "noise-space SAC ignores buffer.demos: demonstrations carry no flow noise"

@@ -3,14 +3,14 @@ advantage is an episode's outcome compared with the other episodes of its group.
 
 A *group* is ``group_size`` episodes of the same job (task, initial state, seed family) run
 by the current policy; each episode is scored once (success or return, ``score``) and its
-advantage, (score - group mean) / group std (:func:`agents.advantages.grpo`; or RLOO /
+advantage, (score - group mean) / group std (:func:`agents.common.advantages.grpo`; or RLOO /
 ReMax, ``estimator``), is given to every chunk of the episode. Groups whose outcomes are
 all equal carry no signal and are dropped (``dynamic_sampling``, DAPO). The update is
-:func:`agents.ppo.policy_loss` with the clip-higher bounds of DAPO / SimpleVLA-RL, an
+:func:`agents.ppo.agent.policy_loss` with the clip-higher bounds of DAPO / SimpleVLA-RL, an
 optional KL penalty to the reference (the policy with its adapters and heads at their start),
 and the same staleness correction as PPO; there is no value function.
 
-The batch is PPO's (:mod:`agents.ppo`) without ``returns``: flat per chunk, with the
+The batch is PPO's (:mod:`agents.ppo.agent`) without ``returns``: flat per chunk, with the
 episode's advantage precomputed per chunk (:func:`group_advantages` gives the per-episode
 values and which episodes to keep).
 """
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from agents.advantages import dynamic_sampling_mask, grpo, remax, rloo
-from agents.kl import KL_KINDS
-from agents.ppo import PPOAgent, PPOConfig
+from agents.common.advantages import dynamic_sampling_mask, grpo, remax, rloo
+from agents.common.kl import KL_KINDS
+from agents.ppo.agent import PPOAgent, PPOConfig
 
 #: what an episode is scored by
 SCORES = ("success", "return")
@@ -153,7 +153,7 @@ def group_advantages(cfg: GRPOConfig, scores: torch.Tensor, group_ids: torch.Ten
 
 
 class GRPOAgent(PPOAgent):
-    """GRPO over a :class:`agents.base.LogProbPolicy`: :class:`agents.ppo.PPOAgent`'s update
+    """GRPO over a :class:`agents.base.LogProbPolicy`: :class:`agents.ppo.agent.PPOAgent`'s update
     without a critic, on advantages precomputed per chunk from the episode's group outcome.
     ``self.cfg`` is the derived :class:`PPOConfig`; ``self.grpo_cfg`` the given config."""
 

@@ -13,12 +13,12 @@ Shapes (B = batch, H = chunk size, A = action dim, D = the VLA's width, S = stat
 
 The features include the base chunk, so the residual actor (and the critic, which reads the
 same features) sees what the VLA would do; one frozen forward yields both the features and
-the base chunk, in serving and in training (where :class:`agents.noise_sac.FeatureCache`
+the base chunk, in serving and in training (where :class:`agents.sac.noise.FeatureCache`
 keeps them per distinct observation). The untrained actor's mean residual is ~0, so its
 deterministic chunk is the base's; ``residual_scale`` bounds how far any chunk departs from
 the base (per action dim, before the clip to OFT's [-1, 1] action range).
 
-The residual actor is :class:`agents.noise_actor.NoiseActor` with scale 1: the same
+The residual actor is :class:`agents.sac.noise_actor.NoiseActor` with scale 1: the same
 tanh-Gaussian chunk head over features (DSRL's noise actor), here over residuals.
 """
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agents.base import ActionChunk, Batch, ExtrasSpec, has_capability
-from agents.noise_actor import NoiseActor, _sub_obs
+from agents.sac.noise_actor import NoiseActor, _sub_obs
 from data.core.schema import OBS_STATE
 
 RESIDUAL_EXTRA = "residual"

@@ -2,7 +2,7 @@
 residual added to a frozen VLA's L1 action chunk (``algo=sac algo.action_space=residual
 policy=openvla_oft``).
 
-The policy is a :class:`agents.residual_actor.ResidualPolicy`: the frozen OFT (L1 head) gives
+The policy is a :class:`agents.sac.residual_actor.ResidualPolicy`: the frozen OFT (L1 head) gives
 the base chunk a_base [H, A]; a tanh-Gaussian residual actor on (VLA features, a_base) gives
 r in [-1, 1]^(H x A); the executed chunk is clip(a_base + residual_scale * r, -1, 1). One
 transition is one executed chunk (a replay window of H steps starting at a chunk start), its
@@ -11,9 +11,9 @@ critic ensemble scores (features, r): the features hold a_base, so Q(s, r) is Q 
 executed chunk; the TD target is the chunk's discounted reward plus gamma^k (min Q_target(s',
 r') - alpha log pi(r'|s')), r' ~ pi(.|s').
 
-The update is noise-space SAC's, unchanged (:class:`agents.noise_sac.NoiseSACAgent`: the math
+The update is noise-space SAC's, unchanged (:class:`agents.sac.noise.NoiseSACAgent`: the math
 is identical with r in place of the noise): features of the frozen VLA once per distinct
-observation (:class:`agents.noise_sac.FeatureCache`, ``noise_feature_cache`` rows) for the
+observation (:class:`agents.sac.noise.FeatureCache`, ``noise_feature_cache`` rows) for the
 obs and next obs of a batch in one forward, read by the critic (``CachedFeatures``) and the
 actor alike; the VLA never runs twice per update for one batch and no gradient reaches it.
 This module adds the residual's configuration, critic and agent.
@@ -26,15 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from agents.base import Batch
-from agents.critics import EnsembleCritic
-from agents.noise_sac import CachedFeatures, NoiseSACAgent
-from agents.residual_actor import RESIDUAL_EXTRA, ResidualPolicy
-from agents.sac import SACConfig, sac_actor_step
+from agents.common.critics import EnsembleCritic
+from agents.sac.noise import CachedFeatures, NoiseSACAgent
+from agents.sac.residual_actor import RESIDUAL_EXTRA, ResidualPolicy
+from agents.sac.agent import SACConfig, sac_actor_step
 
 
 @dataclass
 class ResidualSACConfig(SACConfig):
-    """:class:`agents.sac.SACConfig` with ``action_space="residual"`` and the residual's keys
+    """:class:`agents.sac.agent.SACConfig` with ``action_space="residual"`` and the residual's keys
     (the SAC keys, ``execute_steps`` and ``noise_feature_cache`` keep their meaning)."""
 
     action_space: str = "residual"
@@ -61,7 +61,7 @@ class ResidualSACConfig(SACConfig):
     @property
     def requires(self) -> tuple[type, ...]:
         """None of :data:`agents.base.CAPABILITIES`: the builder's ``check_policy_class``
-        (:func:`agents.residual_actor.check_residual_base`) checks the base at start-up."""
+        (:func:`agents.sac.residual_actor.check_residual_base`) checks the base at start-up."""
         return ()
 
 

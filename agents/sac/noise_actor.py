@@ -17,7 +17,7 @@ segment mean-pooled and layer-normalised, plus the normalised state. They come f
 public methods (``model_inputs``, ``inner.model.embed_prefix``, ``norm``): pi0.py has no
 feature hook. In serving, ``act`` embeds the prefix twice (once for the features, once
 inside PI0's ``sample_actions``); training never does (features are computed once per
-batch, :mod:`agents.noise_sac`).
+batch, :mod:`agents.sac.noise`).
 
 :class:`NoiseSpacePolicy` is what the learner trains and serves: its
 ``trainable_state_dict`` is the noise actor alone (the frozen PI0 weights are already on
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agents.base import ActionChunk, Batch, ExtrasSpec
-from agents.encoders import activation
+from agents.common.encoders import activation
 from agents.policies.mlp import tanh_log_det
 from data.core.schema import OBS_STATE
 

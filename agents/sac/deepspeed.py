@@ -24,7 +24,7 @@ share a parameter; ``critic_encoder=shared`` (the critic trains the policy's enc
 and is refused.
 
 bf16 engines hold bf16 weights while batches stay float32: forwards run under autocast
-(as :class:`agents.ppo.PolicyCalls` does) and return float32.
+(as :class:`agents.ppo.agent.PolicyCalls` does) and return float32.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class CriticCalls(nn.Module):
 
 
 class SACEngines:
-    """SAC's phases (as :class:`agents.sac.SACModel`'s ``forward``) over the two engines.
+    """SAC's phases (as :class:`agents.sac.agent.SACModel`'s ``forward``) over the two engines.
 
     The actor phase scores the actor's actions with the critic module itself, not through the
     critic engine: a DeepSpeed engine whose forward is part of a graph runs its own gradient
@@ -93,7 +93,7 @@ class SACEngines:
 
 def prepare_sac_deepspeed(agent: Any, policy: nn.Module, actor_params: list, critic: nn.Module,
                           temperature: nn.Module) -> None:
-    """Sets what :func:`agents.sac.prepare_sac` sets, with two engines (module docstring);
+    """Sets what :func:`agents.sac.agent.prepare_sac` sets, with two engines (module docstring);
     ``agent.engines`` = (actor engine, critic engine)."""
     acc, cfg = agent.accelerator, agent.cfg
     if cfg.critic_encoder == "shared":

@@ -9,7 +9,7 @@ The batch is flat per chunk (N chunks; observation keys as in :mod:`agents.base`
 
     "action"          [N, H, A]  the executed chunk
     "old_log_prob"    [N]        behaviour log-prob (the records' ``extra.log_prob``)
-    "advantages"      [N]        from :mod:`agents.advantages` (the builder computes them)
+    "advantages"      [N]        from :mod:`agents.common.advantages` (the builder computes them)
     "returns"         [N]        value targets (needed with a value function)
     optional: "old_values" [N], "ref_log_prob" [N], "is_weight" [N], "mask" [N] bool,
               "chunk_steps" [N] (env steps each chunk executed: token ratios of later actions are masked),
@@ -25,7 +25,7 @@ Ratios per chunk or per token (``ratio_level``): with a :class:`agents.base.Toke
 (``token_log_prob(obs, actions) -> [B, T]``, the factors of the chunk's likelihood) each token
 gets its own clipped ratio against the proximal policy's, and the behaviour log-prob of the
 records (per chunk) enters through the truncated importance weight only. Loss pieces are plain
-functions in :mod:`agents.ppo_losses` (re-exported here), checked on known inputs.
+functions in :mod:`agents.ppo.losses` (re-exported here), checked on known inputs.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from agents.advantages import ESTIMATORS, masked_mean, masked_whiten
+from agents.common.advantages import ESTIMATORS, masked_mean, masked_whiten
 from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, TokenLogProbPolicy,
                          ValuePolicy, check_pair, has_capability, uses_deepspeed, zero3_gathered)
-from agents.kl import KL_KINDS, kl_penalty
-from agents.policy_calls import PolicyCalls, observation_keys, take, to_device
-from agents.ppo_losses import (entropy_bonus, per_token, policy_loss,  # noqa: F401 (re-exported)
+from agents.common.kl import KL_KINDS, kl_penalty
+from agents.common.policy_calls import PolicyCalls, observation_keys, take, to_device
+from agents.ppo.losses import (entropy_bonus, per_token, policy_loss,  # noqa: F401 (re-exported)
                                truncated_is_weights, value_loss)
 
-log = logging.getLogger("tandem.agents.ppo")
+log = logging.getLogger("tandem.agents.ppo.agent")
 
 #: where the importance ratio is taken (PPOConfig.ratio_level)
 RATIO_LEVELS = ("auto", "token", "chunk")
@@ -98,7 +98,7 @@ class PPOConfig:
     #: token-level ratios: the tokens of a chunk's actions that were never executed (the episode
     #: ended mid-chunk, or the actor runs only ``chunk.execute`` of each) leave the policy loss
     mask_unexecuted: bool = True
-    #: advantage estimator, a key of :data:`agents.advantages.ESTIMATORS`
+    #: advantage estimator, a key of :data:`agents.common.advantages.ESTIMATORS`
     estimator: str = "gae"
     #: "chunk_mean" or "episode_mean" (every episode alike; builders pass ``chunk_weight``)
     loss_agg: str = "chunk_mean"
@@ -241,7 +241,7 @@ class PPOAgent:
         return self._calls(obs, what="value").float().reshape(-1)
 
     def _whiten(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """:func:`agents.advantages.masked_whiten` with the statistics of the *global* batch
+        """:func:`agents.common.advantages.masked_whiten` with the statistics of the *global* batch
         (all ranks' shares), so N ranks normalise as one process would."""
         if self.accelerator.num_processes == 1:
             return masked_whiten(adv, mask)

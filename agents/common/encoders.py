@@ -8,7 +8,7 @@ Shapes (B = batch, S = state dim):
 
 ``ObsEncoder`` reads its sizes from any config object with ``cnn_channels``,
 ``image_embed_dim`` and ``state_embed_dim`` (:class:`agents.policies.mlp.MLPPolicyConfig`,
-:class:`agents.sac.SACConfig`'s critic fields through :class:`EncoderConfig`), and optionally
+:class:`agents.sac.agent.SACConfig`'s critic fields through :class:`EncoderConfig`), and optionally
 ``image_encoder`` / ``pool_features`` (absent: ``"flatten"``).
 
 Two image encoders (``image_encoder``):

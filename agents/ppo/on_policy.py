@@ -4,22 +4,22 @@
 *collector* for a round each :meth:`~OnPolicyLearner.step`. A collector waits until the
 rollout queue (:class:`data.rollouts.RolloutQueue`) holds a round's worth of episodes,
 takes them, cuts them into action chunks (:func:`chunk_batch`), computes advantages and
-hands back the flat per-chunk batch of :mod:`agents.ppo`. The learner runs the agent's
+hands back the flat per-chunk batch of :mod:`agents.ppo.agent`. The learner runs the agent's
 ``update(batch)`` on it and, every ``publish_every`` rounds, asks for a new weights version
 (so the round's rollouts were all made by at most ``max_staleness`` versions ago).
 
 - :class:`EpisodeRounds` (PPO): ``batch_episodes`` fresh episodes from actors running as they
   like; advantages by GAE over chunks with a value function (``estimator="gae"``) or by
   REINFORCE++ (``"reinforce_pp"``, no critic).
-- GRPO's group rounds and its job source are in :mod:`agents.grpo_builder`.
+- GRPO's group rounds and its job source are in :mod:`agents.grpo.builder`.
 
 Staleness: the queue drops episodes more than ``max_staleness`` versions old; the records'
 behaviour log-probs go into the batch as ``old_log_prob`` and the agent reweights stale
-chunks by the truncated ratio pi_current / pi_behaviour (:func:`agents.ppo.truncated_is_weights`).
+chunks by the truncated ratio pi_current / pi_behaviour (:func:`agents.ppo.agent.truncated_is_weights`).
 
-Discounting over chunks: ``gamma`` is per chunk (:class:`agents.ppo.PPOConfig`); a chunk's
+Discounting over chunks: ``gamma`` is per chunk (:class:`agents.ppo.agent.PPOConfig`); a chunk's
 reward is the plain sum of its steps' rewards, and a chunk of n != H steps (a human's
-stretch) is discounted by ``gamma ** (n / H)``. GAE (:func:`agents.advantages.gae`) takes one
+stretch) is discounted by ``gamma ** (n / H)``. GAE (:func:`agents.common.advantages.gae`) takes one
 scalar gamma, so that per-chunk discount is folded into the bootstrap value:
 ``next_value * discount / gamma`` makes every TD error exact; only the lambda-trace of an
 irregular chunk uses ``gamma`` instead of its own discount.
@@ -34,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from agents.advantages import gae, reinforce_pp
+from agents.common.advantages import gae, reinforce_pp
 from data.core.schema import EXTRA_PREFIX, TASK
 from data.rollouts import LOG_PROB, RolloutEpisode, RolloutQueue, episode_chunks
 
@@ -170,7 +170,7 @@ def episode_mean_weights(cb: ChunkBatch) -> torch.Tensor:
 
 def ppo_batch(cb: ChunkBatch, advantages: torch.Tensor, *, returns: torch.Tensor | None = None,
               old_values: torch.Tensor | None = None, episode_mean: bool = False) -> dict[str, Any]:
-    """The flat per-chunk batch of :meth:`agents.ppo.PPOAgent.update` (``episode_mean``: with
+    """The flat per-chunk batch of :meth:`agents.ppo.agent.PPOAgent.update` (``episode_mean``: with
     ``chunk_weight``, :func:`episode_mean_weights`)."""
     batch: dict[str, Any] = dict(cb.obs)
     batch.update(action=cb.action, old_log_prob=cb.behaviour_log_prob,

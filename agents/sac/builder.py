@@ -10,9 +10,9 @@ from typing import Any, Callable
 import torch
 
 from agents.base import check_pair
-from agents.critics import EnsembleCritic
-from agents.off_policy import OffPolicyLearner
-from agents.sac import SACAgent, SACConfig, make_critic
+from agents.common.critics import EnsembleCritic
+from agents.sac.off_policy import OffPolicyLearner
+from agents.sac.agent import SACAgent, SACConfig, make_critic
 from data.core.spec import EnvSpec
 from data.sampler import Replay, build_replay
 
@@ -57,9 +57,9 @@ class SACBuilder:
 
 def make_sac_builder(cfg: SACConfig):
     """The registry's entry for ``algo=sac``: SAC over actions, or noise-space SAC
-    (:mod:`agents.noise_sac_builder`) when ``cfg.action_space == "noise"``."""
+    (:mod:`agents.sac.noise_builder`) when ``cfg.action_space == "noise"``."""
     if cfg.action_space == "noise":
-        from agents.noise_sac_builder import NoiseSACBuilder
+        from agents.sac.noise_builder import NoiseSACBuilder
 
         return NoiseSACBuilder(cfg)
     return SACBuilder(cfg)

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from agents.base import check_pair
-from agents.grpo import GRPOAgent, GRPOConfig, group_advantages
-from agents.on_policy import OnPolicyLearner, Round, chunk_batch, episode_metrics, ppo_batch
+from agents.grpo.agent import GRPOAgent, GRPOConfig, group_advantages
+from agents.ppo.on_policy import OnPolicyLearner, Round, chunk_batch, episode_metrics, ppo_batch
 from data.core.jobs import MAX_JOB_INT, Job
 from data.core.spec import EnvSpec
 from data.rollouts import RolloutEpisode, RolloutQueue, Rollouts, build_rollouts
@@ -53,7 +53,7 @@ SEEDS = ("distinct", "shared")
 
 @dataclass
 class GRPOBuilderConfig(GRPOConfig):
-    """:class:`agents.grpo.GRPOConfig` plus the job source and the round cadence."""
+    """:class:`agents.grpo.agent.GRPOConfig` plus the job source and the round cadence."""
 
     #: the tasks groups are made for, in turn (env task indices)
     task_ids: tuple[int, ...] = (0,)

@@ -1,11 +1,11 @@
 """Residual SAC's builder (``algo=sac algo.action_space=residual policy=openvla_oft``, see
-:mod:`agents.residual_sac`).
+:mod:`agents.sac.residual`).
 
-- the policy the learner trains and serves is :class:`agents.residual_actor.ResidualPolicy`
+- the policy the learner trains and serves is :class:`agents.sac.residual_actor.ResidualPolicy`
   around the configured OFT (L1 head) (:meth:`ResidualSACBuilder.wrap_policy`; the registry
   calls it for the trained copy and the serving copy alike): what is served is
   clip(OFT(obs) + residual_scale * r), what is published is the residual actor alone;
-- the data and cadence are noise-space SAC's (:class:`agents.noise_sac_builder.NoiseSACBuilder`):
+- the data and cadence are noise-space SAC's (:class:`agents.sac.noise_builder.NoiseSACBuilder`):
   chunk windows that start at a chunk start, ``extra.residual`` the stored action.
   Demonstrations (``buffer.demos``) are not mixed in (their residual is unknown without the
   base's chunk at each of their chunk starts); they are ignored, with a warning.
@@ -16,9 +16,9 @@ local-mode actor builds a plain OFT and cannot load the residual actor's weights
 
 from __future__ import annotations
 
-from agents.noise_sac_builder import NoiseSACBuilder
-from agents.residual_actor import ResidualPolicy, check_residual_base
-from agents.residual_sac import ResidualSACAgent, ResidualSACConfig, make_residual_critic
+from agents.sac.noise_builder import NoiseSACBuilder
+from agents.sac.residual_actor import ResidualPolicy, check_residual_base
+from agents.sac.residual import ResidualSACAgent, ResidualSACConfig, make_residual_critic
 
 
 class ResidualSACBuilder(NoiseSACBuilder):

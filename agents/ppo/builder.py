@@ -1,7 +1,7 @@
 """PPO's builder: its networks (the policy, plus a value net unless the policy has its own
 value head), its data (the rollout queue next to the episode store), its cadence (rounds of
 ``batch_episodes`` fresh episodes, one ``PPOAgent.update`` each, then a new weights version)
-and no jobs: actors run freely. See :class:`agents.base.Builder`, :mod:`agents.on_policy`.
+and no jobs: actors run freely. See :class:`agents.base.Builder`, :mod:`agents.ppo.on_policy`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any, Callable
 
 import torch
 
-from agents.advantages import NEEDS_VALUES
+from agents.common.advantages import NEEDS_VALUES
 from agents.base import ValuePolicy, check_pair, has_capability
-from agents.on_policy import EpisodeRounds, OnPolicyLearner
-from agents.ppo import PPOAgent, PPOConfig
-from agents.value import ValueNet, ValueNetConfig
+from agents.ppo.on_policy import EpisodeRounds, OnPolicyLearner
+from agents.ppo.agent import PPOAgent, PPOConfig
+from agents.common.value import ValueNet, ValueNetConfig
 from data.core.spec import EnvSpec
 from data.rollouts import Rollouts, build_rollouts
 
@@ -25,7 +25,7 @@ PPO_ESTIMATORS = ("gae", "reinforce_pp")
 
 @dataclass
 class PPOBuilderConfig(PPOConfig):
-    """:class:`agents.ppo.PPOConfig` plus what the builder makes: the value net (used when
+    """:class:`agents.ppo.agent.PPOConfig` plus what the builder makes: the value net (used when
     the estimator needs values and the policy is not a ValuePolicy) and the rollout queue."""
 
     #: value net: widths of its hidden layers

@@ -18,7 +18,7 @@ Cadence (:class:`RSLearner`, Hi-ORS):
    as a new version (a roll-back). Back to 3.
 
 The success store is :class:`data.sampler.SuccessView` over the replay: transitions of
-episodes whose outcome is a success (:func:`agents.rejection_sampling.episode_outcome`;
+episodes whose outcome is a success (:func:`agents.rs.agent.episode_outcome`;
 :class:`OutcomeSink` writes it into the buffer's copy of each episode's final record) plus
 intervened steps, evaluation episodes held out. A restarted learner refills the replay
 from the dataset through the same sink, so the store comes back as it was.
@@ -41,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from agents.base import check_pair
-from agents.rejection_sampling import (BCAgent, RejectionSamplingConfig, cosine_lr,
+from agents.rs.agent import (BCAgent, RejectionSamplingConfig, cosine_lr,
                                        episode_outcome, keep_version, scheduled_lr)
 from data.core.jobs import Job
 from data.core.spec import EnvSpec

@@ -1,7 +1,7 @@
 """Noise-space SAC (DSRL, Wagenmaker et al. 2025): SAC whose action is the initial noise of a
 frozen flow policy's denoising ODE (``algo=sac algo.action_space=noise policy=pi0``).
 
-The policy is a :class:`agents.noise_actor.NoiseSpacePolicy`: the frozen PI0 plus a small
+The policy is a :class:`agents.sac.noise_actor.NoiseSpacePolicy`: the frozen PI0 plus a small
 tanh-Gaussian noise actor. One transition is one executed chunk: a replay window of H steps
 that starts at a chunk start (``chunk_start``), with ``extra.noise`` [B, H, D] the noise PI0
 started from (the stored SAC action; the critic reads the actor's d dims of it), ``action``
@@ -18,7 +18,7 @@ which is what makes a high UTD affordable on a CPU.
 
 ``NoiseSACAgent.update(batches)`` is a pure step (no files, sockets or logging):
 ``utd_ratio`` critic steps, then one actor and one temperature step on the last batch. The
-losses are :mod:`agents.sac`'s (:func:`agents.sac.td_target`, ``critic_loss``, ``actor_loss``,
+losses are :mod:`agents.sac.agent`'s (:func:`agents.sac.agent.td_target`, ``critic_loss``, ``actor_loss``,
 ``temperature_loss``, ``soft_update``, ``chunk_return``).
 """
 
@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from agents.base import Batch
-from agents.critics import EnsembleCritic
-from agents.noise_actor import NOISE_EXTRA, NoiseSpacePolicy
-from agents.policy_calls import to_device
-from agents.sac import (SACAgent, SACConfig, SACModel, Temperature, prepare_sac,
+from agents.common.critics import EnsembleCritic
+from agents.sac.noise_actor import NOISE_EXTRA, NoiseSpacePolicy
+from agents.common.policy_calls import to_device
+from agents.sac.agent import (SACAgent, SACConfig, SACModel, Temperature, prepare_sac,
                         sac_actor_step, sac_critic_step, utd_update)
 from data.core.spec import EnvSpec
 
@@ -132,7 +132,7 @@ def make_noise_critic(cfg: SACConfig, policy: NoiseSpacePolicy) -> EnsembleCriti
 
 
 class NoiseSACModel(SACModel):
-    """:class:`agents.sac.SACModel` whose actor is the noise actor, reading the batch's frozen
+    """:class:`agents.sac.agent.SACModel` whose actor is the noise actor, reading the batch's frozen
     ``features`` (``prefix + "features"``) instead of the observation."""
 
     def sample(self, batch: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +146,7 @@ class NoiseSACAgent:
     frozen base does not (it has no trainable parameter and no optimizer)."""
 
     name = "sac"
-    #: what it trains (a subclass reuses the update: :mod:`agents.residual_sac`): the served
+    #: what it trains (a subclass reuses the update: :mod:`agents.sac.residual`): the served
     #: policy's type, the attribute of its SAC actor, the tag its checkpoints carry
     policy_type: type = NoiseSpacePolicy
     actor_attr = "noise_actor"

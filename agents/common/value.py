@@ -1,6 +1,6 @@
 """A state-value network for policies without a value head (not a :class:`agents.base.ValuePolicy`).
 
-Its own observation encoder (:class:`agents.encoders.ObsEncoder`: per-camera CNN + state MLP,
+Its own observation encoder (:class:`agents.common.encoders.ObsEncoder`: per-camera CNN + state MLP,
 or the raw state) and an MLP to one output. Optionally the task instruction enters as a
 learned embedding of its hash bucket (multi-task envs: the value depends on the task).
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from agents.base import Batch
-from agents.encoders import ObsEncoder, activation
+from agents.common.encoders import ObsEncoder, activation
 from data.core.schema import TASK
 from data.core.spec import EnvSpec
 

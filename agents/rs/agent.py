@@ -13,7 +13,7 @@ This file is the configuration and the update itself: :func:`cosine_lr`,
 :class:`BCAgent.update` is one gradient step on one batch (no files, sockets or logging).
 The cycle (collect ``env_steps_per_cycle`` env steps -> ``sft_steps_per_cycle`` BC steps ->
 publish -> evaluate -> keep or roll back), the success store and the evaluation jobs are the
-builder's (:mod:`agents.rs_builder`).
+builder's (:mod:`agents.rs.builder`).
 
 Chunked policies (``chunk_size`` H > 1) train on windows of H steps (``action`` [B, H, A],
 see :meth:`data.replay.ReplayBuffer.sample` with ``horizon``); steps past an episode's end
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from agents.base import Batch, BCPolicy, check_pair
-from agents.policy_calls import take, to_device
+from agents.common.policy_calls import take, to_device
 
 LR_SCHEDULES = ("cycle", "run", "constant")
 OUTCOMES = ("success", "return", "either")
