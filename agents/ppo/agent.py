@@ -357,6 +357,16 @@ class PPOAgent:
         out["num_updates"] = float(self.num_updates)
         return out
 
+    def has_trainable_chunks(self, batch: Batch) -> bool:
+        """Whether :meth:`update` can learn from ``batch``: a full policy chunk (``mask``), or
+        one of the policy's own chunks cut short (``own_chunk``) where token ratios train on the
+        actions that ran (``chunk.execute`` below the chunk size makes every chunk partial)."""
+        if "mask" not in batch or bool(torch.as_tensor(batch["mask"]).any()):
+            return True
+        partial_ok = (self.cfg.mask_unexecuted and self.token_level and "chunk_steps" in batch
+                      and callable(getattr(self.policy, "token_chunk_positions", None)))
+        return bool(partial_ok and "own_chunk" in batch and torch.as_tensor(batch["own_chunk"]).any())
+
     def _executed_tokens(self, batch: Batch, old: torch.Tensor) -> torch.Tensor | None:
         """Token-level ratios: [N, T] 1 at the tokens of the actions each chunk executed (its
         ``chunk_steps``; ``token_chunk_positions`` gives each token's place in the chunk), so that

@@ -274,15 +274,6 @@ class EpisodeRounds:
         pass
 
 
-def _trainable_chunks(batch: dict) -> bool:
-    """Whether a round holds a chunk the update can learn from: a full policy chunk (``mask``)
-    or, where the batch carries ``own_chunk``, any of the policy's own chunks, which token-level
-    ratios train on the actions that ran (``chunk.execute`` < the chunk size makes every chunk
-    partial: ``mask`` alone would skip every round)."""
-    return any(bool(torch.as_tensor(batch[k]).any()) for k in ("mask", "own_chunk") if k in batch) \
-        or "mask" not in batch
-
-
 class OnPolicyLearner:
     """Rounds of collect -> ``agent.update(batch)`` -> publish (see the module docstring).
 
@@ -314,7 +305,7 @@ class OnPolicyLearner:
             return None
         self.rounds += 1
         metrics = dict(got.metrics)
-        if got.batch is not None and _trainable_chunks(got.batch):
+        if got.batch is not None and self.agent.has_trainable_chunks(got.batch):
             t_up = time.monotonic()
             if self.lr_warmup > 0:
                 metrics["lr"] = self._warm_lr()
