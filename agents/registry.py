@@ -29,7 +29,7 @@ ALGOS: dict[str, tuple[str, str, str, str]] = {
     "rejection_sampling": ("agents.rs.builder", "RejectionSamplingBuilder",
                            "agents.rs.agent", "RejectionSamplingConfig"),
     "ppo": ("agents.ppo.builder", "PPOBuilder", "agents.ppo.builder", "PPOBuilderConfig"),
-    "grpo": ("agents.grpo.builder", "GRPOBuilder", "agents.grpo.builder", "GRPOBuilderConfig"),
+    "grpo": ("agents.grpo.builder", "GRPOBuilder", "agents.grpo.config", "GRPOBuilderConfig"),
 }
 # (algorithm, config key, value) -> an entry as in ALGOS: the variant that value selects, with
 # its own builder and config dataclass (which may add keys; the algorithm's yaml lists them,

@@ -17,7 +17,7 @@ from agents import registry
 from agents.base import check_pair
 from agents.rs.agent import (BCAgent, RejectionSamplingConfig, bc_inputs, cosine_lr,
                                        episode_outcome, keep_version, scheduled_lr)
-from agents.rs.builder import EVAL_GROUP_BASE
+from agents.rs.jobs import EVAL_GROUP_BASE
 from data.core.spec import EnvSpec
 from data.transitions import TransitionBatch
 from tandem_testutil import ROOT

@@ -195,7 +195,7 @@ class Clock:
 
 
 def grpo_cfg(**kw):
-    from agents.grpo.builder import GRPOBuilderConfig
+    from agents.grpo.config import GRPOBuilderConfig
 
     base = dict(group_size=2, batch_groups=2, task_ids=(0, 1), num_init_states=5,
                 job_timeout_s=10.0, round_timeout_s=100.0, prefetch_rounds=1)
@@ -204,7 +204,7 @@ def grpo_cfg(**kw):
 
 
 def test_group_job_source_issues_groups_and_reissues_lost_jobs():
-    from agents.grpo.builder import GroupJobSource
+    from agents.grpo.jobs import GroupJobSource
     from data.rollouts import RolloutEpisode
 
     clock = Clock()
@@ -243,7 +243,7 @@ def test_group_job_source_issues_groups_and_reissues_lost_jobs():
 
 
 def test_group_rounds_complete_timeout_and_dynamic_sampling():
-    from agents.grpo.builder import GroupJobSource, GroupRounds
+    from agents.grpo.jobs import GroupJobSource, GroupRounds
     from data.rollouts import RolloutQueue
 
     clock = Clock()
@@ -345,7 +345,7 @@ def test_ppo_builder_rounds_update_and_publish(estimator, tmp_path):
 
 
 def test_remax_groups_get_a_greedy_baseline_job():
-    from agents.grpo.builder import GroupJobSource, GroupRounds
+    from agents.grpo.jobs import GroupJobSource, GroupRounds
     from data.rollouts import RolloutQueue
 
     cfg = grpo_cfg(estimator="remax", batch_groups=1, prefetch_rounds=0, max_staleness=0)

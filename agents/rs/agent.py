@@ -12,8 +12,8 @@ This file is the configuration and the update itself: :func:`cosine_lr`,
 :func:`episode_outcome`, :func:`keep_version` and :func:`bc_inputs` are pure functions;
 :class:`BCAgent.update` is one gradient step on one batch (no files, sockets or logging).
 The cycle (collect ``env_steps_per_cycle`` env steps -> ``sft_steps_per_cycle`` BC steps ->
-publish -> evaluate -> keep or roll back), the success store and the evaluation jobs are the
-builder's (:mod:`agents.rs.builder`).
+publish -> evaluate -> keep or roll back) is :mod:`agents.rs.learning`'s, the success store
+:mod:`agents.rs.data`'s and the evaluation jobs :mod:`agents.rs.jobs`'.
 
 Chunked policies (``chunk_size`` H > 1) train on windows of H steps (``action`` [B, H, A],
 see :meth:`data.replay.ReplayBuffer.sample` with ``horizon``); steps past an episode's end
