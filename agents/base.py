@@ -172,59 +172,7 @@ def check_pair(algo_name: str, requires: Iterable[type], policy_name: str,
         )
 
 
-# -- algorithms --------------------------------------------------------------------------------
-class Sink(Protocol):
-    """Where ingest puts accepted records (replay ring, rollout queue, ...)."""
-
-    def add(self, batch) -> int:
-        """Store a validated :class:`data.transitions.TransitionBatch` of one actor."""
-        ...
-
-    def abandon(self, actor_id: str, episode: int) -> None:
-        """An unfinished episode of the actor was dropped by ingest."""
-        ...
-
-
-class AlgoLearner(Protocol):
-    """An algorithm's training side, built by its :class:`Builder`. It owns the update
-    cadence: :meth:`step` runs one update when its data allows and returns metrics, else
-    None. :attr:`policy` is the trained policy, whose ``trainable_state_dict`` is published."""
-
-    policy: Any
-
-    def step(self) -> dict[str, float] | None: ...
-
-    def should_publish(self) -> bool:
-        """True after an update that must go out as a new weights version."""
-        ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-class Builder(Protocol):
-    """One per algorithm (acme-style). The learner app calls, in order: ``make_networks``,
-    ``make_data``, ``make_learner``; ``jobs`` may hand actors their next episodes."""
-
-    name: str
-    requires: tuple[type, ...]
-
-    def make_networks(self, spec, policy, device: torch.device) -> Any: ...
-
-    def make_data(self, spec, replay_cfg: Any, *, run_dir, seed: int, device: str, train: bool) -> Any:
-        """The algorithm's data: an object with ``sink`` (a :class:`Sink` for ingest),
-        ``store`` (the episode store or None) and what ``make_learner`` samples from."""
-        ...
-
-    def make_learner(self, networks: Any, data: Any, accelerator: Any, *, env_steps) -> AlgoLearner: ...
-
-    def jobs(self) -> Any:
-        """A job source (``next_job(actor_id, episode)``) or None: actors run as they like."""
-        ...
-
-
-# -- distributed training ------------------------------------------------------------------------
+# -- algorithms: their contracts are in agents/core.py -----------------------------------------
 def accelerator_kwargs() -> list:
     """The ``kwargs_handlers`` every learner ``Accelerator`` is made with. The algorithms put
     their trained parts behind one wrapper module whose forward runs one *phase* (SAC: the

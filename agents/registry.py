@@ -1,7 +1,7 @@
 """Algorithm and policy registry: Hydra config -> objects, with pairing checks at start-up.
 
 A policy entry names its class and config dataclass; an algorithm entry names its builder
-class (:class:`agents.base.Builder`) and config dataclass. The learner app builds
+class (:class:`agents.core.Builder`) and config dataclass. The learner app builds
 everything through :func:`build_builder` and the builder's methods, with no
 algorithm-specific branch.
 """
@@ -121,9 +121,7 @@ def check_algo_policy(algo_cfg: Mapping[str, Any] | str, policy: Mapping[str, An
     builder = build_builder(algo_cfg)
     cls = policy_class(values["name"], values)
     check_pair(algo_cfg["name"], builder.requires, values["name"], cls)
-    more = getattr(builder, "check_policy_class", None)  # a builder's check beyond capabilities
-    if callable(more):
-        more(values["name"], cls)
+    builder.check_policy_class(values["name"], cls)  # a builder's check beyond capabilities
 
 
 def _plain(values: Mapping[str, Any]) -> dict:
@@ -180,8 +178,6 @@ def load_init_trainable(policy, path, where: str) -> None:
 
 
 def build_trained_policy(builder, policy_cfg: Mapping[str, Any], spec):
-    """The policy an algorithm trains and serves: the configured policy, wrapped by the
-    builder when it defines ``wrap_policy`` (noise-space SAC: PI0 + a noise actor)."""
-    policy = build_policy(policy_cfg, spec)
-    wrap = getattr(builder, "wrap_policy", None)
-    return wrap(policy) if callable(wrap) else policy
+    """The policy an algorithm trains and serves: the configured policy, as the builder's
+    ``wrap_policy`` makes it (noise-space SAC: PI0 + a noise actor; others: unchanged)."""
+    return builder.wrap_policy(build_policy(policy_cfg, spec))

@@ -1,6 +1,6 @@
 """On-policy data: whole episodes in arrival order (PPO, GRPO), and their action chunks.
 
-:class:`RolloutQueue` is the on-policy :class:`agents.base.Sink` that ingest feeds. It
+:class:`RolloutQueue` is the on-policy :class:`agents.core.Sink` that ingest feeds. It
 assembles each (actor, episode)'s records (every array of :mod:`data.core.schema`, policy
 extras included, and the task strings) until the episode's ``is_last`` record arrives, then
 appends the finished episode (:class:`RolloutEpisode`) to a FIFO. The learner takes whole

@@ -1,6 +1,6 @@
 """The learner process: wires the service, inference and the algorithm together and runs them.
 
-The algorithm comes as a builder (:class:`agents.base.Builder`, picked by ``algo.name``): it
+The algorithm comes as a builder (:class:`agents.core.Builder`, picked by ``algo.name``): it
 makes its networks, its data (the sink ingest feeds and what it samples from) and its
 learner (update cadence, what it publishes), and may hand actors jobs. Nothing here
 depends on which algorithm it is.

@@ -84,7 +84,7 @@ class _Actor:
 
 
 class Ingest:
-    """Thread-safe front of the algorithm's sink (:class:`agents.base.Sink`: the replay ring
+    """Thread-safe front of the algorithm's sink (:class:`agents.core.Sink`: the replay ring
     for SAC) and the episode store; called from the service thread (``add``, ``skip``,
     ``resync``) and the store's writer thread (callbacks)."""
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from agents.base import check_pair
+from agents.core import Builder
 from agents.grpo.agent import GRPOAgent
 from agents.grpo.config import GRPOBuilderConfig
 from agents.grpo.jobs import GroupJobSource, GroupRounds
@@ -26,16 +27,12 @@ class GRPONetworks:
     policy: Any
 
 
-class GRPOBuilder:
+class GRPOBuilder(Builder):
     name = "grpo"
 
     def __init__(self, cfg: GRPOBuilderConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self._jobs: GroupJobSource | None = None
-
-    @property
-    def requires(self) -> tuple[type, ...]:
-        return self.cfg.requires
 
     def make_networks(self, spec: EnvSpec, policy, device: torch.device) -> GRPONetworks:
         check_pair(self.name, self.requires, type(policy).__name__, policy)

@@ -1,7 +1,7 @@
 """PPO's builder: its networks (the policy, plus a value net unless the policy has its own
 value head), its data (the rollout queue next to the episode store), its cadence (rounds of
 ``batch_episodes`` fresh episodes, one ``PPOAgent.update`` each, then a new weights version)
-and no jobs: actors run freely. See :class:`agents.base.Builder`, :mod:`agents.ppo.on_policy`.
+and no jobs: actors run freely. See :class:`agents.core.Builder`, :mod:`agents.ppo.on_policy`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from agents.common.advantages import NEEDS_VALUES
 from agents.base import ValuePolicy, check_pair, has_capability
+from agents.core import Builder
 from agents.ppo.on_policy import EpisodeRounds, OnPolicyLearner
 from agents.ppo.agent import PPOAgent, PPOConfig
 from agents.common.value import ValueNet, ValueNetConfig
@@ -74,15 +75,8 @@ class PPONetworks:
     value: Any = None
 
 
-class PPOBuilder:
+class PPOBuilder(Builder):
     name = "ppo"
-
-    def __init__(self, cfg: PPOBuilderConfig):
-        self.cfg = cfg
-
-    @property
-    def requires(self) -> tuple[type, ...]:
-        return self.cfg.requires
 
     def make_networks(self, spec: EnvSpec, policy, device: torch.device) -> PPONetworks:
         check_pair(self.name, self.requires, type(policy).__name__, policy)
@@ -110,6 +104,3 @@ class PPOBuilder:
                                episode_mean=self.cfg.loss_agg == "episode_mean")
         return OnPolicyLearner(agent, rounds, publish_every=self.cfg.publish_every,
                                lr_warmup=self.cfg.lr_warmup_updates)
-
-    def jobs(self):
-        return None

@@ -1,6 +1,6 @@
 """The update cadence of on-policy algorithms (PPO, GRPO): rounds of whole episodes.
 
-:class:`OnPolicyLearner` (the :class:`agents.base.AlgoLearner` of PPO and GRPO) asks its
+:class:`OnPolicyLearner` (the :class:`agents.core.AlgoLearner` of PPO and GRPO) asks its
 *collector* for a round each :meth:`~OnPolicyLearner.step`. A collector waits until the
 rollout queue (:class:`data.rollouts.RolloutQueue`) holds a round's worth of episodes,
 takes them, cuts them into action chunks (:func:`chunk_batch`), computes advantages and

@@ -1,4 +1,4 @@
-"""Rejection sampling's builder (:class:`agents.base.Builder`): its data (the replay ring,
+"""Rejection sampling's builder (:class:`agents.core.Builder`): its data (the replay ring,
 refilled from the LeRobot episode store, with an outcome-scoring sink in front and the
 success store as a view of it; demos mixed in), its evaluation jobs and its cadence.
 
@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from agents.base import check_pair
+from agents.core import Builder
 from agents.rs.agent import BCAgent, RejectionSamplingConfig
 from agents.rs.data import OutcomeSink, RSData
 from agents.rs.jobs import EVAL_GROUP_BASE, EvalJobs
@@ -33,16 +34,12 @@ class _Override:
         return get(key, default)
 
 
-class RejectionSamplingBuilder:
+class RejectionSamplingBuilder(Builder):
     name = "rejection_sampling"
 
     def __init__(self, cfg: RejectionSamplingConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self._jobs: EvalJobs | None = None
-
-    @property
-    def requires(self) -> tuple[type, ...]:
-        return self.cfg.requires
 
     def make_networks(self, spec: EnvSpec, policy, device) -> SimpleNamespace:
         check_pair(self.name, self.requires, type(policy).__name__, policy)

@@ -45,7 +45,7 @@ class _Round:
 
 
 class RSLearner:
-    """The cadence of rejection sampling (module docstring); an :class:`agents.base.AlgoLearner`.
+    """The cadence of rejection sampling (module docstring); an :class:`agents.core.AlgoLearner`.
 
     ``version`` counts the versions this learner asked to publish; it equals the learner
     app's weights version (the app publishes exactly when :meth:`should_publish` says so,

@@ -1,6 +1,6 @@
 """SAC's builder: its networks (critic ensemble for any policy), its data (replay ring with
 the episode store and the RLPD demo mix), its cadence and what it publishes (the policy's
-trainable weights every ``publish_every`` updates). See :class:`agents.base.Builder`."""
+trainable weights every ``publish_every`` updates). See :class:`agents.core.Builder`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from agents.base import check_pair
+from agents.core import Builder
 from agents.common.critics import EnsembleCritic
 from agents.sac.off_policy import OffPolicyLearner
 from agents.sac.agent import SACAgent, SACConfig, make_critic
@@ -24,15 +25,8 @@ class SACNetworks:
     critic: EnsembleCritic
 
 
-class SACBuilder:
+class SACBuilder(Builder):
     name = "sac"
-
-    def __init__(self, cfg: SACConfig):
-        self.cfg = cfg
-
-    @property
-    def requires(self) -> tuple[type, ...]:
-        return self.cfg.requires
 
     def make_networks(self, spec: EnvSpec, policy, device: torch.device) -> SACNetworks:
         check_pair(self.name, self.requires, type(policy).__name__, policy)
@@ -51,8 +45,6 @@ class SACBuilder:
                                 publish_every=self.cfg.publish_every,
                                 horizon=int(getattr(networks.policy, "chunk_size", 1)))
 
-    def jobs(self):
-        return None
 
 
 def make_sac_builder(cfg: SACConfig):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from agents.base import check_pair
+from agents.core import Builder
 from agents.common.critics import EnsembleCritic
 from agents.sac.noise_actor import NoiseSpacePolicy
 from agents.sac.noise import NoiseSACAgent, make_noise_critic
@@ -61,7 +62,7 @@ class NoiseSACNetworks:
     critic: EnsembleCritic
 
 
-class NoiseSACBuilder:
+class NoiseSACBuilder(Builder):
     """Noise-space SAC's builder; the residual-SAC builder (:mod:`agents.sac.residual_builder`)
     reuses everything but the wrapped policy, the critic, the agent class and the demo note."""
 
@@ -74,11 +75,7 @@ class NoiseSACBuilder:
     def __init__(self, cfg: SACConfig):
         if cfg.action_space != "noise":
             raise ValueError("NoiseSACBuilder needs algo.action_space=noise")
-        self.cfg = cfg
-
-    @property
-    def requires(self) -> tuple[type, ...]:
-        return self.cfg.requires
+        super().__init__(cfg)
 
     def wrap_policy(self, policy) -> NoiseSpacePolicy:
         """The noise-space policy around a freshly built flow policy (idempotent)."""
@@ -116,6 +113,3 @@ class NoiseSACBuilder:
                                 learning_starts=self.cfg.learning_starts,
                                 max_update_ratio=self.cfg.max_update_ratio,
                                 publish_every=self.cfg.publish_every, horizon=self.horizon(networks.policy))
-
-    def jobs(self):
-        return None

@@ -16,6 +16,7 @@ local-mode actor builds a plain OFT and cannot load the residual actor's weights
 
 from __future__ import annotations
 
+from agents.core import Builder
 from agents.sac.noise_builder import NoiseSACBuilder
 from agents.sac.residual_actor import ResidualPolicy, check_residual_base
 from agents.sac.residual import ResidualSACAgent, ResidualSACConfig, make_residual_critic
@@ -29,7 +30,7 @@ class ResidualSACBuilder(NoiseSACBuilder):
     def __init__(self, cfg: ResidualSACConfig):
         if cfg.action_space != "residual" or not isinstance(cfg, ResidualSACConfig):
             raise ValueError("ResidualSACBuilder needs a ResidualSACConfig (algo.action_space=residual)")
-        self.cfg = cfg
+        Builder.__init__(self, cfg)  # not noise-space SAC's check
 
     def check_policy_class(self, policy_name: str, cls) -> None:
         """Start-up check beyond the capability protocol: an L1 (continuous) head."""
