@@ -42,9 +42,8 @@ from learner.checkpoint import (checkpoint_age_s, format_age, latest_checkpoint,
 from data.live_view import LiveView
 from data.stops import StopSignals
 from learner.console import RateMeter, Stages, render, view_status
-from learner.distributed import (CTRL_GATHER, CTRL_IDLE, CTRL_STOP, RankError, Ranks, RootAgent,
-                                 check_shared_run_dir, check_world, gathered_trainable, make_accelerator,
-                                 needs_gather)
+from learner.distributed import (RankError, Ranks, RootAgent, check_shared_run_dir, check_world,
+                                 gathered_trainable, make_accelerator, needs_gather)
 from learner.engine_state import engines_of, ranks_meta, restore_algo, save_ranked
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
@@ -52,6 +51,7 @@ from learner.ingest import Ingest
 from learner.eval_sweep import EvalSweep
 from learner.jobs import JobQueue
 from learner.metrics import LoopClock, MetricsLogger
+from learner.rank_control import CTRL_GATHER, CTRL_IDLE, CTRL_STOP
 from learner.service import LearnerService
 from learner.finite_guard import nonfinite
 from learner.weights import WeightPublisher

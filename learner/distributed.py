@@ -21,16 +21,8 @@ its agent's ``update``, which :class:`RootAgent` intercepts: a header (keys, dty
 JSON bytes in a uint8 tensor; strings as padded UTF-8 rows) is broadcast, then every tensor
 is split into N equal row blocks and ``torch.distributed.scatter``-ed; rank r gets rows
 [r n, (r+1) n). Off-policy batches must split evenly (``batch_size`` a multiple of N);
-on-policy rounds are padded with ``mask = False`` rows. Cost, measured with
-``python -m learner.distributed [rows] [image size]`` (2 gloo ranks on the shared 2-core CPU,
-load ~4, 30 repetitions): a SAC batch of 256 state-only rows (17-dim state and next state,
-6-dim action, reward, flags, version, task strings: 10 entries, 12 collectives) 12 ms median
-(p90 28 ms) per scatter, so ~25 ms per update at utd_ratio 2; with two 84x84x3 uint8 cameras
-(obs and next obs, 10.8 MB per batch) 22 ms median (p90 36 ms). Almost all of it is the
-per-collective latency of the loaded machine, not bytes: packing every entry into one buffer
-(one scatter instead of one per key) is the obvious next step if it shows up on GPUs.
-On GPUs (NCCL) the scatter runs
-from rank 0's GPU.
+on-policy rounds are padded with ``mask = False`` rows. On GPUs (NCCL) the scatter runs from
+rank 0's GPU; ``python -m learner.distributed [rows] [image size]`` measures a scatter's cost.
 
 A rank that dies: the others' next collective fails (gloo/NCCL report the closed peer) or
 times out after ``distributed.timeout_s``; rank 0 logs which, checkpoints and exits non-zero,
@@ -50,9 +42,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from learner.engine_state import all_ok, follow_save, restore_algo
+from learner.rank_control import CTRL_GATHER, CTRL_SAVE, CTRL_STOP, CTRL_UPDATE
+
 log = logging.getLogger("tandem.learner")
 
-CTRL_IDLE, CTRL_STOP, CTRL_UPDATE, CTRL_GATHER, CTRL_SAVE = 0, 1, 2, 3, 4
 _BATCH, _STREAM = 1, 0  # CTRL_UPDATE's argument: one batch (on-policy) or a batch stream (SAC)
 
 
@@ -126,7 +120,6 @@ class Ranks:
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank when every rank passed True (a barrier)."""
-        from learner.engine_state import all_ok
 
         return self._coll(all_ok, self.device, ok) if self.world > 1 else ok
 
@@ -282,7 +275,6 @@ def follow(algo: Any, ranks: Ranks, status_path=None, every_s: float = 1.0) -> i
         elif code == CTRL_GATHER:
             gathered_trainable(algo.policy, ranks.accelerator)
         elif code == CTRL_SAVE:
-            from learner.engine_state import follow_save
 
             follow_save(ranks, algo)
         if time.monotonic() - last >= every_s:
@@ -352,7 +344,6 @@ class Follower:
         from agents.base import extras_ranges
         from envs.registry import env_spec
         from learner.checkpoint import load_checkpoint
-        from learner.engine_state import restore_algo
 
         torch.manual_seed(cfg.seed)
         if cfg.trainer.num_threads:

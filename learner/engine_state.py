@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from learner.checkpoint import begin_checkpoint, commit_checkpoint, fsync_tree, write_state
+from learner.rank_control import CTRL_SAVE
 
 log = logging.getLogger("tandem.learner")
 
@@ -125,8 +126,6 @@ def save_ranked(ranks: Any, root: Path, step: int, state_fn: Callable[[], dict],
     """Rank 0: the N-rank checkpoint (module docstring). ``state_fn()`` builds rank 0's state
     (it calls ``algo.state_dict()``, which the other ranks mirror). Returns the checkpoint, or
     None when a rank failed to write its part (``latest`` not moved)."""
-    from learner.distributed import CTRL_SAVE
-
     tmp = begin_checkpoint(root, step)
     if ranks.world > 1:
         ranks.send(CTRL_SAVE, step)

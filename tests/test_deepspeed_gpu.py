@@ -131,7 +131,8 @@ def _worker(rank: int, world: int, port: int, stage: int, out: str) -> None:
 
     from agents.base import accelerator_kwargs
     from learner.checkpoint import load_checkpoint
-    from learner.distributed import CTRL_STOP, Ranks, follow
+    from learner.distributed import Ranks, follow
+    from learner.rank_control import CTRL_STOP
     from learner.engine_state import engines_of, ranks_meta, restore_algo, save_ranked
     from test_distributed import K, _ppo_batch, _sac_batches, _share
 

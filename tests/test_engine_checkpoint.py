@@ -75,7 +75,8 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from learner.checkpoint import latest_checkpoint, load_checkpoint
-    from learner.distributed import CTRL_STOP, Ranks, follow, make_accelerator
+    from learner.distributed import Ranks, follow, make_accelerator
+    from learner.rank_control import CTRL_STOP
     from learner.engine_state import engines_of, ranks_meta, restore_algo, save_ranked
 
     ranks = Ranks(make_accelerator(cpu=True, timeout_s=60))
