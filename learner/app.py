@@ -159,7 +159,7 @@ class Learner:
             ctx=self.ctx, spec=self.spec, config_hash=self.config_hash, ingest=self.ingest,
             submit_act=self._submit_act, get_version=lambda: self.weights.version,
             get_weights=lambda: self.weights.latest(), host=t.host, port=t.port, pub_port=t.pub_port,
-            act_port=t.get("act_port"), max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
+            act_port=t.get("act_port"), act_socket=bool(t.get("act_socket", True)), max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
             gate_memory_bytes=int(float(t.get("gate_memory_mb", 4096)) * (1 << 20)),
             max_actor_ids=int(t.get("max_actor_ids", 4096)),
             mode=cfg.mode, security=OmegaConf.to_container(t.security, resolve=True),
