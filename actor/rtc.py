@@ -16,8 +16,9 @@ asked for while the current one runs, and joined to it.
   current chunk runs out first, the loop waits for the reply (a stall, counted).
 
 ``d`` is ``ceil(latency / step period)`` with the largest act latency of the last
-:data:`WINDOW` requests (lerobot's ``LatencyTracker`` uses the same maximum) and the mean
-period of the loop's steps outside this class, clamped to the pending actions. The receive
+:data:`WINDOW` asynchronous requests (lerobot's ``LatencyTracker`` uses the same maximum; the
+last waited-for one until there are any) and the mean period of the loop's steps outside this
+class, clamped to the pending actions. The receive
 runs on the loop's thread between env steps: nothing waits on a socket thread, and no
 inference runs on the actor.
 """
@@ -51,8 +52,34 @@ class AsyncAct:
         self.sock = client.act_sock or client.sock
         self.t0 = time.perf_counter()
         self.steps = 0  # control steps executed since the request went out
+        # on the main socket the client's poll (acks, heartbeats) may read the reply first
+        self.inbox: list = []
+        client.on_act_reply = self.inbox.append
         send_frames(self.sock, encode("act", {"req_id": self.req, "deterministic": deterministic,
                                               "tasks": list(tasks)}, arrays))
+
+    def close(self) -> None:
+        if self.client.on_act_reply == self.inbox.append:
+            self.client.on_act_reply = None
+
+    def _take(self, msg):
+        """The reply for this request (or None for another message); raises on a refusal."""
+        c = self.client
+        if msg.type == "act_reply" and msg.fields["req_id"] == self.req:
+            self.close()
+            c.last_act_ms = (time.perf_counter() - self.t0) * 1000.0
+            version = c.policy_version = msg.fields["policy_version"]
+            actions = np.array(msg.arrays["actions"])
+            if actions.dtype.kind != "f" or not np.isfinite(actions).all():
+                raise ActError("bad_reply", f"act reply of version {version}: actions are not finite floats")
+            try:
+                return actions, version, c._reply_extras(msg, len(actions))  # noqa: SLF001
+            except ValueError as exc:
+                raise ActError("bad_reply", str(exc)) from None
+        if msg.type == "error":
+            self.close()
+            raise ActError(msg["code"], f"the learner could not serve the act request: {msg['message']}")
+        return None
 
     def poll(self, timeout_s: float = 0.0):
         """(actions [B, H, A], version, extras) once the reply is here, else None after
@@ -60,27 +87,19 @@ class AsyncAct:
         c, sock = self.client, self.sock
         deadline = time.monotonic() + timeout_s
         while True:
+            while self.inbox:
+                got = self._take(self.inbox.pop(0))
+                if got is not None:
+                    return got
+            if not c.connected or c.sock is None:
+                self.close()
+                raise ActError("not_connected", "the learner asked for a new handshake")
             left = deadline - time.monotonic()
             if not sock.poll(max(0, int(left * 1000))):
                 return None
             msg = c._decode(recv_frames(sock, zmq.NOBLOCK, copy=sock is not c.act_sock))  # noqa: SLF001
-            if msg is None:
-                continue
-            if msg.type == "act_reply" and msg.fields["req_id"] == self.req:
-                c.last_act_ms = (time.perf_counter() - self.t0) * 1000.0
-                version = c.policy_version = msg.fields["policy_version"]
-                actions = np.array(msg.arrays["actions"])
-                if actions.dtype.kind != "f" or not np.isfinite(actions).all():
-                    raise ActError("bad_reply", f"act reply of version {version}: actions are not finite floats")
-                try:
-                    return actions, version, c._reply_extras(msg, len(actions))  # noqa: SLF001
-                except ValueError as exc:
-                    raise ActError("bad_reply", str(exc)) from None
-            if msg.type == "error" and msg["code"] in ("bad_observation", "inference_failed", "bad_request"):
-                raise ActError(msg["code"], f"the learner could not serve the act request: {msg['message']}")
-            c._dispatch(msg)  # noqa: SLF001 - acks, pongs, a new handshake ...
-            if not c.connected:
-                raise ActError("not_connected", "the learner asked for a new handshake")
+            if msg is not None:
+                c._dispatch(msg)  # noqa: SLF001 - acks, pongs, a new handshake; this act's reply: the inbox
 
 
 @dataclass
@@ -95,7 +114,8 @@ class RtcStep:
 class RtcChunker:
     def __init__(self, client: LearnerClient, act_fn, *, execute: int = 0):
         self.client, self.act_fn, self.execute = client, act_fn, int(execute)
-        self.latency: deque[float] = deque(maxlen=WINDOW)
+        self.latency: deque[float] = deque(maxlen=WINDOW)  # async requests' (what the estimate reads)
+        self.sync_latency: deque[float] = deque(maxlen=WINDOW)  # waited-for requests' (until there are those)
         self.period_s = 0.0        # mean control step period outside this class
         self._out_at: float | None = None
         self.chunk: np.ndarray | None = None
@@ -111,12 +131,15 @@ class RtcChunker:
     def reset(self) -> None:
         """A new episode, or a person took over: no chunk, the request in flight is dropped
         (its late reply is discarded by request id)."""
+        if self.flight is not None:
+            self.flight.close()
         self.chunk, self.flight, self._fresh, self._out_at = None, None, None, None
 
     def estimate(self, pending: int) -> int:
-        if not self.latency or self.period_s <= 0:
+        if self.period_s <= 0 or not (self.latency or self.sync_latency):
             return 0
-        return max(0, min(pending, math.ceil(max(self.latency) / self.period_s)))
+        lat = max(self.latency) if self.latency else self.sync_latency[-1]
+        return max(0, min(pending, math.ceil(lat / self.period_s)))
 
     def _take(self, got, at: int) -> None:
         actions, version, extras = got
@@ -161,7 +184,7 @@ class RtcChunker:
         if self.chunk is None or self.ci >= len(self.chunk):
             t0 = time.perf_counter()
             self._take(self.act_fn(obs_arrays, tasks, deterministic), 0)
-            self.latency.append(time.perf_counter() - t0)
+            self.sync_latency.append(time.perf_counter() - t0)
         h = len(self.chunk)
         pending = h - self.ci
         if self.flight is None and pending > 0 and self.ci >= (self.execute or h) - self.estimate(pending):
