@@ -17,6 +17,12 @@ declared dtype: the request's rows of ``chunk.extras_with_log_prob()``. A policy
 returns an extra it did not declare, or misses one, gets every request of the batch an
 ``inference_failed`` error naming it.
 
+Real-time chunking (``rtc``: the learner's ``rtc`` settings, when enabled): a batch with any
+request carrying RTC arrays (its pending prefix and delay, checked by the service) calls
+``policy.act(obs, rtc=RtcRows)`` with one row per observation; the rows of requests without
+RTC get ``pending`` 0 and are served as plain acts in the same forward
+(:mod:`agents.policies.rtc`). A batch without RTC rows calls ``policy.act`` as before.
+
 A policy with a ``warm_up(max_batch=...)`` method (PI0 / PI0.5: compile and capture the CUDA
 graphs of the batch sizes it will serve) is warmed up when the server is built, with the serving
 device current: that is before the learner starts its service, so no actor's act waits behind

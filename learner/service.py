@@ -16,7 +16,9 @@ Per message from an actor (first frame: the peer's routing identity, as a ROUTER
 - ``act``: validates the observation and queues it for the inference thread. Actors that
   got an ``act_port`` in their welcome send acts to the act socket instead
   (:mod:`learner.act_channel`: the inference thread reads, validates and answers them itself,
-  with no hand-off through this thread); both paths run the same checks (:meth:`check_act`);
+  with no hand-off through this thread); both paths run the same checks (:meth:`check_act`;
+  optional real-time-chunking arrays, ``rtc.*``: :func:`learner.wire_guard.check_rtc`, refused
+  with ``bad_request`` naming the problem);
 - ``transitions``: validates, drops duplicates by sequence number, hands new records to
   :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number; a batch
   refused as a whole (its layout, schema, value ranges or episode checks) is answered with

@@ -201,3 +201,4 @@ def test_bad_rtc_arrays_get_a_clear_error(policy, ports):
         assert r["code"] == "bad_request" and "rtc.enabled=true" in r["message"] and "chunk.rtc=false" in r["message"]
     finally:
         ln.close()
+
