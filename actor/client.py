@@ -58,8 +58,7 @@ class ActError(RuntimeError):
 
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+        self.code, self.message = code, message
 
 
 class LearnerClient:
@@ -342,8 +341,8 @@ class LearnerClient:
     # ---- requests ------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Send spooled batches not yet sent on this connection, keeping at most
-        ``max_in_flight`` batches that the learner has not yet received."""
+        """Send spooled batches not yet sent on this connection, keeping at most ``max_in_flight``
+        batches that the learner has not yet received."""
         if not self.connected:
             return
         for key in self.spool.pending():

@@ -13,7 +13,8 @@ new chunk takes over). Per run:
   action dims) on steps that start a chunk vs the other steps;
 - ``boundary_max_jerk`` / ``within_max_jerk``: the largest third difference
   ``|a_t - 3a_{t-1} + 3a_{t-2} - a_{t-3}|`` over windows that span a boundary vs the others;
-- ``steps_per_s`` (the control rate reached: without RTC the loop waits for every chunk),
+- ``steps_per_s``: the control rate reached inside episodes (from each episode's first env step
+  to its last; without RTC the loop waits for every chunk),
   ``act_ms`` (mean act latency seen by the actor's chunker, RTC runs), ``stalls`` (RTC: the chunk
   ran out before the reply), ``delays`` (RTC: delay sent -> steps the reply took, counts) and
   ``success`` (the env's flag, per episode).
@@ -124,6 +125,14 @@ def run_one(args, delay_ms: float, rtc: bool, policy: list[str], tmp: Path) -> d
             f"transport.port={proxy.port}", "actor_id=m0", "spool.fsync=false", f"max_episodes={episodes}",
             f"chunk.rtc={str(rtc).lower()}", f"chunk.execute={args.execute}", f"chunk.control_hz={args.control_hz}",
             "deterministic=true", "transport.timeout_s=10", "live=false", "drain_s=60"]))
+        stamps: list[float] = []
+        step = actor.env.step
+
+        def timed_step(action):  # the env's own step, timed
+            stamps.append(time.monotonic())
+            return step(action)
+
+        actor.env.step = timed_step
         t0 = time.monotonic()
         loop = actor.run()
         wall = time.monotonic() - t0
@@ -133,9 +142,15 @@ def run_one(args, delay_ms: float, rtc: bool, policy: list[str], tmp: Path) -> d
         lt.join(60)
         proxy.close()
     eps, success = episodes_of(stored)
+    # inside episodes: from each episode's first env step to its last (a reset and the episode's
+    # first, waited-for chunk are outside; a wait for a later chunk is inside)
+    lens, inside, i = [len(a) for a, _ in eps], 0.0, 0
+    for n in lens:
+        inside += stamps[i + n - 1] - stamps[i] if n > 1 else 0.0
+        i += n
     out = {"delay_ms": delay_ms, "rtc": rtc, "episodes": len(eps), "steps": loop.steps, "wall_s": wall,
-           "steps_per_s": loop.steps / wall, "success": [s for s in success if s is not None],
-           **discontinuity(eps)}
+           "steps_per_s": (sum(lens) - len(lens)) / inside if inside else None,
+           "success": [s for s in success if s is not None], **discontinuity(eps)}
     ch = actor.rtc
     if ch is not None:
         out.update(requests=ch.requests, joins=ch.joins, stalls=ch.stalls, stall_s=ch.stall_s,

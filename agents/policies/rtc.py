@@ -24,10 +24,13 @@ A row with ``pending`` 0 has all weights 0 and nothing frozen: its velocity is t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+log = logging.getLogger("tandem.policies.rtc")
 
 #: lerobot's RTCAttentionSchedule names
 SCHEDULES = ("ZEROS", "ONES", "LINEAR", "EXP")
@@ -156,6 +159,11 @@ def check_rtc_pair(rtc: RtcSettings, algo_cfg, policy_cfg) -> None:
     if not name.startswith("pi0"):
         raise ValueError(f"rtc.enabled=true needs a flow policy served by the PI0/PI0.5 fast path "
                          f"(policy=pi0, pi05, pi0_small), not policy={name}")
+    steps = int((policy_cfg or {}).get("num_inference_steps", 10) or 10)
+    if rtc.max_guidance_weight > steps:
+        log.warning("rtc.max_guidance_weight=%g > policy.num_inference_steps=%d: the first Euler steps move "
+                    "past the prefix (step size x guidance weight > 1); lerobot's defaults are 10 and 10",
+                    rtc.max_guidance_weight, steps)
 
 
 def rtc_inputs(rows: RtcRows, normalize, chunk: int, max_dim: int, num_steps: int,
