@@ -26,6 +26,10 @@ Chunks, extras and jobs (columns of :mod:`data.core.schema`):
   (:func:`policy_outage`), the loop backs off (0.1 s doubling to 5 s) keeping the link alive and
   asks again; ``holding``, ``act_failures`` and ``outages`` say so in its status. An env that
   stopped (a robot) or an observation the learner refused starts a new episode.
+- Real-time chunking (``rtc``, :mod:`actor.rtc`): the next chunk is asked for while the current
+  one runs and takes over when its reply arrives, ``k`` steps after the observation it was asked
+  about; that step has ``chunk_start`` True and ``chunk_index`` ``k`` (the delay), the steps before
+  it carry the previous chunk's index, extras and version. ``control_hz`` paces the env steps.
 - ``group_id``: the group of the learner's job for the episode, -1 without one. When the
   welcome said ``jobs``, the loop asks ``get_job(episode)`` before each reset and runs the
   job exactly: ``env.reset(seed=job.seed, options=job.reset_options())`` and deterministic
