@@ -142,6 +142,11 @@ def run_one(args, delay_ms: float, rtc: bool, policy: list[str], tmp: Path) -> d
         lt.join(60)
         proxy.close()
     eps, success = episodes_of(stored)
+    if args.dims:  # e.g. LIBERO's arm without the gripper (its -1 <-> 1 toggles dominate the maxima)
+        lo, hi = (int(x) for x in args.dims.split(":"))
+        measured = [(a[:, lo:hi], s) for a, s in eps]
+    else:
+        measured = eps
     # inside episodes: from each episode's first env step to its last (a reset and the episode's
     # first, waited-for chunk are outside; a wait for a later chunk is inside)
     lens, inside, i = [len(a) for a, _ in eps], 0.0, 0
@@ -150,7 +155,7 @@ def run_one(args, delay_ms: float, rtc: bool, policy: list[str], tmp: Path) -> d
         i += n
     out = {"delay_ms": delay_ms, "rtc": rtc, "episodes": len(eps), "steps": loop.steps, "wall_s": wall,
            "steps_per_s": (sum(lens) - len(lens)) / inside if inside else None,
-           "success": [s for s in success if s is not None], **discontinuity(eps)}
+           "success": [s for s in success if s is not None], **discontinuity(measured)}
     ch = actor.rtc
     if ch is not None:
         out.update(requests=ch.requests, joins=ch.joins, stalls=ch.stalls, stall_s=ch.stall_s,
@@ -186,6 +191,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--schedule", default="LINEAR")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the learner")
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for both (env.max_episode_steps=60 ...)")
+    ap.add_argument("--dims", default="", help="action dims the figures read, lo:hi (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.init_states = [int(s) for s in args.init_states.split(",") if s.strip()]
