@@ -19,6 +19,8 @@ The model is lerobot's own ``PI0Policy`` / ``PI05Policy`` (``lerobot.policies.pi
 - loading a local checkpoint in lerobot's format: ``config.json`` + ``model.safetensors``
   (+ optional ``*normalizer_processor.safetensors`` statistics, + ``tandem_arch.json`` for
   the reduced sizes of test models, + ``tokenizer/``);
+- real-time chunking: ``act(obs, rtc=RtcRows)`` freezes each row's delayed steps to its pending
+  prefix and guides the rest toward it, always on the fast path (:mod:`agents.policies.rtc`);
 - serving: in eval mode ``act`` runs with the adapters folded into the base weights
   (:class:`agents.policies.vla_common.LoRAServing`; the model is kernel-launch bound at small
   batches and the adapter path nearly doubles PI0's latency); training, ``bc_loss`` and
