@@ -20,6 +20,7 @@ from data.live_view import LiveView
 from data.stops import StopSignals
 from actor.console import actor_status, render
 from actor.loop import ActorLoop
+from actor.rtc import RtcChunker
 from actor.rerun_live import make_rerun
 from actor.spool import Spool
 from envs.registry import make_env
@@ -36,6 +37,11 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"actor_id must be a non-empty name without '/', got {cfg.actor_id!r}")
     if cfg.chunk.execute < 0:
         raise ValueError(f"chunk.execute must be >= 0, got {cfg.chunk.execute}")
+    if cfg.chunk.get("rtc", False) and cfg.mode != "remote":
+        raise ValueError("chunk.rtc=true needs mode=remote: the learner serves real-time chunking "
+                         "(its rtc.enabled=true); a local policy copy does not")
+    if float(cfg.chunk.get("control_hz", 0) or 0) < 0:
+        raise ValueError(f"chunk.control_hz must be >= 0, got {cfg.chunk.control_hz}")
     if cfg.spool.batch_size < 1:
         raise ValueError(f"spool.batch_size must be >= 1, got {cfg.spool.batch_size}")
     if cfg.mode == "local":
@@ -123,6 +129,8 @@ class Actor:
                 self.close()
                 raise ValueError(f"mode=local policy={cfg.policy.name} needs {exc.name}, which this "
                                  f"install lacks: `{THIN_HINT.format(group='learner')}`") from exc
+        #: real-time chunking (actor/rtc.py), or None
+        self.rtc = RtcChunker(self.client, self._act, execute=int(cfg.chunk.execute)) if cfg.chunk.get("rtc") else None
         self._stopping = False
         self._signals = StopSignals(on_stop=self._mark_stopping)
 
@@ -143,8 +151,8 @@ class Actor:
             batch_size=int(cfg.spool.batch_size), execute=int(cfg.chunk.execute),
             deterministic=bool(cfg.deterministic), seed=int(cfg.seed), log_every_s=cfg.log_every_s,
             on_poll=self._refresh_local if self.local is not None else None,
-            get_job=self.client.get_job,
-        )
+            get_job=self.client.get_job, control_hz=float(cfg.chunk.get("control_hz", 0) or 0),
+            rtc=self.rtc)
         self.rerun = make_rerun(cfg, str(cfg.actor_id))
         if self.rerun is not None:
             loop.on_step = self.rerun.log_step

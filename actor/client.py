@@ -13,8 +13,8 @@ refuses (``batch_rejected``) becomes a dead letter in the spool (:meth:`actor.sp
 Acts go to the learner's act socket when the welcome names one (``act_port``, served by its
 inference thread: :mod:`learner.act_channel`): a second DEALER whose routing id is the
 session's ``act_token``, rebuilt with every welcome. A learner that forgot the session answers
-``handshake_required`` there, and the client handshakes again and resends. Without an
-``act_port`` acts use the main socket.
+``handshake_required`` there, and the client handshakes again and resends. Without an ``act_port``
+acts use the main socket (a reply :meth:`poll` reads goes to ``on_act_reply``: :mod:`actor.rtc`).
 
 The welcome carries the learner's :class:`data.core.spec.EnvSpec` (:attr:`LearnerClient.spec`:
 the env layout plus the policy extras every record must carry) and whether the learner hands
@@ -52,15 +52,13 @@ class LearnerFinished(RuntimeError):
 
 
 class ActError(RuntimeError):
-    """No actions for this request: the learner could not serve it (``inference_failed``,
-    ``bad_observation``), sent an unusable reply (``bad_reply``) or did not answer in time
-    (``no_reply``, ``not_connected``). Never final: the actor holds its env safe and retries
-    (:class:`actor.loop.ActorLoop`)."""
+    """No actions for this request: the learner could not serve it (``inference_failed``, ``bad_observation``),
+    sent an unusable reply (``bad_reply``) or did not answer in time (``no_reply``, ``not_connected``).
+    Never final: the actor holds its env safe and retries (:class:`actor.loop.ActorLoop`)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+        self.code, self.message = code, message
 
 
 class LearnerClient:
@@ -120,7 +118,7 @@ class LearnerClient:
         #: random per-process token in every hello: the learner lets this process take over its
         #: own live session (a retried handshake), never another process claiming the same id
         self.instance = uuid.uuid4().hex
-        self.last_act_ms = 0.0
+        self.last_act_ms, self.on_act_reply = 0.0, None
 
     # ---- connection ----------------------------------------------------------------------
 
@@ -167,8 +165,7 @@ class LearnerClient:
                         log.warning("learner: %s (retrying)", msg["message"])
                         self._in_use_warned = True
                     return
-                raise HandshakeError(f"learner refused actor {self.actor_id!r}: {msg['code']}: "
-                                     f"{msg['message']}")
+                raise HandshakeError(f"learner refused actor {self.actor_id!r}: {msg['code']}: {msg['message']}")
         elif time.monotonic() - self._hello_at > self.timeout_s:
             self._start_handshake()
 
@@ -274,7 +271,10 @@ class LearnerClient:
             return None
 
     def _dispatch(self, msg: Message) -> None:
-        if msg.type == "welcome":
+        if self.on_act_reply is not None and (msg.type == "act_reply" or msg.type == "error" and msg["code"] in (
+                "bad_observation", "inference_failed", "bad_request")):
+            self.on_act_reply(msg)
+        elif msg.type == "welcome":
             self._on_welcome(msg)
         elif msg.type == "ack":
             self._on_ack(msg["acked_seq"], msg["received_seq"])
@@ -341,8 +341,8 @@ class LearnerClient:
     # ---- requests ------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Send spooled batches not yet sent on this connection, keeping at most
-        ``max_in_flight`` batches that the learner has not yet received."""
+        """Send spooled batches not yet sent on this connection, keeping at most ``max_in_flight``
+        batches that the learner has not yet received."""
         if not self.connected:
             return
         for key in self.spool.pending():
@@ -438,11 +438,10 @@ class LearnerClient:
         return extras
 
     def get_job(self, episode: int) -> Job | None:
-        """The learner's job for ``episode`` (the episode this actor is about to start), or
-        None: the learner hands out no jobs (welcome ``jobs`` false), has none now
-        (``no_job``), or did not answer within ``timeout_s`` (then the actor runs as it
-        likes; logged once per outage, and after ``reconnect_after`` such misses the socket
-        is rebuilt as for other requests)."""
+        """The learner's job for ``episode`` (the episode this actor is about to start), or None: the
+        learner hands out no jobs (welcome ``jobs`` false), has none now (``no_job``), or did not answer
+        within ``timeout_s`` (then the actor runs as it likes; logged once per outage, and after
+        ``reconnect_after`` such misses the socket is rebuilt as for other requests)."""
         deadline = time.monotonic() + self.timeout_s
         sent_on = None  # the connection (learner id, socket) the request went out on
         while time.monotonic() < deadline:
@@ -496,5 +495,5 @@ class LearnerClient:
         return self.weights_msg
 
     def stats(self) -> dict[str, Any]:
-        return {"unacked": len(self.spool), "spool_mb": self.spool.nbytes / 2**20, "reconnects":
-                self.reconnects, "version": self.policy_version, "dead_letters": self.spool.dead_letters}
+        return {"unacked": len(self.spool), "spool_mb": self.spool.nbytes / 2**20, "reconnects": self.reconnects,
+                "version": self.policy_version, "dead_letters": self.spool.dead_letters}

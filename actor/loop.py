@@ -26,6 +26,10 @@ Chunks, extras and jobs (columns of :mod:`data.core.schema`):
   (:func:`policy_outage`), the loop backs off (0.1 s doubling to 5 s) keeping the link alive and
   asks again; ``holding``, ``act_failures`` and ``outages`` say so in its status. An env that
   stopped (a robot) or an observation the learner refused starts a new episode.
+- Real-time chunking (``rtc``, :mod:`actor.rtc`): the next chunk is asked for while the current
+  one runs and takes over when its reply arrives, ``k`` steps after the observation it was asked
+  about; that step has ``chunk_start`` True and ``chunk_index`` ``k`` (the delay), the steps before
+  it carry the previous chunk's index, extras and version. ``control_hz`` paces the env steps.
 - ``group_id``: the group of the learner's job for the episode, -1 without one. When the
   welcome said ``jobs``, the loop asks ``get_job(episode)`` before each reset and runs the
   job exactly: ``env.reset(seed=job.seed, options=job.reset_options())`` and deterministic
@@ -44,6 +48,7 @@ import gymnasium as gym
 import numpy as np
 
 from actor.client import ActError, LearnerClient
+from actor.rtc import RtcChunker
 from data.core.jobs import NO_GROUP, Job
 from data.core.schema import EXTRA_PREFIX, OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from data.transitions import TransitionBatch
@@ -103,6 +108,8 @@ class ActorLoop:
         on_poll: Callable[[], None] | None = None,
         get_job: JobFn | None = None,
         on_step: StepFn | None = None,
+        rtc: RtcChunker | None = None,
+        control_hz: float = 0.0,
     ):
         self.env = env
         self.client = client
@@ -123,6 +130,11 @@ class ActorLoop:
         self.returns: deque = deque(maxlen=20)
         self.successes: deque = deque(maxlen=20)
         self.on_step = on_step
+        #: real-time chunking (actor/rtc.py): the next chunk is asked for while this one runs
+        self.rtc = rtc
+        #: env steps paced to this rate (0: as fast as the env and the policy go), as on a robot
+        self.period_s = 1.0 / control_hz if control_hz > 0 else 0.0
+        self._tick = 0.0
         # the episode in progress, for the operator's view (actor/console.py)
         self.episode = -1
         self.episode_step = 0
@@ -213,6 +225,15 @@ class ActorLoop:
                 self.on_poll()
         return stopped or exc.code == "bad_observation"
 
+    def _pace(self) -> None:
+        """With ``control_hz``: wait for this step's tick (a late step moves the ticks on)."""
+        if self.period_s:
+            now = time.monotonic()
+            wait = self._tick + self.period_s - now
+            if wait > 0:
+                time.sleep(wait)
+            self._tick = max(now, self._tick + self.period_s)
+
     def _resume(self) -> None:
         if self._streak:
             log.info("the policy answers again after %d failed request(s) (%s)", self._streak,
@@ -240,26 +261,47 @@ class ActorLoop:
         version, extras = 0, {}
         while not stop() and not (max_episodes and self.episodes >= max_episodes):
             group = job.group_id if job is not None else NO_GROUP
-            if chunk is None or ci >= len(chunk):
+            if self.rtc is not None:
                 arrays, tasks = obs_arrays(obs)
                 deterministic = self.deterministic or (job is not None and job.deterministic)
                 try:
-                    actions, version, reply_extras = self.act_fn(arrays, tasks, deterministic)
+                    st = self.rtc.next(arrays, tasks, deterministic)
                 except ActError as exc:
-                    if self._hold(exc, stop):  # the env cannot go on with this episode
+                    if exc.code == "bad_request":  # the learner refuses RTC itself: a config error
+                        raise RuntimeError(f"chunk.rtc=true: {exc.message}") from exc
+                    if self._hold(exc, stop):
                         self._flush(force=True)
                         episode, job, obs = self._start_episode()
-                        step, ret, success, chunk = 0, 0.0, False, None
+                        step, ret, success = 0, 0.0, False
+                        self.rtc.reset()
                     continue
                 self._resume()
-                extras = self._chunk_extras(reply_extras)
-                chunk = actions[0]
-                if self.execute:
-                    chunk = chunk[: self.execute]
-                ci = 0
-            action = np.asarray(chunk[ci], dtype=np.float32)
-            index = ci
-            ci += 1
+                if st.start:
+                    version, extras = st.version, self._chunk_extras(st.extras)
+                action, index, first = np.asarray(st.action, dtype=np.float32), st.index, st.start
+            else:
+                if chunk is None or ci >= len(chunk):
+                    arrays, tasks = obs_arrays(obs)
+                    deterministic = self.deterministic or (job is not None and job.deterministic)
+                    try:
+                        actions, version, reply_extras = self.act_fn(arrays, tasks, deterministic)
+                    except ActError as exc:
+                        if self._hold(exc, stop):  # the env cannot go on with this episode
+                            self._flush(force=True)
+                            episode, job, obs = self._start_episode()
+                            step, ret, success, chunk = 0, 0.0, False, None
+                        continue
+                    self._resume()
+                    extras = self._chunk_extras(reply_extras)
+                    chunk = actions[0]
+                    if self.execute:
+                        chunk = chunk[: self.execute]
+                    ci = 0
+                action = np.asarray(chunk[ci], dtype=np.float32)
+                index = ci
+                first = index == 0
+                ci += 1
+            self._pace()
             next_obs, reward, terminated, truncated, info = self.env.step(action)
             intervened = bool(info.get("intervened", False))
             executed = np.asarray(info["human_action"], np.float32) if intervened else action
@@ -268,7 +310,7 @@ class ActorLoop:
                 obs, action=executed, reward=np.float32(reward), terminated=bool(terminated),
                 truncated=bool(truncated), intervened=intervened, is_last=False,
                 success=bool(info.get("is_success", False)), policy_version=version,
-                episode=episode, step=step, chunk_start=index == 0 and not intervened,
+                episode=episode, step=step, chunk_start=first and not intervened,
                 chunk_index=index, group_id=group, **extras,
             )
             if self.on_step is not None:
@@ -282,6 +324,8 @@ class ActorLoop:
             obs = next_obs
             if intervened:
                 chunk = None  # ask the policy again once the human lets go
+                if self.rtc is not None:
+                    self.rtc.reset()
             if terminated or truncated:
                 self._record(
                     obs, action=np.zeros_like(action), reward=np.float32(0.0), terminated=False,
@@ -297,6 +341,8 @@ class ActorLoop:
                     break  # do not reserve (or take a job for) an episode that will not run
                 episode, job, obs = self._start_episode()
                 step, ret, success, chunk = 0, 0.0, False, None
+                if self.rtc is not None:
+                    self.rtc.reset()
             else:
                 self._flush()
             now = time.monotonic()

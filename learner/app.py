@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agents import registry
 from agents.base import extras_ranges
+from agents.policies.rtc import RtcSettings, check_rtc_pair
 from data.core.spec import EnvSpec, config_hash
 from envs.registry import env_spec
 from learner.actor_stats import ActorStats
@@ -94,6 +95,7 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"buffer.capacity ({cfg.buffer.capacity}) < algo.batch_size "
                          f"({cfg.algo.batch_size})")
     registry.check_algo_policy(cfg.algo, cfg.policy)
+    check_rtc_pair(RtcSettings.from_config(cfg.get("rtc")), cfg.algo, cfg.policy)  # agents/policies/rtc.py
 
 
 class Learner:
@@ -142,7 +144,7 @@ class Learner:
         self.eval_videos = EvalVideos(self.spec) if cfg.mode == "eval" else None
         self.ingest.on_records = self._on_records
         self._rates = {"status": RateMeter(), "view": RateMeter()}
-        self.serving_device = serving_device(cfg, self.device)
+        self.serving_device, self.rtc = serving_device(cfg, self.device), RtcSettings.from_config(cfg.get("rtc"))
         # built with that GPU current: policies that say "cuda" (lerobot's PI0) land on it too
         with torch.cuda.device(self.serving_device) if self.serving_device.type == "cuda" else contextlib.nullcontext():
             serving = registry.build_trained_policy(self.builder, cfg.policy, env).to(self.serving_device).eval()
@@ -157,19 +159,19 @@ class Learner:
             ctx=self.ctx, spec=self.spec, config_hash=self.config_hash, ingest=self.ingest,
             submit_act=self._submit_act, get_version=lambda: self.weights.version,
             get_weights=lambda: self.weights.latest(), host=t.host, port=t.port, pub_port=t.pub_port,
-            act_port=t.get("act_port"), max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
+            act_port=t.get("act_port"), act_socket=bool(t.get("act_socket", True)), max_message_bytes=int(t.max_message_mb * (1 << 20)), peer_timeout_s=t.peer_timeout_s,
             gate_memory_bytes=int(float(t.get("gate_memory_mb", 4096)) * (1 << 20)),
             max_actor_ids=int(t.get("max_actor_ids", 4096)),
             mode=cfg.mode, security=OmegaConf.to_container(t.security, resolve=True),
             next_job=None if self.jobs is None else self.jobs.next_job,
-            on_fatal=self._service_died,
+            on_fatal=self._service_died, rtc_chunk=int(cfg.policy.chunk_size) if self.rtc.enabled else 0,
         )
         self.inference = InferenceServer(
             serving, reply=self._reply_act, active_actors=self.service.active_actors,
             device=self.serving_device, max_batch=cfg.inference.max_batch,
             batch_window_ms=cfg.inference.batch_window_ms,
             act_channel=self.service.act_channel,  # acts on their own socket (learner/act_channel.py)
-        )
+            rtc=self.rtc)
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
         self._stop = threading.Event()
         self.checkpoints_refused = 0

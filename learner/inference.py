@@ -17,6 +17,12 @@ declared dtype: the request's rows of ``chunk.extras_with_log_prob()``. A policy
 returns an extra it did not declare, or misses one, gets every request of the batch an
 ``inference_failed`` error naming it.
 
+Real-time chunking (``rtc``: the learner's ``rtc`` settings, when enabled): a batch with any
+request carrying RTC arrays (its pending prefix and delay, checked by the service) calls
+``policy.act(obs, rtc=RtcRows)`` with one row per observation; the rows of requests without
+RTC get ``pending`` 0 and are served as plain acts in the same forward
+(:mod:`agents.policies.rtc`). A batch without RTC rows calls ``policy.act`` as before.
+
 A policy with a ``warm_up(max_batch=...)`` method (PI0 / PI0.5: compile and capture the CUDA
 graphs of the batch sizes it will serve) is warmed up when the server is built, with the serving
 device current: that is before the learner starts its service, so no actor's act waits behind
@@ -38,7 +44,8 @@ import torch
 import zmq
 
 from data.core.codec import encode
-from data.core.schema import TASK
+from agents.policies.rtc import RtcRows, RtcSettings
+from data.core.schema import RTC_DELAY, RTC_PENDING, RTC_PREFIX, TASK
 from data.transitions import extras_to_numpy
 from learner.act_channel import ActChannel
 from learner.service import ActRequest
@@ -58,9 +65,12 @@ class InferenceServer(threading.Thread):
         batch_window_ms: float = 2.0,
         autocast_dtype: torch.dtype | None = None,
         act_channel: ActChannel | None = None,
+        rtc: RtcSettings | None = None,
     ):
         super().__init__(name="tandem-inference", daemon=True)
         self.policy = policy
+        #: real-time chunking settings (requests with RTC arrays are served with them), or None
+        self.rtc = rtc if rtc is not None and rtc.enabled else None
         self.reply = reply
         self.active_actors = active_actors
         self.device = device
@@ -237,6 +247,21 @@ class InferenceServer(threading.Thread):
                             self.reply(r.identity, encode("error", {
                                 "code": "inference_failed", "message": f"{type(exc).__name__}: {exc}"}))
 
+    def _rtc_rows(self, group: list[ActRequest]) -> RtcRows:
+        """The batch's RTC rows: each request's prefix, delay and pending count; a request
+        without RTC gets pending 0 (its rows are served as a plain act)."""
+        first = next(r.rtc for r in group if r.rtc)
+        h, a = first[RTC_PREFIX].shape[1:]
+        n = sum(r.n for r in group)
+        prefix, delay, pending = np.zeros((n, h, a), np.float32), np.zeros(n, np.int64), np.zeros(n, np.int64)
+        i = 0
+        for r in group:
+            if r.rtc:
+                prefix[i:i + r.n], delay[i:i + r.n] = r.rtc[RTC_PREFIX], r.rtc[RTC_DELAY]
+                pending[i:i + r.n] = r.rtc[RTC_PENDING]
+            i += r.n
+        return RtcRows(prefix, delay, pending, self.rtc)
+
     def _serve_finite_rows(self, group: list[ActRequest], actions: np.ndarray, deterministic: bool) -> None:
         """Some rows of a batch came out NaN or Inf: their requests get ``inference_failed``,
         the others are served again without them (rows do not mix in a policy's forward)."""
@@ -275,11 +300,12 @@ class InferenceServer(threading.Thread):
         if not self._on_cpu:
             obs = {k: v.to(self.device, non_blocking=True) for k, v in obs.items()}
         obs[TASK] = tasks
+        kw = {} if self.rtc is None or not any(r.rtc for r in group) else {"rtc": self._rtc_rows(group)}
         if self.autocast_dtype is None:
-            chunk = self.policy.act(obs, deterministic=deterministic)
+            chunk = self.policy.act(obs, deterministic=deterministic, **kw)
         else:
             with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-                chunk = self.policy.act(obs, deterministic=deterministic)
+                chunk = self.policy.act(obs, deterministic=deterministic, **kw)
         a = chunk.actions
         if a.dtype is torch.float32:
             try:  # one torch call for the usual float32 CPU tensor

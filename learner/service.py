@@ -16,7 +16,9 @@ Per message from an actor (first frame: the peer's routing identity, as a ROUTER
 - ``act``: validates the observation and queues it for the inference thread. Actors that
   got an ``act_port`` in their welcome send acts to the act socket instead
   (:mod:`learner.act_channel`: the inference thread reads, validates and answers them itself,
-  with no hand-off through this thread); both paths run the same checks (:meth:`check_act`);
+  with no hand-off through this thread); both paths run the same checks (:meth:`check_act`;
+  optional real-time-chunking arrays, ``rtc.*``: :func:`learner.wire_guard.check_rtc`, refused
+  with ``bad_request`` naming the problem);
 - ``transitions``: validates, drops duplicates by sequence number, hands new records to
   :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number; a batch
   refused as a whole (its layout, schema, value ranges or episode checks) is answered with
@@ -62,7 +64,7 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from data.core.codec import CodecError, FieldRangeError, decode, encode, send_frames
+from data.core.codec import CodecError, FieldRangeError, Message, decode, encode, send_frames
 from data.core.jobs import Job
 from data.core.schema import MAX_BATCH, OBS_STATE
 from data.transitions import TransitionBatch, TransitionError
@@ -71,7 +73,8 @@ from learner.handshake import on_hello
 from learner.ingest import Ingest
 from learner.act_channel import ActChannel, drain as _drain, is_act_token
 from learner.server_sockets import Outboxes, open_server_sockets, send_or_drop
-from learner.wire_guard import RateLimitedLog, check_act_obs, check_obs, check_transitions_message
+from learner.wire_guard import (RateLimitedLog, check_act_obs, check_obs, check_rtc, check_transitions_message,
+                                split_rtc)
 from data.core.security import authorized_actor_ids
 
 log = logging.getLogger("tandem.learner.service")
@@ -92,6 +95,8 @@ class ActRequest:
     t_recv: float = field(default_factory=time.perf_counter)
     #: the session's actor id ("" when the submitter did not know it)
     actor_id: str = ""
+    #: real-time chunking: the request's checked RTC arrays (data.core.schema.RTC_ARRAYS), or None
+    rtc: dict[str, np.ndarray] | None = None
 
     @property
     def n(self) -> int:
@@ -133,13 +138,16 @@ class LearnerService(threading.Thread):
         act_socket: bool = True,
         gate_memory_bytes: int = 4 << 30,
         max_actor_ids: int = 4096,
+        rtc_chunk: int = 0,
     ):
         """``act_port``: the act socket's port (:mod:`learner.act_channel`); None: ``port + 2``
         (5590 by default; one the OS picks when that is taken or ``port`` is 0; the welcome
         tells actors which). ``act_socket=False``: none, every act goes through the main
         socket. ``gate_memory_bytes``: the wire gate's memory cap (:mod:`data.core.gate`).
         ``max_actor_ids``: hellos naming a new actor id are refused (``too_many_actors``) once
-        ingest keeps state for that many (the state of every id is kept for good)."""
+        ingest keeps state for that many (the state of every id is kept for good).
+        ``rtc_chunk``: the policy's chunk when this learner serves real-time chunking (act
+        requests may carry RTC arrays, :func:`learner.wire_guard.check_rtc`), 0 when not."""
         super().__init__(name="tandem-service", daemon=True)
         self.ctx = ctx
         self.spec = spec
@@ -153,6 +161,7 @@ class LearnerService(threading.Thread):
         self.mode = mode
         self.next_job = next_job
         self.max_actor_ids = int(max_actor_ids)
+        self.rtc_chunk = int(rtc_chunk)
         self.learner_id = uuid.uuid4().hex[:12]
         self.peers: dict[bytes, Peer] = {}
         #: act token -> session (read by the inference thread; written here only)
@@ -231,14 +240,21 @@ class LearnerService(threading.Thread):
         """(error code, message) for an ``act`` request that must not be served, else None."""
         if self.finished:
             return "finished", "evaluation is done"
+        obs, rtc = split_rtc(msg.arrays)
+        if rtc:  # real-time chunking: the observation alone through the usual checks, then these
+            msg = Message(msg.type, msg.fields, obs, None)
         err = check_act_obs(msg, self.spec)
-        return ("bad_observation", err) if err else None
+        if err:
+            return "bad_observation", err
+        err = rtc and check_rtc(rtc, len(msg["tasks"]), self.rtc_chunk, self.spec.action_dim)
+        return ("bad_request", err) if err else None
 
     def act_request(self, identity: bytes, msg, actor_id: str) -> ActRequest:  # counted
         with self._count_lock:
             self.counters["acts"] += 1
+        obs, rtc = split_rtc(msg.arrays)
         return ActRequest(identity, msg["req_id"], bool(msg["deterministic"]) or self.mode == "eval",
-                          msg.arrays, msg["tasks"], actor_id=actor_id)
+                          obs, msg["tasks"], actor_id=actor_id, rtc=rtc or None)
 
     def stop(self) -> None:
         self._stop_event.set()

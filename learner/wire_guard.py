@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from data.core.codec import Message
-from data.core.schema import MAX_BATCH, OBS_STATE, STEP_BOUNDS, TASK
+from data.core.schema import MAX_BATCH, OBS_STATE, RTC_ARRAYS, RTC_DELAY, RTC_PENDING, RTC_PREFIX, STEP_BOUNDS, TASK
 from data.core.spec import EnvSpec
 
 _DTYPES = {"float32": np.dtype("float32"), "uint8": np.dtype("uint8")}
@@ -148,6 +148,43 @@ def check_obs(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec) -> str 
         return f"{TASK}: expected {b} instruction strings"
     if spec.has_task and not all(tasks):
         return "missing task instruction: this env needs one per observation"
+    return None
+
+
+def split_rtc(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """An act request's arrays -> (observation arrays, RTC arrays)."""
+    if not any(k.startswith("rtc.") for k in arrays):
+        return arrays, {}
+    return ({k: a for k, a in arrays.items() if not k.startswith("rtc.")},
+            {k: a for k, a in arrays.items() if k.startswith("rtc.")})
+
+
+def check_rtc(rtc: dict[str, np.ndarray], b: int, chunk: int, action_dim: int) -> str | None:
+    """The RTC arrays of an act request of ``b`` rows (:data:`data.core.schema.RTC_ARRAYS`):
+    all three, ``rtc.prefix`` float32 [b, chunk, action_dim] finite, ``rtc.pending`` int64 [b] in
+    0..chunk, ``rtc.delay`` int64 [b] in 0..pending. ``chunk`` 0: this learner serves no RTC."""
+    if chunk <= 0:
+        return ("this learner does not serve real-time chunking (rtc.* arrays sent): start it with "
+                "rtc.enabled=true and a PI0/PI0.5 policy, or set chunk.rtc=false on the actor")
+    unknown = sorted(set(rtc) - set(RTC_ARRAYS))
+    missing = [k for k in RTC_ARRAYS if k not in rtc]
+    if unknown or missing:
+        return f"RTC arrays: unexpected {unknown}, missing {missing} (send all of {list(RTC_ARRAYS)})"
+    want = {RTC_PREFIX: ("float32", (b, chunk, action_dim)), RTC_DELAY: ("int64", (b,)),
+            RTC_PENDING: ("int64", (b,))}
+    for k, (dt, shape) in want.items():
+        a = rtc[k]
+        if a.dtype != np.dtype(dt) or a.shape != shape:
+            return f"{k}: got {a.dtype.name}{tuple(a.shape)}, expected {dt}{shape} (chunk horizon x action dim)"
+    if not np.isfinite(rtc[RTC_PREFIX]).all():
+        return f"{RTC_PREFIX}: contains NaN or Inf"
+    pending, delay = rtc[RTC_PENDING], rtc[RTC_DELAY]
+    if pending.min() < 0 or pending.max() > chunk:
+        return f"{RTC_PENDING}: values must be in [0, {chunk}], got {int(pending.min())}..{int(pending.max())}"
+    if (delay < 0).any() or (delay > pending).any():
+        i = int(np.flatnonzero((delay < 0) | (delay > pending))[0])
+        return (f"{RTC_DELAY}: row {i} has delay {int(delay[i])}; it must be in [0, pending] = "
+                f"[0, {int(pending[i])}] (at most the chunk, {chunk})")
     return None
 
 

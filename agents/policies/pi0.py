@@ -19,6 +19,8 @@ The model is lerobot's own ``PI0Policy`` / ``PI05Policy`` (``lerobot.policies.pi
 - loading a local checkpoint in lerobot's format: ``config.json`` + ``model.safetensors``
   (+ optional ``*normalizer_processor.safetensors`` statistics, + ``tandem_arch.json`` for
   the reduced sizes of test models, + ``tokenizer/``);
+- real-time chunking: ``act(obs, rtc=RtcRows)`` freezes each row's delayed steps to its pending
+  prefix and guides the rest toward it, always on the fast path (:mod:`agents.policies.rtc`);
 - serving: in eval mode ``act`` runs with the adapters folded into the base weights
   (:class:`agents.policies.vla_common.LoRAServing`; the model is kernel-launch bound at small
   batches and the adapter path nearly doubles PI0's latency); training, ``bc_loss`` and
@@ -55,6 +57,7 @@ from agents.policies.fast_common import resolve_compile, warm_up
 from agents.policies.pi0_fast import FastPiSampler
 from agents.policies.pi0_norm import Normalizer, fit_stats, load_stats
 from agents.policies.pi0_prompt import PromptTokens, prompts
+from agents.policies.rtc import RtcRows, hold_frozen, rtc_inputs
 from agents.policies.pi0_lerobot import (ARCH_FILE, Pi0Arch, build_lerobot_pi, lerobot_config,  # noqa: F401
                                          lerobot_pi_module, save_lerobot_checkpoint)
 from data.core.schema import OBS_STATE
@@ -363,11 +366,12 @@ class Pi0Policy(nn.Module):
         """The tensors lerobot's PI0Pytorch takes (images, masks, tokens, [state])."""
         return self._model_inputs(self.lerobot_batch(obs))
 
-    def forward_model(self, inputs: tuple, noise: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_model(self, inputs: tuple, noise: torch.Tensor | None = None, rtc: RtcRows | None = None) -> torch.Tensor:
         """The bare model call: [B, chunk, max_action_dim]. Lerobot's PI0Pytorch.sample_actions,
-        or in eval mode without gradients its fast equivalent (``fast_serving``)."""
+        or in eval mode without gradients its fast equivalent (``fast_serving``; always with
+        ``rtc``, :mod:`agents.policies.rtc`: eager where no graphs are captured)."""
         self._serving_weights()
-        fast = self._fast_sampler()
+        fast = self._fast_sampler(force=rtc is not None)
         if fast is None:
             return self.inner.model.sample_actions(*inputs, noise=noise)
         if noise is None:
@@ -375,15 +379,18 @@ class Pi0Policy(nn.Module):
                                 device=self.device)
         images, img_masks, toks, masks = inputs[:4]
         state = inputs[4] if len(inputs) > 4 else None
+        steps = int(self.lr_cfg.num_inference_steps)
+        extra = {} if rtc is None else rtc_inputs(rtc, lambda a: self.norm(a, "action"), self.chunk_size,
+                                                   int(self.lr_cfg.max_action_dim), steps, self.device)
         return fast.sample(images, img_masks, toks, masks, state, noise.to(self.device, torch.float32),
-                           int(self.lr_cfg.num_inference_steps), key=self.lora.folded)
+                           steps, key=self.lora.folded, **extra)
 
-    def _fast_sampler(self):
+    def _fast_sampler(self, force: bool = False):
         mode = self.cfg.fast_serving
-        if mode == "off" or self.training or torch.is_grad_enabled():
+        if not force and (mode == "off" or self.training or torch.is_grad_enabled()):
             return None
         cuda = self.device.type == "cuda"
-        if mode == "auto" and not cuda:
+        if mode == "auto" and not cuda and not force:
             return None
         if getattr(self, "_fast", None) is None:
             g = cuda and mode in ("auto", "graphs")
@@ -414,17 +421,19 @@ class Pi0Policy(nn.Module):
 
     # -- Policy protocol ----------------------------------------------------------------------------
     @torch.no_grad()
-    def act(self, obs: Batch, *, deterministic: bool = False, noise: torch.Tensor | None = None) -> ActionChunk:
+    def act(self, obs: Batch, *, deterministic: bool = False, noise: torch.Tensor | None = None,
+            rtc: RtcRows | None = None) -> ActionChunk:
         """Actions [B, chunk_size, A] float32; ``noise`` [B, chunk_size, max_action_dim] overrides
-        the flow's starting sample (deterministic: zeros)."""
+        the flow's starting sample (deterministic: zeros). ``rtc``: each row's pending prefix and
+        delay (:mod:`agents.policies.rtc`; its frozen steps are returned as sent)."""
         inputs = self.model_inputs(obs)  # what lerobot's predict_action_chunk does, minus its eval()
         shape = (inputs[2].shape[0], self.chunk_size, self.lr_cfg.max_action_dim)
         if noise is None:
             noise = (torch.zeros(shape, device=self.device) if deterministic
                      else torch.randn(shape, device=self.device))
         noise = noise.to(self.device, torch.float32)
-        actions = self.forward_model(inputs, noise)
-        return ActionChunk(self._postprocess(actions), None, {"noise": noise})
+        actions = self._postprocess(self.forward_model(inputs, noise, rtc))
+        return ActionChunk(actions if rtc is None else hold_frozen(actions, rtc), None, {"noise": noise})
 
     @property
     def noise_shape(self) -> tuple[int, int]:

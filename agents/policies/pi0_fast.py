@@ -40,7 +40,11 @@ server will use before it serves.
 
 The result equals lerobot's ``sample_actions`` on the same noise: to float32 round-off on a
 CPU (tests/test_pi0_fast.py), within bf16 tolerance on a GPU (the GPU test in the same file).
-RTC (real-time chunking) is not supported on this path; ``Pi0Policy`` falls back to lerobot's.
+RTC (real-time chunking, :mod:`agents.policies.rtc`): ``sample(..., rtc=...)`` with per-row
+tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
+Euler step as lerobot's ``RTCProcessor`` does and freezes the delayed steps; a batch of mixed
+delays (and rows without RTC, all-zero weights) runs one graph, captured once per bucket for
+RTC batches beside the plain one.
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ from torch import nn
 
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
+from agents.policies.rtc import freeze, guide
+
+#: the per-row RTC tensors ``sample`` takes: prefix [B, H, D], weights [B, H, 1], frozen [B, H, 1]
+RTC_KEYS = ("rtc_prefix", "rtc_weights", "rtc_frozen")
 
 log = logging.getLogger("tandem.policies.pi0_fast")
 
@@ -290,7 +298,8 @@ class FastPiSampler:
             h, _ = self.expert.norm(h, None)
         return self.model.action_out_proj(h[:, -self.chunk:].to(torch.float32))
 
-    def _sample(self, images, img_masks, tokens, lang_masks, state, noise, num_steps: int) -> torch.Tensor:
+    def _sample(self, images, img_masks, tokens, lang_masks, state, noise, num_steps: int,
+                rtc: dict | None = None, gws: tuple[float, ...] = ()) -> torch.Tensor:
         with gpu_kernels(noise.is_cuda):
             cache, pad = self.prefix(images, img_masks, tokens, lang_masks)
             self._set_attn(ATTN_NAME)
@@ -308,7 +317,15 @@ class FastPiSampler:
                 if dyn:
                     mark_dynamic((0,), x, t)
                 v = self._velocity(cache, pad, state, x, t, None if mods is None else [m[step:step + 1] for m in mods])
-                x = x + dt * v
+                if rtc is None:
+                    x = x + dt * v
+                    continue
+                # RTC (agents/policies/rtc.py): lerobot's guidance at its time 1 + step * dt,
+                # then the frozen steps set to the noisy prefix of the next time (0 at the end)
+                time_ = 1.0 + step * dt
+                x = x + dt * guide(v, x, time_, gws[step], rtc["rtc_prefix"], rtc["rtc_weights"])
+                t_next = 0.0 if step == num_steps - 1 else 1.0 + (step + 1) * dt
+                x = freeze(x, t_next, noise, rtc["rtc_prefix"], rtc["rtc_frozen"])
             return x
 
     def _set_attn(self, impl: str) -> None:
@@ -319,23 +336,29 @@ class FastPiSampler:
     # -- serving -----------------------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, images, img_masks, tokens, lang_masks, state, noise: torch.Tensor,
-               num_steps: int, *, key: Any = None) -> torch.Tensor:
+               num_steps: int, *, key: Any = None, rtc: dict | None = None,
+               guidance: tuple[float, ...] = ()) -> torch.Tensor:
         """Actions [B, chunk, max_action_dim]. ``key``: anything that changes which modules run
-        (the adapter fold state): graphs are kept per (batch bucket, key)."""
+        (the adapter fold state): graphs are kept per (batch bucket, key). ``rtc``: the
+        :data:`RTC_KEYS` tensors of every row, with ``guidance`` the guidance weight of each
+        Euler step (:func:`agents.policies.rtc.guidance_weights`)."""
+        if rtc is not None and len(guidance) != num_steps:
+            raise ValueError(f"RTC needs a guidance weight per Euler step ({num_steps}), got {len(guidance)}")
+        gws = tuple(float(g) for g in guidance) if rtc is not None else ()
         if not (self.graphs and noise.is_cuda):
-            return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps)
+            return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps, rtc, gws)
         b = noise.shape[0]
         bucket = self.bucket(b)
         if bucket is None:  # beyond the largest graph: eager
-            return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps)
+            return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps, rtc, gws)
         inputs = {"images": list(images), "img_masks": list(img_masks), "tokens": tokens,
-                  "lang_masks": lang_masks, "state": state, "noise": noise}
-        gkey = (bucket, num_steps, key, _signature(inputs))
+                  "lang_masks": lang_masks, "state": state, "noise": noise, **(rtc or {})}
+        gkey = (bucket, num_steps, key, _signature(inputs), gws)
         if gkey not in self._graphs:
             # static buffers and the graph's tensors are normal tensors even when the first call
             # comes under inference_mode (later calls may come under no_grad, and copy into them)
             with torch.inference_mode(False), torch.no_grad():
-                self._graphs[gkey] = self._capture(_pad(inputs, bucket), num_steps)
+                self._graphs[gkey] = self._capture(_pad(inputs, bucket), num_steps, gws)
         graph, static, out = self._graphs[gkey]
         _copy_into(static, inputs, b)
         graph.replay()
@@ -345,11 +368,13 @@ class FastPiSampler:
         """The captured batch size a request of ``b`` rows is padded to (None: beyond them)."""
         return next((x for x in self.buckets if x >= b), None)
 
-    def _capture(self, static: dict, num_steps: int):
+    def _capture(self, static: dict, num_steps: int, gws: tuple[float, ...] = ()):
+        rtc = {k: static[k] for k in RTC_KEYS} if gws else None
+
         def run():
             with static_shapes_only():
                 return self._sample(static["images"], static["img_masks"], static["tokens"],
-                                    static["lang_masks"], static["state"], static["noise"], num_steps)
+                                    static["lang_masks"], static["state"], static["noise"], num_steps, rtc, gws)
 
         t0, graphs0 = time.perf_counter(), compiled_graphs()
 
@@ -367,8 +392,8 @@ class FastPiSampler:
         self.captures += 1
         new = compiled_graphs() - graphs0
         self.compiles += new
-        log.info("PI fast path: captured a CUDA graph for batch %d (%d steps) in %.1f s%s",
-                 static["noise"].shape[0], num_steps, time.perf_counter() - t0,
+        log.info("PI fast path: captured a CUDA graph for batch %d (%d steps%s) in %.1f s%s",
+                 static["noise"].shape[0], num_steps, ", RTC" if gws else "", time.perf_counter() - t0,
                  f", {new} graph(s) compiled ({self.compile})" if self.compile else "")
         return graph, static, out
 
@@ -378,8 +403,8 @@ def _signature(inputs: dict) -> tuple:
     sig = []
     for k in ("images", "img_masks"):
         sig += [(tuple(t.shape[1:]), t.dtype) for t in inputs[k]]
-    for k in ("tokens", "lang_masks", "state", "noise"):
-        t = inputs[k]
+    for k in ("tokens", "lang_masks", "state", "noise", *RTC_KEYS):
+        t = inputs.get(k)
         sig.append(None if t is None else (tuple(t.shape[1:]), t.dtype))
     return tuple(sig)
 

@@ -22,6 +22,12 @@ executed action is the policy's, and ``chunk_index`` is the step's position in t
 action chunk (0 at a chunk start). A human-driven step has ``chunk_start`` False and carries
 the interrupted chunk's extras; an ``is_last`` record has zero extras.
 ``group_id`` is the group of the learner job the episode ran (-1: no job).
+With real-time chunking (actor ``chunk.rtc``) the next chunk is asked for while the current
+one runs and takes over when its reply arrives, ``d`` steps after the observation it was
+asked about: ``chunk_start`` then marks the first step that executes an action of the new
+chunk, with ``chunk_index`` = ``d`` (the delay, its position in that chunk); the steps before
+it executed the previous chunk's actions and carry that chunk's index, extras and version.
+Every record's ``action`` is the action that ran.
 Policy extras (``log_prob``, ``value``, PI0's noise, OFT's action tokens, ...) come with the
 act reply as ``extra.<name>`` arrays [B, ...]; every step of a chunk carries its chunk's
 extras. Their names, dtypes and shapes are declared once by the policy
@@ -76,6 +82,14 @@ MAX_SEQ = 2**53 - 1
 INT64_BOUNDS = (-(2**63), 2**63 - 1)
 #: the most items a header list (``tasks``) may hold: one per record of a batch
 MAX_LIST_LEN = 65536
+#: optional arrays of an ``act`` request asking for real-time chunking (all three or none):
+#: the not yet executed actions of the current chunk [B, H, A] float32 (its first ``pending``
+#: rows real, H the policy's chunk), the inference delay in steps [B] int64 (0..pending) and
+#: ``pending`` [B] int64 (0..H; 0: that row without RTC); checked by the learner
+#: (``learner.wire_guard.check_rtc``)
+RTC_PREFIX, RTC_DELAY, RTC_PENDING = "rtc.prefix", "rtc.delay", "rtc.pending"
+RTC_ARRAYS = (RTC_PREFIX, RTC_DELAY, RTC_PENDING)
+
 #: the most records of one ``transitions`` or ``act`` message
 MAX_BATCH = 4096
 #: the most bytes of a header bytes field (``act_token``)
@@ -126,6 +140,7 @@ class MessageSchema:
 MESSAGE_SCHEMAS: dict[str, MessageSchema] = {
     # actor -> learner
     "hello": MessageSchema({"actor_id": str, "config_hash": str, "resend_from": int}),
+    # arrays: the observation [B, ...], and optionally RTC_ARRAYS (real-time chunking)
     "act": MessageSchema({"req_id": int, "deterministic": bool, "tasks": list}, (OBS_STATE,)),
     "transitions": MessageSchema(
         {"actor_id": str, "first_seq": int, "last_seq": int, "tasks": list}, tuple(STEP_ARRAYS)

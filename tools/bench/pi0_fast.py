@@ -15,6 +15,11 @@ Once per variant: ``eager_forward_ms`` (lerobot's ``PI0Pytorch.sample_actions``)
 the same inputs, built without LoRA) with ``speedup_vs_select_action`` per mode (its p50 / the
 mode's act p50).
 
+``--rtc``: also real-time chunking (agents/policies/rtc.py) on the same fast path, per mode:
+``rtc_capture_s`` (the first RTC call: its graph's capture), ``rtc_act_ms`` (batch 1, delay 5 of
+a pending 25 or the chunk's half), ``rtc_forward_by_batch`` (4 and 8 rows of mixed delays, one
+row without RTC) and ``rtc_overhead`` (rtc act p50 / act p50).
+
 ``--warmup-only``: the warm-up timings and a short act timing, nothing else (run it a second
 time with the same ``--cache-dir`` to time a restart on a warm inductor cache).
 
@@ -77,7 +82,44 @@ def bench_mode(policy, mode: str, obs, inputs, noise, args, sync) -> dict:
             nb = torch.randn(b, *noise.shape[1:], device=noise.device)
             by_batch[b] = timed(lambda: policy.forward_model(ib, nb), sync, max(20, it // 4), max(40, mx // 4))
         res["forward_by_batch"] = by_batch
+        if args.rtc:
+            res.update(bench_rtc(policy, obs, noise, sync, it, mx, res["act_ms"]))
     res["captures"], res["compiled_graphs"] = fast.captures, fast.compiles
+    return res
+
+
+def rtc_rows(policy, b: int):
+    """``b`` RTC rows: delays 0..5 cycling, half the chunk pending, the last row without RTC."""
+    import numpy as np
+
+    from agents.policies.rtc import RtcRows, RtcSettings
+
+    h, a = policy.chunk_size, policy.action_dim
+    pending = np.full(b, max(1, h // 2), np.int64)
+    delay = np.minimum(np.arange(b) % 6, pending)
+    if b > 1:
+        pending[-1] = delay[-1] = 0
+    prefix = np.random.default_rng(0).uniform(-0.5, 0.5, (b, h, a)).astype(np.float32)
+    return RtcRows(prefix, delay, pending, RtcSettings(enabled=True))
+
+
+def bench_rtc(policy, obs, noise, sync, it: int, mx: int, act_ms: dict) -> dict:
+    import torch
+
+    one = rtc_rows(policy, 1)
+    t0 = time.perf_counter()
+    policy.act(obs, noise=noise, rtc=one)
+    sync()
+    res = {"rtc_capture_s": time.perf_counter() - t0,
+           "rtc_act_ms": timed(lambda: policy.act(obs, noise=noise, rtc=one), sync, it, mx)}
+    res["rtc_overhead"] = res["rtc_act_ms"]["p50"] / act_ms["p50"]
+    by_batch = {}
+    for b in (4, 8):
+        ob = batch_of(obs, b)
+        nb = torch.randn(b, *noise.shape[1:], device=noise.device)
+        rows = rtc_rows(policy, b)
+        by_batch[b] = timed(lambda: policy.act(ob, noise=nb, rtc=rows), sync, max(20, it // 4), max(40, mx // 4))
+    res["rtc_forward_by_batch"] = by_batch
     return res
 
 
@@ -159,6 +201,10 @@ def report(v: str, r: dict) -> None:
         if "speedup_vs_select_action" in m:
             line += f"; {m['speedup_vs_select_action']:.1f}x lerobot select_action"
         print(line + (" (WARNING: wide interval)" if a["wide"] else ""), flush=True)
+        if "rtc_act_ms" in m:
+            print(f"    RTC: act p50 {m['rtc_act_ms']['p50']:.2f} ms ({m['rtc_overhead']:.2f}x plain act), capture "
+                  f"{m['rtc_capture_s']:.1f} s, act batch 4 / 8 (mixed delays): " + " / ".join(
+                      f"{t['p50']:.2f}" for t in m["rtc_forward_by_batch"].values()) + " ms", flush=True)
     if "eager_forward_ms" in r:
         print(f"  lerobot sample_actions p50 {r['eager_forward_ms']['p50']:.2f} ms", flush=True)
     if "lerobot_select_action_ms" in r:
@@ -180,6 +226,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-iters", type=int, default=400)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # compiled is the default now
+    ap.add_argument("--rtc", action="store_true", help="also time real-time chunking (per-row prefix and delay)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.cache_dir:
