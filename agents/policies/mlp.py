@@ -56,6 +56,10 @@ class MLPPolicyConfig:
     freeze_backbone: bool = False
     #: frozen backbone: outputs kept per distinct image (content digest), at most this many
     backbone_cache: int = 50_000
+    #: size of the instruction's embedding (bag of hashed words); 0: the instruction is ignored
+    task_embed_dim: int = 0
+    #: hash buckets (learned word embeddings) of the instruction encoder
+    task_buckets: int = 256
     #: lower bound of the Gaussian's log standard deviation (pre-tanh)
     log_std_min: float = -5.0
     #: upper bound of the Gaussian's log standard deviation (pre-tanh)
