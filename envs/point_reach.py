@@ -27,7 +27,15 @@ How much the instruction matters: with ``distractors: true`` (default) the targe
 tasks are drawn, so the image alone does not say which one to reach -- the instruction
 does. With ``randomize_targets: true`` the target positions are drawn anew every episode
 (else each task's target sits at a fixed place on a circle around the centre), so the
-policy needs the image too. The hardest setting is both.
+policy needs the image too. The hardest setting is both. ``start_distance`` keeps the start
+that far from every target (default ``2 * success_radius``; with ``randomize_targets`` the
+start is drawn first and the targets around it), so with ``max_speed`` it bounds the fewest
+steps an episode can take. ``config/env/point_reach_vl.yaml`` (``env=point_reach_vl``) is that
+setting with two tasks and the target out of the state: only the instruction says which
+drawn target is right, only the image where it is, and reaching takes at least 8 steps.
+``target_slots: K`` (K >= ``num_tasks``) puts the targets on K fixed places on that circle
+instead, each task's target on a different random one every episode: the layout still changes
+per episode (which colour sits where), with less for a small CNN to learn than free positions.
 
 Tasks and initial states (:mod:`envs.reset_options`): config ``task_id`` is one task index,
 a list of them or ``"all"`` (default); a reset without ``options["task_id"]`` picks one of
@@ -79,6 +87,7 @@ DEFAULTS: dict[str, Any] = {
     "cameras": {"image": "top"}, "state_has_target": False, "action_dim": 2,
     "max_speed": 0.1, "success_radius": 0.08, "agent_radius": 0.04, "dense_reward": False,
     "distractors": True, "randomize_targets": False, "wrist_fov": 0.5, "max_episode_steps": 30,
+    "start_distance": None, "target_slots": 0,
 }
 FIXED_LAYOUT_RADIUS = 0.3       # fixed targets: on this circle around (0.5, 0.5)
 _MARGIN = 0.1                   # random targets keep this far from the square's edge
@@ -106,6 +115,10 @@ class PointReachConfig:
     randomize_targets: bool
     wrist_fov: float
     max_episode_steps: int
+    #: the start's least distance to every target (None: 2 * success_radius)
+    start_distance: float | None = None
+    #: > 0: the targets sit on this many fixed slots, a random one each per episode
+    target_slots: int = 0
 
     @property
     def state_dim(self) -> int:
@@ -132,12 +145,20 @@ class PointReachConfig:
         if a < 2:
             raise ValueError(f"{ENV_NAME}: action_dim must be >= 2 (x, y velocity), got {a}")
         steps = int(c["max_episode_steps"] or DEFAULTS["max_episode_steps"])
-        return cls(num_tasks=n, task_ids=_task_ids(c["task_id"], n), image_hw=hw,
+        start = c["start_distance"]
+        if start is not None and not 0 < float(start) <= 0.6:
+            raise ValueError(f"{ENV_NAME}: start_distance must be in (0, 0.6] or null, got {start!r}")
+        slots = int(c["target_slots"] or 0)
+        if slots and not n <= slots <= MAX_TASKS:
+            raise ValueError(f"{ENV_NAME}: target_slots must be 0 or num_tasks..{MAX_TASKS}, got {slots}")
+        if slots and c["randomize_targets"]:
+            raise ValueError(f"{ENV_NAME}: target_slots and randomize_targets exclude each other")
+        return cls(num_tasks=n, target_slots=slots, task_ids=_task_ids(c["task_id"], n), image_hw=hw,
                    cameras=_cameras(c["cameras"]), state_has_target=bool(c["state_has_target"]),
                    action_dim=a, dense_reward=bool(c["dense_reward"]),
                    distractors=bool(c["distractors"]),
                    randomize_targets=bool(c["randomize_targets"]), max_episode_steps=steps,
-                   **positive)
+                   start_distance=None if start is None else float(start), **positive)
 
 
 def _task_ids(task_id: Any, n: int) -> tuple[int, ...]:
@@ -175,20 +196,25 @@ def point_reach_spec(cfg: Mapping[str, Any] | None = None) -> EnvSpec:
 
 
 def _spread(rng: np.random.Generator, n: int, min_dist: float, avoid: np.ndarray,
-            low: float, high: float, tries: int = 64) -> np.ndarray:
-    """``n`` points in [low, high]^2, each at least ``min_dist`` from ``avoid`` and from the
-    ones before it (the farthest of ``tries`` candidates where none qualifies)."""
-    pts = [np.asarray(p, np.float64) for p in avoid]
-    out = []
+            low: float, high: float, tries: int = 64, avoid_dist: float | None = None) -> np.ndarray:
+    """``n`` points in [low, high]^2, each at least ``avoid_dist`` (default ``min_dist``) from
+    ``avoid`` and ``min_dist`` from the ones before it (the candidate of ``tries`` that falls
+    least short where none qualifies)."""
+    avoid = [np.asarray(p, np.float64) for p in avoid]
+    far = min_dist if avoid_dist is None else avoid_dist
+    out: list[np.ndarray] = []
     for _ in range(n):
         cand = rng.uniform(low, high, size=(tries, 2))
-        if pts:
-            d = np.linalg.norm(cand[:, None, :] - np.asarray(pts)[None], axis=-1).min(axis=1)
-            ok = np.flatnonzero(d >= min_dist)
-            p = cand[ok[0]] if ok.size else cand[int(np.argmax(d))]
+        if avoid or out:
+            short = np.zeros(tries)
+            for pts, need in ((avoid, far), (out, min_dist)):
+                if pts:
+                    d = np.linalg.norm(cand[:, None, :] - np.asarray(pts)[None], axis=-1).min(axis=1)
+                    short = np.maximum(short, need - d)
+            ok = np.flatnonzero(short <= 0)
+            p = cand[ok[0]] if ok.size else cand[int(np.argmin(short))]
         else:
             p = cand[0]
-        pts.append(p)
         out.append(p)
     return np.asarray(out, np.float64).reshape(n, 2)
 
@@ -217,8 +243,10 @@ class PointReachEnv(gym.Env):
         h, w = c.image_hw
         self._u = (np.arange(w) + 0.5) / w          # pixel-centre fractions, left to right
         self._v = 1.0 - (np.arange(h) + 0.5) / h    # bottom-up: row 0 is the top
-        ang = 2 * np.pi * np.arange(c.num_tasks) / c.num_tasks
-        self._fixed_targets = 0.5 + FIXED_LAYOUT_RADIUS * np.stack([np.cos(ang), np.sin(ang)], 1)
+        ang = 2 * np.pi * np.arange(c.target_slots or c.num_tasks) / (c.target_slots or c.num_tasks)
+        circle = 0.5 + FIXED_LAYOUT_RADIUS * np.stack([np.cos(ang), np.sin(ang)], 1)
+        self._slots = circle if c.target_slots else None
+        self._fixed_targets = circle[:c.num_tasks]
         self.targets = self._fixed_targets.copy()
         self.pos = np.full(2, 0.5)
         self.task_id = c.task_ids[0]
@@ -263,13 +291,22 @@ class PointReachEnv(gym.Env):
                else np.random.default_rng(init_state_seed(init_state)))
         task = self._pick_task(opts["task_id"], rng)   # raises before anything changes
         c = self.cfg
-        if c.randomize_targets:
-            self.targets = _spread(rng, c.num_tasks, 3.0 * c.success_radius, np.empty((0, 2)),
-                                   _MARGIN, 1.0 - _MARGIN)
+        if c.randomize_targets and c.start_distance is not None:
+            # the start first, then every target at least start_distance from it
+            self.pos = rng.uniform(0.05, 0.95, size=2)
+            self.targets = _spread(rng, c.num_tasks, 3.0 * c.success_radius, self.pos[None],
+                                   _MARGIN, 1.0 - _MARGIN, tries=256, avoid_dist=c.start_distance)
         else:
-            self.targets = self._fixed_targets.copy()
-        # the start keeps away from every target, so it does not depend on the task
-        self.pos = _spread(rng, 1, 2.0 * c.success_radius, self.targets, 0.05, 0.95)[0]
+            if self._slots is not None:
+                self.targets = self._slots[rng.permutation(len(self._slots))[:c.num_tasks]]
+            elif c.randomize_targets:
+                self.targets = _spread(rng, c.num_tasks, 3.0 * c.success_radius, np.empty((0, 2)),
+                                       _MARGIN, 1.0 - _MARGIN)
+            else:
+                self.targets = self._fixed_targets.copy()
+            # the start keeps away from every target, so it does not depend on the task
+            far = 2.0 * c.success_radius if c.start_distance is None else c.start_distance
+            self.pos = _spread(rng, 1, far, self.targets, 0.05, 0.95)[0]
         self.task_id, self.init_state = task, init_state
         self._top_layer = None
         self._done = False

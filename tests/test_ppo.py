@@ -201,6 +201,15 @@ def test_act_log_prob_equals_recomputed_log_prob():
     with torch.no_grad():
         torch.testing.assert_close(policy.log_prob(obs, chunk.actions), chunk.log_prob,
                                    atol=1e-4, rtol=1e-5)
+        # tanh saturated (pre-tanh draws ~12): the float32 actions are 1 exactly, and the
+        # behaviour log-prob is still the one the update recomputes (that of the pre-tanh
+        # draw is far from it: the importance weights of such chunks were ~0)
+        policy.head.weight.zero_()
+        policy.head.bias[:4] = 12.0
+        policy.head.bias[4:] = -50.0
+        chunk = policy.act(obs)
+        assert bool((chunk.actions.abs() == 1.0).all())
+        torch.testing.assert_close(policy.log_prob(obs, chunk.actions), chunk.log_prob)
 
 
 @pytest.mark.parametrize("with_value", [False, True])

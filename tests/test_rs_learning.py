@@ -1,29 +1,25 @@
-"""Rejection sampling learns, through the real learner and actor processes on loopback (CPU).
+"""Rejection sampling through the real learner and actor processes on loopback (CPU), on
+``env=point_reach_vl``: both targets drawn, the instruction says which, the state holds only
+the agent's position, reaching takes >= 8 steps. Policy, demos and cycle settings are those of
+the pre-registered runs (:mod:`tools.rs_vl_learning`: the MLP with a CNN and an instruction
+encoder, 10 scripted demos, 150 pretraining BC steps, 800 env steps -> 300 BC steps per cycle),
+cut to two cycles to fit the suite.
 
-Task: ``env=point_reach``, its state-only variant (one task, a random target every episode,
-the target's position in the state; no camera: the image variant is too slow to learn on
-a shared CPU in a test's budget). Policy: the MLP (64x64, pre-tanh exploration std bounded to
-[e^-3, e^-1]: a tanh-Gaussian fitted by NLL to its own samples otherwise inflates its variance,
-and a lower bound of e^-5 makes the NLL of the saturated expert actions so steep that the fit
-crawls). Demos: 5 scripted expert episodes (15 transitions) from
-:func:`tools.record_demos.record_demos`; 30 BC steps on them make the deliberately weak
-starting policy. Batches are 20% demos (``algo.demo_ratio=0.2``), lr 3e-3.
+What this default-suite test asserts is the mechanism, not a learning margin:
 
-1. ``algo=rejection_sampling`` alone: success of the deterministic evaluation jobs (20 fixed
-   init states) before (the pretrained version) and after a few cycles.
-2. The same with ``intervention.device=expert`` correcting the first 25 episodes (a scripted
-   person taking over when the policy drifts): the corrected steps reach the success store
-   (counted in status.json) and success rises faster than in run 1 over the same number of
-   cycles (same seeds, same demos).
+1. ``algo=rejection_sampling`` alone: the pretrained version is evaluated first (the
+   baseline, 20 deterministic jobs: init states 0..9 of both tasks), then each cycle's version
+   is evaluated and kept or rolled back; online successes reach the success store, and no
+   step of it was a person's.
+2. The same with ``intervention.device=expert`` correcting the first 25 episodes: the
+   corrected steps reach the success store (counted in status.json), only those episodes were
+   touched, and the evaluation jobs were not (the baseline equals run 1's).
 
-Figures are printed (``pytest -s``); on a 2-core CPU with other work running, run 1 went
-0.00 -> 0.50 (v5, 173 episodes, 117 s) and run 2 0.00 -> 0.85 (v3, 145 episodes, 25
-corrected). The demos-only control (the same cycle, updates and demo batches, the online
-successes unused), in an in-process replica of the cycle over 4 seeds: best 0.15-0.35, where
-rejection sampling reached 0.25-0.50 (the MLP keeps learning from the 15 demo transitions, so
-the control is not flat; the tiny PI0 gains far more: figures in agents/rs/agent.py).
-Before this setting (std bound [e^-5, e^-1.5], lr 1e-3, demos 50%) run 1 reached only 0.25 on
-CI, the same as its control.
+Whether rejection sampling *learns* here beyond what its demos alone give is the registered
+claim (docs/preregistered.md, claim 2): its five-seed table with the demos-only control is in
+docs/learning.md and its one-seed check is the gated tests/test_rs_vl_learning.py. (This test
+used to assert a lift on ``point_reach`` with the target in the state, which a reflex solves
+in 4 steps, at a bar inside its own demos-only control's range.)
 """
 
 from __future__ import annotations
@@ -39,16 +35,12 @@ from pathlib import Path
 import pytest
 
 from tandem_testutil import ROOT, free_port
+from tools.rs_vl_learning import ALGO_O, ENV_O, POLICY_O
 
 pytestmark = pytest.mark.slow
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "~env.cameras",
-         "+env.cameras={}", "env.state_has_target=true"]
-POLICY_O = ["policy=mlp", "policy.hidden_dims=[64,64]", "+policy.log_std_max=-1.0",
-            "+policy.log_std_min=-3.0"]
-ALGO_O = ["algo=rejection_sampling", "algo.pretrain_steps=30", "algo.env_steps_per_cycle=400",
-          "algo.sft_steps_per_cycle=200", "algo.lr=3e-3", "algo.demo_ratio=0.2", "algo.eval_episodes=20", "algo.eval_tolerance=0.1"]
+CYCLES = 2
 
 
 class RSRun:
@@ -129,66 +121,54 @@ class RSRun:
 
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory):
-    from tools.record_demos import env_config, record_demos
+    from tools.rs_vl_learning import prepare
 
-    path = tmp_path_factory.mktemp("rs") / "demos"
-    record_demos(env_config(ENV_O), path, 5, seed=1000)
-    return path
-
-
-def lifted(hist: list[dict]) -> bool:
-    """What test_rejection_sampling_lifts_a_weak_bc_policy asserts of the evaluations: at least
-    4 (the expert run compares cycles 1-3), and the best cycle 0.2 above the baseline and >= 0.3.
-    More cycles can only raise the best, so the run may stop once this holds."""
-    if len(hist) < 4:
-        return False
-    best = max(h["success"] for h in hist[1:])
-    return best >= hist[0]["success"] + 0.2 and best >= 0.3
+    return prepare(tmp_path_factory.mktemp("rs"))
 
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, demos):
-    """Run 1: rejection sampling alone, baseline + up to 6 cycles (or 150 s of evaluations),
-    stopped early once the lift is there."""
+    """Run 1: rejection sampling alone, baseline + CYCLES cycles (or 150 s of evaluations)."""
     run = RSRun(tmp_path_factory.mktemp("rs"), "plain", demos)
     try:
         run.learner()
         run.actor()
-        run.wait_evals(7, 150, done=lifted)
+        run.wait_evals(CYCLES + 1, 150)
     finally:
         run.stop()
     return run
 
 
-def test_rejection_sampling_lifts_a_weak_bc_policy(plain_run):
+def test_rejection_sampling_gates_versions_and_keeps_only_online_successes(plain_run):
     hist = plain_run.history()
     print(plain_run.report("rejection sampling"))
     assert "Traceback" not in (plain_run.dir / "learner.log").read_text()
-    assert len(hist) >= 4, hist
+    assert len(hist) >= CYCLES + 1, hist
     base = hist[0]
     assert base["decision"] == "baseline" and base["episodes"] == 20 and base["version"] == 1
-    best = max(h["success"] for h in hist[1:])
+    assert [h["version"] for h in hist] == sorted({h["version"] for h in hist})  # one decision a version
+    assert all(h["decision"] in ("kept", "rolled back") or h["decision"].startswith("rolled back")
+               for h in hist[1:]), hist
     st = plain_run.status()["replay"]
-    assert st["kept_episodes"] > 0 and st["success_store"] > 0 and st["success_store_intervened"] == 0
-    assert best >= base["success"] + 0.2 and best >= 0.3, hist
+    assert 0 < st["kept_episodes"] < st["episodes"]   # successes kept, failures rejected
+    assert st["success_store"] > 0 and st["success_store_intervened"] == 0
 
 
-def test_expert_corrections_reach_the_store_and_speed_up_learning(tmp_path, demos, plain_run):
+def test_expert_corrections_reach_the_store_and_not_the_evaluations(tmp_path, demos, plain_run):
     run = RSRun(tmp_path, "expert", demos)
     try:
         run.learner()
         run.actor("intervention.device=expert", "intervention.expert.episodes=25")
-        run.wait_evals(4, 150)
+        run.wait_evals(CYCLES + 1, 150)
     finally:
         run.stop()
     print(plain_run.report("rejection sampling") + run.report("+ expert corrections (25 episodes)"))
     hist, plain = run.history(), plain_run.history()
-    assert len(hist) >= 4 and len(plain) >= 4
+    assert len(hist) >= CYCLES + 1 and len(plain) >= CYCLES + 1
     st = run.status()["replay"]
     # the corrected steps are in the success store, and only the first 25 episodes were touched
     assert 0 < st["intervened_episodes"] <= 25
     assert st["success_store_intervened"] == st["intervened_steps"] > 0
-    # evaluation jobs were never corrected (skip_jobs): their successes are the policy's own
-    assert hist[0]["success"] == plain[0]["success"]  # same demos, seeds, pretraining
-    mean = lambda h: sum(x["success"] for x in h[1:4]) / 3  # noqa: E731 - first three cycles
-    assert mean(hist) >= mean(plain) + 0.1, (hist, plain)
+    # evaluation jobs were never corrected (skip_jobs): the baseline is the pretrained policy's
+    # own, the same as run 1's (same demos, seeds, pretraining)
+    assert hist[0]["success"] == plain[0]["success"]

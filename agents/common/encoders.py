@@ -20,6 +20,10 @@ Two image encoders (``image_encoder``):
   (kernels 7, 5, 3, 3, ..., every stride 2; the cameras go through it as one batch when their
   shapes match), then per camera a learned spatial embedding (:class:`SpatialLearnedEmbeddings`,
   SERL / LeRobot HIL-SERL) and linear + LayerNorm + tanh. ~0.1M parameters for two cameras.
+
+The instruction (``obs["task"]``, list[str]) is read only with ``task_embed_dim`` > 0 on a
+spec with tasks (:class:`TaskEncoder`: a bag of words, each word hashed into one of
+``task_buckets`` learned embeddings, averaged, then LayerNorm + tanh); otherwise it is ignored.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ class EncoderConfig:
     #: frozen backbone: its outputs kept per distinct image (by content), at most this many
     #: (first in, first out; 0: none), so a stored observation is encoded once, not per batch
     backbone_cache: int = 50_000
+    #: size of the instruction's embedding (:class:`TaskEncoder`); 0: the instruction is ignored
+    task_embed_dim: int = 0
+    #: hash buckets (learned word embeddings) of the instruction encoder
+    task_buckets: int = 256
 
 
 IMAGE_ENCODERS = ("flatten", "pool")
@@ -237,6 +245,38 @@ class PooledImageEncoders(nn.Module):
         return [head(pool(m)) for m, pool, head in zip(maps, self.pools, self.heads)]
 
 
+def word_bucket(word: str, buckets: int) -> int:
+    """A stable bucket of ``word`` (lower-cased): the same in every process and run."""
+    digest = hashlib.blake2b(word.lower().encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % buckets
+
+
+class TaskEncoder(nn.Module):
+    """Instructions list[str] (length B) -> float32 [B, embed_dim]: the mean of the learned
+    embeddings of the words' hash buckets (an empty instruction: a zero mean), LayerNorm, tanh."""
+
+    def __init__(self, embed_dim: int, buckets: int):
+        super().__init__()
+        if embed_dim < 1 or buckets < 1:
+            raise ValueError(f"task_embed_dim and task_buckets must be >= 1, got {embed_dim}, {buckets}")
+        self.buckets = int(buckets)
+        self.bag = nn.EmbeddingBag(self.buckets, embed_dim, mode="mean")
+        self.head = nn.Sequential(nn.LayerNorm(embed_dim), nn.Tanh())
+        self._ids: dict[str, list[int]] = {}
+
+    def forward(self, tasks, device: torch.device) -> torch.Tensor:
+        ids, offsets = [], []
+        for t in tasks:
+            words = self._ids.get(t)
+            if words is None:
+                words = self._ids[t] = [word_bucket(w, self.buckets) for w in str(t).split()]
+            offsets.append(len(ids))
+            ids += words
+        out = self.bag(torch.tensor(ids, dtype=torch.long, device=device),
+                       torch.tensor(offsets, dtype=torch.long, device=device))
+        return self.head(out)
+
+
 class ObsEncoder(nn.Module):
     """Observation dict -> flat features [B, out_dim].
 
@@ -270,6 +310,10 @@ class ObsEncoder(nn.Module):
             self.state = nn.Identity()
             state_out = spec.state_dim
         self.out_dim = state_out + len(self.image_keys) * cfg.image_embed_dim
+        task_dim = int(getattr(cfg, "task_embed_dim", 0))
+        self.task = TaskEncoder(task_dim, int(getattr(cfg, "task_buckets", 256))) \
+            if task_dim > 0 and spec.has_task else None
+        self.out_dim += task_dim if self.task is not None else 0
 
     def forward(self, obs: Batch, prefix: str = "") -> torch.Tensor:
         feats = [self.state(obs[prefix + OBS_STATE].float())]
@@ -278,6 +322,10 @@ class ObsEncoder(nn.Module):
         else:
             for i, k in enumerate(self.image_keys):
                 feats.append(self.cams[str(i)](obs[prefix + k]))
+        if self.task is not None:
+            if "task" not in obs:
+                raise KeyError("this encoder reads the instruction (task_embed_dim > 0): the batch has no 'task'")
+            feats.append(self.task(obs["task"], feats[0].device))
         return feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
 
 

@@ -56,6 +56,10 @@ class MLPPolicyConfig:
     freeze_backbone: bool = False
     #: frozen backbone: outputs kept per distinct image (content digest), at most this many
     backbone_cache: int = 50_000
+    #: size of the instruction's embedding (bag of hashed words); 0: the instruction is ignored
+    task_embed_dim: int = 0
+    #: hash buckets (learned word embeddings) of the instruction encoder
+    task_buckets: int = 256
     #: lower bound of the Gaussian's log standard deviation (pre-tanh)
     log_std_min: float = -5.0
     #: upper bound of the Gaussian's log standard deviation (pre-tanh)
@@ -161,7 +165,12 @@ class MLPPolicy(nn.Module):
 
     def log_prob(self, obs: Batch, actions: torch.Tensor) -> torch.Tensor:
         """Log density [B] of ``actions`` ([B, A] or [B, H, A], in [-1, 1]) under the policy."""
-        mean, log_std = self.dist_params(obs)
+        return self._log_prob_params(*self.dist_params(obs), actions)
+
+    def _log_prob_params(self, mean: torch.Tensor, log_std: torch.Tensor,
+                         actions: torch.Tensor) -> torch.Tensor:
+        """Log density [B] of ``actions`` as stored (squashed; clamped to |a| <= 1 - atanh_eps,
+        then mapped back through atanh)."""
         eps_a = self.cfg.atanh_eps
         a = actions.reshape(actions.shape[0], -1).to(mean.dtype).clamp(-1 + eps_a, 1 - eps_a)
         u = torch.atanh(a)
@@ -182,16 +191,22 @@ class MLPPolicy(nn.Module):
     @torch.no_grad()
     def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
         """Actions [B, H, A] float32 in [-1, 1]; log_prob [B] of those actions; extras
-        ``noise`` [B, H, A] (zeros when deterministic: the mean action)."""
+        ``noise`` [B, H, A] (zeros when deterministic: the mean action).
+
+        ``log_prob`` is that of the float32 actions returned, computed as :meth:`log_prob`
+        computes it (an update recomputes it for the importance weights): where tanh rounds a
+        pre-tanh draw to +-1 (|u| > ~9), :meth:`log_prob` sees atanh of the clamped action
+        (~7.25), far from the draw's own density, and such chunks got importance weights ~0."""
+        mean, log_std = self.dist_params(obs)
         if deterministic:
-            mean, log_std = self.dist_params(obs)
             eps = torch.zeros_like(mean)
             a = torch.tanh(mean)
-            logp = (-log_std - 0.5 * math.log(2 * math.pi) - tanh_log_det(mean)).sum(-1)
         else:
-            a, logp, eps = self._draw(obs)
+            a, _, eps = self._draw_params(mean, log_std)
+        a = a.float()
+        logp = self._log_prob_params(mean.float(), log_std.float(), a)
         shape = (a.shape[0], self.chunk_size, self.action_dim)
-        return ActionChunk(a.float().view(shape), logp.float(), {"noise": eps.float().view(shape)})
+        return ActionChunk(a.view(shape), logp.float(), {"noise": eps.float().view(shape)})
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """All the actor's tensors, detached clones on CPU (this is what actors receive)."""

@@ -27,7 +27,9 @@ with one task and a random target, 5 scripted demos from tools/record_demos.py; 
 the deterministic evaluation jobs, baseline = the pretrained version):
 
 - MLP 64x64, state-only, 30 pretrain steps, std bounds [e^-3, e^-1], lr 3e-3, 20% demos
-  (tests/test_rs_learning.py): 0.00 -> 0.50 after 4 cycles (173 online episodes, 117 s);
+  (what tests/test_rs_learning.py ran before it moved to ``env=point_reach_vl``, where the
+  target is not in the state; the registered comparison there with its demos-only control is
+  tools/rs_vl_learning.py, figures in docs/learning.md): 0.00 -> 0.50 after 4 cycles (173 online episodes, 117 s);
   demos-only control (an in-process replica of the cycle, online data unused, 4 seeds): best
   0.15-0.35 where rejection sampling reached 0.25-0.50; with the scripted expert correcting
   the first 25 episodes 0.00 -> 0.85 after two cycles. (With std bounds [e^-5, e^-1.5], lr

@@ -1,0 +1,202 @@
+"""Pre-registered rejection-sampling runs on ``env=point_reach_vl`` (docs/preregistered.md),
+through the real learner and actor processes on loopback (CPU).
+
+The setting: two tasks whose targets are both drawn in every image on slots drawn every
+episode; the instruction says which one; the state holds only the agent's position; reaching
+takes at least 8 steps. The policy: the MLP with an image CNN and an instruction encoder
+(``policy.task_embed_dim``). Per run seed and arm:
+
+1. ``python -m learner algo=rejection_sampling`` pretrains on the scripted demos
+   (:func:`tools.record_demos.record_demos`, the same for every seed) for ``pretrain_steps``
+   BC steps, then runs ``cycles`` cycles with one ``python -m actor``; its own evaluation jobs
+   (init states 0..9 of both tasks) decide keep / roll back.
+2. Arm ``rs``: batches mix the success store and the demos (``algo.demo_ratio`` of
+   :data:`ALGO_O`). Arm ``demos``, the control: the same run with ``algo.demo_ratio=1.0``, so
+   every BC step of every cycle samples the demos alone and the online successes are unused
+   (same steps, same evaluation gate).
+3. Start and after are measured the same way, outside the run: the weights of the checkpoint
+   written right after pretraining (``start``) and of the final checkpoint (``after``, the
+   learner's current weights: the last kept version, or the best after a roll-back) run
+   deterministically in-process on the held-out episodes, reset seeds
+   ``HELD_OUT_SEED + i`` (:func:`tools.learning_run.evaluate_policy`), which neither the demos
+   (seeds 1000+), the actor (its own seeded stream) nor the evaluation jobs (init states) use.
+   ``untrained``: the same measurement of the policy as initialised (torch seed = run seed).
+
+A file ``<out>/pause`` makes the tool wait before starting its next run (so that other work
+can use the cores in between); removing it resumes.
+
+``--arm both`` runs each seed's RS run and its control one after the other; the summary of
+every run (with ``uptime`` at its end) is appended to ``<out>/results.jsonl`` as it ends::
+
+    python -m tools.rs_vl_learning --out /tmp/rs_vl --seeds 0 1 2 3 4 --arm both
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tools.learning_run import ROOT, evaluate_policy, free_port, stop_processes
+
+ENV_O = ["env=point_reach_vl"]
+POLICY_O = ["policy=mlp", "policy.hidden_dims=[64,64]", "+policy.task_embed_dim=16",
+            "+policy.log_std_max=-1.0", "+policy.log_std_min=-3.0"]
+PRETRAIN = 150
+ALGO_O = ["algo=rejection_sampling", f"algo.pretrain_steps={PRETRAIN}", "algo.env_steps_per_cycle=800",
+          "algo.sft_steps_per_cycle=300", "algo.lr=3e-3", "algo.demo_ratio=0.3", "algo.batch_size=64",
+          "algo.eval_episodes=10", "algo.eval_task_ids=[0,1]", "algo.eval_tolerance=0.1"]
+ARMS = {"rs": [], "demos": ["algo.demo_ratio=1.0"]}
+DEMOS = 10
+DEMO_SEED = 1000
+CYCLES = 5
+HELD_OUT = 100
+HELD_OUT_SEED = 10**6
+
+
+def prepare(out: Path, demos: int = DEMOS) -> Path:
+    """The scripted demos (reused when ``out`` has them)."""
+    from tools.record_demos import env_config, record_demos
+
+    d = out / "demos"
+    if not d.exists():
+        record_demos(env_config(ENV_O), d, demos, seed=DEMO_SEED)
+    return d
+
+
+def read_status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def history(status: dict) -> list[dict]:
+    return status.get("replay", {}).get("rs", {}).get("history", [])
+
+
+def held_out(trainable: dict | None, episodes: int = HELD_OUT, seed: int = HELD_OUT_SEED,
+             init_seed: int = 0) -> float:
+    """Success of the MLP with these trainable weights (None: as initialised after
+    ``torch.manual_seed(init_seed)``), deterministic, on ``episodes`` held-out episodes (reset
+    seeds ``seed + i``)."""
+    import torch
+
+    from agents.registry import build_policy
+    from envs.registry import env_spec
+    from tools.sft import learner_config
+
+    cfg = learner_config([*ENV_O, *POLICY_O])
+    torch.manual_seed(init_seed)
+    policy = build_policy(cfg.policy, env_spec(cfg.env))
+    if trainable is not None:
+        policy.load_trainable_state_dict(trainable)
+    policy.eval()
+    wins = evaluate_policy(policy, cfg.env, episodes, seed=seed, deterministic=True)
+    return sum(wins) / len(wins)
+
+
+def checkpoint_weights(path: Path) -> dict:
+    """The policy's trainable weights in a learner checkpoint folder."""
+    from learner.checkpoint import load_checkpoint
+
+    return load_checkpoint(path)["algo"]["agent"]["policy"]
+
+
+def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, max_s: float = 900.0,
+        extra: tuple[str, ...] = ()) -> dict:
+    """One learner + one actor until ``cycles`` evaluated cycles, then SIGINT; start and after
+    on the held-out episodes (module docstring)."""
+    run_dir = out / f"{arm}_seed{seed}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    port, pub = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    common = [*ENV_O, *POLICY_O, f"run_dir={run_dir}", f"transport.port={port}", f"transport.pub_port={pub}",
+              "transport.timeout_s=5.0", "transport.heartbeat_s=0.5"]
+    learner_o = [*ALGO_O, *ARMS[arm], f"buffer.demos={demos}", "device=cpu", "logging.wandb=disabled",
+                 "logging.every_s=2", "trainer.num_threads=1", "buffer.video=false", "buffer.commit_interval_s=2",
+                 f"seed={seed}", f"trainer.checkpoint_every={PRETRAIN}", "trainer.checkpoint_every_s=0",
+                 "trainer.keep_checkpoints=1000", *extra]
+    actor_o = ["actor_id=a0", "spool.fsync=false", "log_every_s=10", f"seed={seed}"]
+    procs: list[subprocess.Popen] = []
+    load0, t0 = os.getloadavg(), time.monotonic()
+    for module, args in (("learner", learner_o), ("actor", actor_o)):
+        f = open(run_dir / f"{module}.log", "ab")
+        p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env,
+                             stdout=f, stderr=subprocess.STDOUT)
+        p.log = run_dir / f"{module}.log"
+        procs.append(p)
+    status, loads, seen = {}, [], 0
+    try:
+        while time.monotonic() - t0 < max_s:
+            time.sleep(1.0)
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.log.name} exited {p.returncode}:\n{p.log.read_text()[-3000:]}")
+            status = read_status(run_dir) or status
+            hist = history(status)
+            if len(hist) > seen:
+                seen = len(hist)
+                loads.append(os.getloadavg()[0])
+                h = hist[-1]
+                print(f"[{arm} seed {seed} {time.monotonic() - t0:5.0f}s] v{h['version']} gate success "
+                      f"{h['success']} ({h['decision']}) episodes {status.get('replay', {}).get('episodes')}",
+                      flush=True)
+            if seen >= cycles + 1:
+                break
+    finally:
+        stop_processes(procs, 60)
+    wall = time.monotonic() - t0
+    status = read_status(run_dir) or status
+    hist, rep = history(status), status.get("replay", {})
+    ckpts = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
+    first = run_dir / "checkpoints" / f"step_{PRETRAIN:010d}"
+    if not ckpts or not first.exists():
+        raise RuntimeError(f"{run_dir}: no checkpoint after pretraining ({first.name}) or at the end")
+    start, after = held_out(checkpoint_weights(first)), held_out(checkpoint_weights(ckpts[-1]))
+    untrained = held_out(None, init_seed=seed)
+    return {"arm": arm, "seed": seed, "start": start, "after": after, "untrained": untrained,
+            "held_out_episodes": HELD_OUT,
+            "cycles": len(hist) - 1, "gate_evals": [(h["version"], h["success"], h["decision"]) for h in hist],
+            "online_episodes": rep.get("episodes"), "kept_episodes": rep.get("kept_episodes"),
+            "success_store": rep.get("success_store"), "updates": status.get("updates"),
+            "env_steps": status.get("env_steps"), "final_checkpoint": ckpts[-1].name, "wall_s": round(wall, 1),
+            "load_1min": [round(load0[0], 2), *[round(x, 2) for x in loads]], "run_dir": str(run_dir)}
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--arm", choices=[*ARMS, "both"], default="both")
+    ap.add_argument("--cycles", type=int, default=CYCLES)
+    ap.add_argument("--max-s", type=float, default=900.0, help="bounds a stuck run only")
+    ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    demos = prepare(out)
+    arms = list(ARMS) if args.arm == "both" else [args.arm]
+    results = []
+    for seed in args.seeds:
+        for arm in arms:
+            while (out / "pause").exists():
+                time.sleep(2.0)
+            r = run(out, demos, seed=seed, arm=arm, cycles=args.cycles, max_s=args.max_s,
+                    extra=tuple(args.overrides))
+            r["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+            print(json.dumps(r), flush=True)
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps(r) + "\n")
+            results.append(r)
+    return results
+
+
+if __name__ == "__main__":
+    main()
