@@ -8,10 +8,10 @@ in this process, actors are real processes on loopback sockets.
 - Rounds update the policy and advance the weights version; the success rate rises.
 
 The rise is asserted only with ``TANDEM_LEARNING_TESTS=1`` (then the run goes on until it
-rises or 180 s pass). In the default suite the run ends after the reissue checks and a few
-more rounds: on the loaded 2-core CI machine the rise failed about one run in ten (0.05 ->
-0.08 after 324 rounds, 2026-11-27), while 20 of 20 quiet runs rose; the rule this claim
-should pass (seeds, held-out episodes, threshold over 5 seeds) is issue 25's.
+rises or 180 s pass). In the default suite the run ends after the reissue checks, 20 s and
+5 updates (dynamic sampling drops most groups near the 0.05 start, so how many updates 20 s
+hold varies); the rise has no pre-registered rule yet (seeds, held-out episodes, a threshold
+over 5 seeds), so the default suite does not assert it.
 """
 
 from __future__ import annotations
@@ -130,8 +130,13 @@ def test_grpo_groups_reissue_and_learning(tmp_path):
         wait_for(lambda: any(r.get("round_id") == killed_round for r in rounds), 90,
                  f"round {killed_round} (of the killed actor's job {killed_job}) to finish", lt, procs)
         assert source.counters["reissued"] > reissued_before
-        wait_for(lambda: time.monotonic() - t0 > RUN_S or (LEARNING and recent_success(rounds) >= TARGET),
-                 RUN_S + 10, "the run", lt, procs)
+        def run_done() -> bool:  # the learning run: its time or the target; else RUN_S and 5 updates
+            if LEARNING:
+                return time.monotonic() - t0 > RUN_S or recent_success(rounds) >= TARGET
+            # dynamic sampling drops the groups that all failed, which near a 0.05 start is most of
+            # them: the number of updates in RUN_S varies, so the run goes on until 5 have been made
+            return time.monotonic() - t0 > RUN_S and sum("policy_loss" in r for r in rounds) >= 5
+        wait_for(run_done, RUN_S + (10 if LEARNING else 120), "the run", lt, procs)
     finally:
         for p in procs:
             if p.poll() is None:
