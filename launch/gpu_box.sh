@@ -95,12 +95,8 @@ start() {
   # TANDEM_LEARNER_GPU: the one GPU the learner sees (CUDA_VISIBLE_DEVICES for the learner alone:
   # robosuite's EGL renderer in the actors takes its device from CUDA_VISIBLE_DEVICES);
   # TANDEM_RENDER_GPU: the EGL device the actors render on (MUJOCO_EGL_DEVICE_ID; default the first)
-  if [ -n "${TANDEM_LEARNER_GPU:-}" ]; then
-    CUDA_VISIBLE_DEVICES="$TANDEM_LEARNER_GPU" setsid "$ROOT/launch/run_learner.sh" run_dir="$run_dir" "${learner[@]}" \
-      >"$run_dir/learner.log" 2>&1 &
-  else
+  env ${TANDEM_LEARNER_GPU:+CUDA_VISIBLE_DEVICES=$TANDEM_LEARNER_GPU} \
     setsid "$ROOT/launch/run_learner.sh" run_dir="$run_dir" "${learner[@]}" >"$run_dir/learner.log" 2>&1 &
-  fi
   echo "learner $!" >> "$run_dir/pids"
   for _ in $(seq 1 600); do   # until the learner serves (its start-up line)
     grep -q "serving on" "$run_dir/learner.log" 2>/dev/null && break

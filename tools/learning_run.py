@@ -1,6 +1,7 @@
 """Learning runs through the real system, for the tool runs that show an algorithm learning
-(tools/flow_ppo_demo.py, tools/oft_grpo_demo.py): a learner and actor processes on
-loopback, and success by policy version read back from the run's LeRobot dataset."""
+(tools/flow_ppo_demo.py, tools/oft_grpo_demo.py, the rejection-sampling tools): a learner and
+actor processes on loopback, and success by policy version read back from the run's LeRobot
+dataset or its status."""
 
 from __future__ import annotations
 
@@ -54,6 +55,60 @@ def stop_processes(procs: Sequence[subprocess.Popen], wait_s: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def read_status(run_dir: Path) -> dict:
+    """The learner's ``status.json`` ({} while it is missing or half-written)."""
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def rs_history(status: dict) -> list[dict]:
+    """Rejection sampling's evaluation history in a status (baseline first)."""
+    return status.get("replay", {}).get("rs", {}).get("history", [])
+
+
+def run_rs_cycles(run_dir: Path, common: Sequence[str], learner_o: Sequence[str], actor_o: Sequence[str], *,
+                  cycles: int, max_s: float, label: str = "") -> dict:
+    """A rejection-sampling learner and one actor (``python -m learner`` / ``actor`` with
+    ``common`` plus their own overrides, logs in ``run_dir``) until ``cycles`` + 1 gate
+    evaluations (the baseline first) or ``max_s``, then SIGINT. Returns the last ``status``,
+    its ``history``, ``wall_s`` and the 1-min load at the start and at each evaluation."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen] = []
+    loads, t0 = [os.getloadavg()[0]], time.monotonic()
+    for module, args in (("learner", learner_o), ("actor", actor_o)):
+        log = run_dir / f"{module}.log"
+        with open(log, "ab") as f:
+            p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env,
+                                 stdout=f, stderr=subprocess.STDOUT)
+        p.log = log
+        procs.append(p)
+    status, seen = {}, 0
+    try:
+        while time.monotonic() - t0 < max_s:
+            time.sleep(1.0)
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.log.name} exited {p.returncode}:\n{p.log.read_text()[-3000:]}")
+            status = read_status(run_dir) or status
+            hist = rs_history(status)
+            if len(hist) > seen:
+                seen = len(hist)
+                loads.append(os.getloadavg()[0])
+                h = hist[-1]
+                print(f"[{label}{time.monotonic() - t0:5.0f}s] v{h['version']} gate success {h['success']} "
+                      f"({h['decision']}) episodes {status.get('replay', {}).get('episodes')}", flush=True)
+            if seen >= cycles + 1:
+                break
+    finally:
+        stop_processes(procs, 60)
+    wall = time.monotonic() - t0
+    status = read_status(run_dir) or status
+    return {"status": status, "history": rs_history(status), "wall_s": round(wall, 1),
+            "load_1min": [round(x, 2) for x in loads]}
 
 
 def free_port() -> int:

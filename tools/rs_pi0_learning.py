@@ -32,14 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tools.learning_run import ROOT, free_port, stop_processes
+from tools.learning_run import free_port, run_rs_cycles
 
 ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "env.state_has_target=true"]
 CHUNK = 4
@@ -70,17 +67,6 @@ def prepare(out: Path, demos: int, *, seed: int = 1000) -> tuple[Path, Path]:
     return d, ckpt
 
 
-def read_status(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "status.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def history(status: dict) -> list[dict]:
-    return status.get("replay", {}).get("rs", {}).get("history", [])
-
-
 def run(out: Path, demos: Path, ckpt: Path, *, cycles: int, expert: int = 0, algo=ALGO_O,
         max_s: float = 900.0, seed: int = 0, extra: tuple[str, ...] = (),
         inference_steps: int = INFERENCE_STEPS) -> dict:
@@ -89,7 +75,6 @@ def run(out: Path, demos: Path, ckpt: Path, *, cycles: int, expert: int = 0, alg
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     port, pub = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     common = [*ENV_O, *policy_overrides(ckpt, inference_steps), f"run_dir={run_dir}", f"transport.port={port}",
               f"transport.pub_port={pub}", "transport.timeout_s=5.0", "transport.heartbeat_s=0.5"]
     learner_o = [*algo, f"buffer.demos={demos}", "device=cpu", "logging.wandb=disabled", "logging.every_s=2",
@@ -98,36 +83,9 @@ def run(out: Path, demos: Path, ckpt: Path, *, cycles: int, expert: int = 0, alg
     actor_o = ["actor_id=a0", "spool.fsync=false", "log_every_s=10", f"seed={seed}"]
     if expert:
         actor_o += ["intervention.device=expert", f"intervention.expert.episodes={expert}"]
-    procs: list[subprocess.Popen] = []
-    load0, t0 = os.getloadavg(), time.monotonic()
-    for module, args in (("learner", learner_o), ("actor", actor_o)):
-        f = open(run_dir / f"{module}.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env,
-                             stdout=f, stderr=subprocess.STDOUT)
-        p.log = run_dir / f"{module}.log"
-        procs.append(p)
-    status, loads, seen = {}, [], 0
-    try:
-        while time.monotonic() - t0 < max_s:
-            time.sleep(1.0)
-            for p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{p.log.name} exited {p.returncode}:\n{p.log.read_text()[-3000:]}")
-            status = read_status(run_dir) or status
-            hist = history(status)
-            if len(hist) > seen:
-                seen = len(hist)
-                loads.append(os.getloadavg()[0])
-                h = hist[-1]
-                print(f"[{time.monotonic() - t0:5.0f}s] v{h['version']} success {h['success']} "
-                      f"({h['decision']}) episodes {status.get('replay', {}).get('episodes')}", flush=True)
-            if seen >= cycles + 1:
-                break
-    finally:
-        stop_processes(procs, 60)
-    wall = time.monotonic() - t0
-    status = read_status(run_dir) or status
-    hist, rep = history(status), status.get("replay", {})
+    r = run_rs_cycles(run_dir, common, learner_o, actor_o, cycles=cycles, max_s=max_s)
+    status, hist = r["status"], r["history"]
+    rep = status.get("replay", {})
     after = hist[1:cycles + 1]
     return {"cycles": len(after), "before": hist[0]["success"] if hist else None,
             "after_last": after[-1]["success"] if after else None,
@@ -138,8 +96,7 @@ def run(out: Path, demos: Path, ckpt: Path, *, cycles: int, expert: int = 0, alg
             "env_steps": status.get("env_steps"), "updates": status.get("updates"),
             "success_store": rep.get("success_store"), "success_store_intervened": rep.get("success_store_intervened"),
             "intervened_steps": rep.get("intervened_steps"), "intervened_episodes": rep.get("intervened_episodes"),
-            "expert_episodes": expert, "wall_s": round(wall, 1),
-            "load_1min": [round(load0[0], 2), *[round(x, 2) for x in loads]], "run_dir": str(run_dir)}
+            "expert_episodes": expert, "wall_s": r["wall_s"], "load_1min": r["load_1min"], "run_dir": str(run_dir)}
 
 
 def main(argv=None) -> dict:

@@ -35,14 +35,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tools.learning_run import ROOT, evaluate_policy, free_port, stop_processes
+from tools.learning_run import evaluate_policy, free_port, run_rs_cycles
 
 ENV_O = ["env=point_reach_vl"]
 POLICY_O = ["policy=mlp", "policy.hidden_dims=[64,64]", "+policy.task_embed_dim=16",
@@ -67,17 +65,6 @@ def prepare(out: Path, demos: int = DEMOS) -> Path:
     if not d.exists():
         record_demos(env_config(ENV_O), d, demos, seed=DEMO_SEED)
     return d
-
-
-def read_status(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "status.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def history(status: dict) -> list[dict]:
-    return status.get("replay", {}).get("rs", {}).get("history", [])
 
 
 def held_out(trainable: dict | None, episodes: int = HELD_OUT, seed: int = HELD_OUT_SEED,
@@ -115,7 +102,6 @@ def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, ma
     run_dir = out / f"{arm}_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=False)
     port, pub = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     common = [*ENV_O, *POLICY_O, f"run_dir={run_dir}", f"transport.port={port}", f"transport.pub_port={pub}",
               "transport.timeout_s=5.0", "transport.heartbeat_s=0.5"]
     learner_o = [*ALGO_O, *ARMS[arm], f"buffer.demos={demos}", "device=cpu", "logging.wandb=disabled",
@@ -123,37 +109,10 @@ def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, ma
                  f"seed={seed}", f"trainer.checkpoint_every={PRETRAIN}", "trainer.checkpoint_every_s=0",
                  "trainer.keep_checkpoints=1000", *extra]
     actor_o = ["actor_id=a0", "spool.fsync=false", "log_every_s=10", f"seed={seed}"]
-    procs: list[subprocess.Popen] = []
-    load0, t0 = os.getloadavg(), time.monotonic()
-    for module, args in (("learner", learner_o), ("actor", actor_o)):
-        f = open(run_dir / f"{module}.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env,
-                             stdout=f, stderr=subprocess.STDOUT)
-        p.log = run_dir / f"{module}.log"
-        procs.append(p)
-    status, loads, seen = {}, [], 0
-    try:
-        while time.monotonic() - t0 < max_s:
-            time.sleep(1.0)
-            for p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{p.log.name} exited {p.returncode}:\n{p.log.read_text()[-3000:]}")
-            status = read_status(run_dir) or status
-            hist = history(status)
-            if len(hist) > seen:
-                seen = len(hist)
-                loads.append(os.getloadavg()[0])
-                h = hist[-1]
-                print(f"[{arm} seed {seed} {time.monotonic() - t0:5.0f}s] v{h['version']} gate success "
-                      f"{h['success']} ({h['decision']}) episodes {status.get('replay', {}).get('episodes')}",
-                      flush=True)
-            if seen >= cycles + 1:
-                break
-    finally:
-        stop_processes(procs, 60)
-    wall = time.monotonic() - t0
-    status = read_status(run_dir) or status
-    hist, rep = history(status), status.get("replay", {})
+    r = run_rs_cycles(run_dir, common, learner_o, actor_o, cycles=cycles, max_s=max_s,
+                      label=f"{arm} seed {seed} ")
+    status, hist = r["status"], r["history"]
+    rep = status.get("replay", {})
     ckpts = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
     first = run_dir / "checkpoints" / f"step_{PRETRAIN:010d}"
     if not ckpts or not first.exists():
@@ -165,8 +124,8 @@ def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, ma
             "cycles": len(hist) - 1, "gate_evals": [(h["version"], h["success"], h["decision"]) for h in hist],
             "online_episodes": rep.get("episodes"), "kept_episodes": rep.get("kept_episodes"),
             "success_store": rep.get("success_store"), "updates": status.get("updates"),
-            "env_steps": status.get("env_steps"), "final_checkpoint": ckpts[-1].name, "wall_s": round(wall, 1),
-            "load_1min": [round(load0[0], 2), *[round(x, 2) for x in loads]], "run_dir": str(run_dir)}
+            "env_steps": status.get("env_steps"), "final_checkpoint": ckpts[-1].name, "wall_s": r["wall_s"],
+            "load_1min": r["load_1min"], "run_dir": str(run_dir)}
 
 
 def main(argv=None) -> list[dict]:

@@ -363,20 +363,23 @@ class PPOAgent:
         actions that ran (``chunk.execute`` below the chunk size makes every chunk partial)."""
         if "mask" not in batch or bool(torch.as_tensor(batch["mask"]).any()):
             return True
-        partial_ok = (self.cfg.mask_unexecuted and self.token_level and "chunk_steps" in batch
-                      and callable(getattr(self.policy, "token_chunk_positions", None)))
-        return bool(partial_ok and "own_chunk" in batch and torch.as_tensor(batch["own_chunk"]).any())
+        return self._trains_partial_chunks(batch) and bool(torch.as_tensor(batch["own_chunk"]).any())
+
+    def _trains_partial_chunks(self, batch: Batch) -> bool:
+        """Own chunks cut short train on their executed actions' tokens: token-level ratios,
+        ``mask_unexecuted``, the policy's token positions and the batch's ``chunk_steps`` /
+        ``own_chunk`` all present."""
+        return bool(self.cfg.mask_unexecuted and self.token_level and "chunk_steps" in batch
+                    and "own_chunk" in batch and callable(getattr(self.policy, "token_chunk_positions", None)))
 
     def _executed_tokens(self, batch: Batch, old: torch.Tensor) -> torch.Tensor | None:
         """Token-level ratios: [N, T] 1 at the tokens of the actions each chunk executed (its
         ``chunk_steps``; ``token_chunk_positions`` gives each token's place in the chunk), so that
         every own chunk (``own_chunk``: cut short by the episode's end or ``chunk.execute`` too)
         trains on what ran; None when off, per chunk, or not known (then only full chunks train)."""
-        fn = getattr(self.policy, "token_chunk_positions", None)
-        if not (self.cfg.mask_unexecuted and self.token_level and old.ndim == 2 and callable(fn)
-                and "chunk_steps" in batch and "own_chunk" in batch):
+        if old.ndim != 2 or not self._trains_partial_chunks(batch):
             return None
-        pos = fn(int(old.shape[1])).to(self.device)
+        pos = self.policy.token_chunk_positions(int(old.shape[1])).to(self.device)
         return (pos[None, :] < batch["chunk_steps"].to(self.device)[:, None]).float()
 
     def _kl_reached(self, kl_sum, steps: int) -> bool:
