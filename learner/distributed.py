@@ -304,7 +304,7 @@ def check_world(cfg: Any, world: int, algo_name: str) -> None:
         raise ValueError("algo=rejection_sampling runs on one rank only (its evaluate/roll-back "
                          "cycle is not distributed): run it with gpus=1")
     bs = int(cfg.algo.get("batch_size", 0) or 0)
-    if world > 1 and algo_name == "sac" and bs % world:
+    if world > 1 and (algo_name == "sac" or algo_name.startswith("sac_")) and bs % world:
         raise ValueError(f"algo.batch_size={bs} must be a multiple of gpus={world} (every rank "
                          "trains on an equal share of each batch)")
 

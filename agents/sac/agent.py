@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from agents.base import Batch, FeaturePolicy, NoiseConditionedPolicy, ReparamSampler, check_pair
+from agents.base import Batch, FeaturePolicy, ReparamSampler, check_pair
 from agents.common.critics import EnsembleCritic, make_critic
 from agents.common.policy_calls import to_device
 from data.core.spec import EnvSpec
@@ -37,7 +37,9 @@ from data.core.spec import EnvSpec
 
 @dataclass
 class SACConfig:
-    """Hyperparameters of :class:`SACAgent` and its cadence (:mod:`agents.sac.builder`).
+    """Hyperparameters of :class:`SACAgent` and its cadence (:mod:`agents.sac.builder`);
+    the variants' configs add their own keys (:class:`agents.sac.noise.NoiseSACConfig`,
+    :class:`agents.sac.residual.ResidualSACConfig`).
 
     The defaults are ``config/algo/sac.yaml``'s, tuned for the CPU demo task
     tandem/InvertedPendulum-v0 (one thread, solved in ~1.2-2.1k env steps) with
@@ -101,22 +103,6 @@ class SACConfig:
     max_update_ratio: float = 1.0
     #: updates between published weight versions
     publish_every: int = 25
-    # -- noise-space SAC (DSRL; agents/sac/noise.py) --
-    #: "action": the actor outputs the executed actions (the policy must be a ReparamSampler);
-    #: "noise": a small actor outputs the initial noise of a frozen flow policy (PI0/PI0.5,
-    #: a NoiseConditionedPolicy), the critic scores (features, noise)
-    action_space: str = "action"
-    #: noise space: the actor's noise is ``noise_scale * tanh(u)`` (DSRL's action magnitude)
-    noise_scale: float = 1.5
-    #: noise space: "action" (the actor sets the first action_dim noise dims of each step,
-    #: zeros in the flow's padded dims) or "all" (every dim of the flow's noise)
-    noise_dims: str = "action"
-    #: noise space: hidden widths of the noise actor (LayerNorm + ``critic_activation``)
-    noise_actor_hidden_dims: tuple[int, ...] = (256, 256)
-    #: noise space: env steps each chunk runs (the actor's ``chunk.execute``; 0: the whole chunk)
-    execute_steps: int = 0
-    #: noise space: frozen features kept per distinct observation (0: recompute every batch)
-    noise_feature_cache: int = 200_000
 
     def __post_init__(self) -> None:
         if self.utd_ratio < 1:
@@ -134,16 +120,10 @@ class SACConfig:
             raise ValueError(f"init_temperature must be > 0, got {self.init_temperature}")
         if self.publish_every < 1 or self.learning_starts < 0 or self.max_update_ratio < 0:
             raise ValueError("publish_every must be >= 1, learning_starts and max_update_ratio >= 0")
-        if self.action_space not in ("action", "noise"):
-            raise ValueError(f"action_space must be 'action' or 'noise', got {self.action_space!r}")
-        if self.noise_dims not in ("action", "all") or self.noise_scale <= 0 or self.execute_steps < 0:
-            raise ValueError("noise_dims must be 'action' or 'all', noise_scale > 0, execute_steps >= 0")
 
     @property
     def requires(self) -> tuple[type, ...]:
         """The policy capabilities this configuration needs."""
-        if self.action_space == "noise":
-            return (NoiseConditionedPolicy,)
         return (ReparamSampler, FeaturePolicy) if self.critic_encoder == "policy" else (ReparamSampler,)
 
 
