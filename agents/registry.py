@@ -128,7 +128,7 @@ def build_policy(policy_cfg: Mapping[str, Any], spec):
     values = _plain(policy_cfg)
     init = values.pop(INIT_TRAINABLE, None)
     cls = policy_class(name, values)
-    from agents.base import whole_weights
+    from agents.parallel import whole_weights
 
     with whole_weights():  # ZeRO-3: built whole, partitioned by accelerator.prepare
         policy = cls(make_config(cfg_cls, values, f"policy={name}"), spec)

@@ -52,12 +52,12 @@ _BATCH, _STREAM = 1, 0  # CTRL_UPDATE's argument: one batch (on-policy) or a bat
 
 def make_accelerator(cpu: bool, timeout_s: float = 300.0):
     """The learner's Accelerator: DDP looks for unused parameters (the algorithms' phase
-    forwards, :func:`agents.base.accelerator_kwargs`), collectives time out after ``timeout_s``,
+    forwards, :func:`agents.parallel.accelerator_kwargs`), collectives time out after ``timeout_s``,
     and optimizer steps with a non-finite loss or gradient are skipped and counted
     (:class:`learner.finite_guard.GuardedAccelerator`)."""
     from accelerate.utils import InitProcessGroupKwargs
 
-    from agents.base import accelerator_kwargs
+    from agents.parallel import accelerator_kwargs
     from learner.finite_guard import GuardedAccelerator
 
     return GuardedAccelerator(cpu=cpu, kwargs_handlers=accelerator_kwargs() + [
@@ -239,7 +239,7 @@ def gathered_trainable(policy: Any, accelerator: Any) -> dict[str, torch.Tensor]
     each rank holds a shard: every rank must call this together (rank 0 sends CTRL_GATHER
     first); the parameters are gathered with DeepSpeed's ``GatheredParameters`` for the
     read. Elsewhere the weights are whole already. Ran under ZeRO-3 on one H100 rank."""
-    from agents.base import is_zero3, zero3_gathered
+    from agents.parallel import is_zero3, zero3_gathered
 
     if not is_zero3(accelerator):
         return policy.trainable_state_dict()
@@ -248,7 +248,7 @@ def gathered_trainable(policy: Any, accelerator: Any) -> dict[str, torch.Tensor]
 
 
 def needs_gather(accelerator: Any) -> bool:
-    from agents.base import is_zero3
+    from agents.parallel import is_zero3
 
     return is_zero3(accelerator)
 

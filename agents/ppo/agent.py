@@ -38,8 +38,9 @@ import torch
 from torch import nn
 
 from agents.common.advantages import masked_mean, masked_whiten
+from agents import parallel
 from agents.base import (Batch, ReferencePolicy, ReparamSampler, TokenLogProbPolicy,
-                         ValuePolicy, check_pair, has_capability, uses_deepspeed, zero3_gathered)
+                         ValuePolicy, check_pair, has_capability)
 from agents.common.kl import kl_penalty
 from agents.common.policy_calls import PolicyCalls, observation_keys, take, to_device
 from agents.ppo.config import PPOConfig
@@ -77,7 +78,7 @@ class PPOAgent:
     minibatch), so DDP all-reduces both; ``self.policy`` stays the unwrapped policy (what
     broadcasts read). With N ranks each holding a share of the round, advantages are whitened
     with the global statistics and each rank's loss is scaled so that the all-reduced gradient
-    is the global masked mean's (:meth:`_whiten`, :meth:`_rank_scale`). A reference policy is
+    is the global masked mean's (:meth:`_whiten`, :func:`agents.parallel.rank_scale`). A reference policy is
     the same weights with adapters and heads at their start (``policy.reference()``), no copy.
     """
 
@@ -103,23 +104,23 @@ class PPOAgent:
         log.info("%s: importance ratios per %s", self.name, "token" if self.token_level else "chunk")
         separate = self.has_critic and not self._value_in_policy
         calls = PolicyCalls(policy, value_fn if separate else None).to(self.device)
-        self.value_opt = self._value_raw = None
-        if separate and uses_deepspeed(accelerator):
-            # one engine, one optimizer: the value net is a second parameter group (its own
-            # lr); gradient clipping is the engine's (config/deepspeed/*.json), over both
-            opt = torch.optim.AdamW([{"params": _trainable(policy), "lr": cfg.lr},
-                                     {"params": _trainable(value_fn), "lr": cfg.value_lr}],
-                                    weight_decay=0.0)
-            self._calls, self.opt = accelerator.prepare(calls, opt)
-        elif separate:
-            vopt = _adam(value_fn, cfg.value_lr, self.device)
-            self._calls, self.opt, self.value_opt = accelerator.prepare(
-                calls, _adam(policy, cfg.lr, self.device), vopt)
+        self._value_raw = None
+        if separate:
+            # under an engine: one optimizer, the value net a second parameter group (its own
+            # lr); gradient clipping is then the engine's, over both
+            self._calls, self.opt, self.value_opt = parallel.prepare(
+                accelerator, calls,
+                lambda: [_adam(policy, cfg.lr, self.device), _adam(value_fn, cfg.value_lr, self.device)],
+                engine_optimizer=lambda: torch.optim.AdamW(
+                    [{"params": _trainable(policy), "lr": cfg.lr},
+                     {"params": _trainable(value_fn), "lr": cfg.value_lr}], weight_decay=0.0),
+                slots=2)
         else:  # a ValuePolicy's own head trains at value_lr (its own parameter group)
             groups = (_param_groups(policy, cfg.lr, cfg.value_lr) if self._value_in_policy
                       else [{"params": _trainable(policy), "lr": cfg.lr}])
-            opt = torch.optim.Adam(groups, fused=self.device.type in ("cpu", "cuda"))
-            self._calls, self.opt = accelerator.prepare(calls, opt)
+            self._calls, self.opt, self.value_opt = parallel.prepare(
+                accelerator, calls, lambda: [torch.optim.Adam(groups, fused=self.device.type in ("cpu", "cuda"))],
+                slots=2)
         if separate:
             self._value_raw = value_fn
         #: the value net (unwrapped; no-gradient calls only) or None
@@ -141,24 +142,10 @@ class PPOAgent:
 
     def _whiten(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """:func:`agents.common.advantages.masked_whiten` with the statistics of the *global* batch
-        (all ranks' shares), so N ranks normalise as one process would."""
-        if self.accelerator.num_processes == 1:
+        (all ranks' shares: :func:`agents.parallel.whiten_over_ranks`)."""
+        if parallel.world(self.accelerator) == 1:
             return masked_whiten(adv, mask)
-        m = mask.to(adv.dtype)
-        tot = self.accelerator.reduce(torch.stack([(adv * m).sum(), m.sum()]), "sum")
-        mean = tot[0] / tot[1].clamp_min(1.0)
-        var = self.accelerator.reduce(((adv - mean).pow(2) * m).sum(), "sum") / (tot[1] - 1.0).clamp_min(1.0)
-        return (adv - mean) / (var.sqrt() + 1e-6) * m
-
-    def _rank_scale(self, mask: torch.Tensor) -> torch.Tensor | float:
-        """Factor on a rank's masked-mean loss so that DDP's mean over ranks is the masked
-        mean over the global minibatch (ranks whose shares hold different numbers of real
-        chunks); 1 on one process."""
-        if self.accelerator.num_processes == 1:
-            return 1.0
-        local = mask.float().sum()
-        total = self.accelerator.reduce(local.detach().clone(), "sum")
-        return local.clamp_min(1.0) * self.accelerator.num_processes / total.clamp_min(1.0)
+        return parallel.whiten_over_ranks(self.accelerator, adv, mask)
 
     @torch.no_grad()
     def _in_chunks(self, fn, obs: Batch, actions: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -187,10 +174,7 @@ class PPOAgent:
         return entropy_bonus(self._chunk_sum(logp), mask, score_function=True)
 
     def _clip(self, module) -> torch.Tensor | None:
-        if self.cfg.max_grad_norm is None:
-            return None
-        norm = self.accelerator.clip_grad_norm_(module.parameters(), self.cfg.max_grad_norm)
-        return None if norm is None else torch.as_tensor(norm).detach().float()
+        return parallel.clip(self.accelerator, module.parameters(), self.cfg.max_grad_norm)
 
     # -- the update -------------------------------------------------------------------------
     def update(self, batch: Batch) -> dict[str, float]:
@@ -283,8 +267,7 @@ class PPOAgent:
 
     def _kl_reached(self, kl_sum, steps: int) -> bool:
         """target_kl early stop: the last pass's mean approx_kl (the same on every rank) > it."""
-        kl = torch.as_tensor(kl_sum / max(steps, 1), device=self.device, dtype=torch.float32)
-        return float(self.accelerator.reduce(kl, "mean") if self.accelerator.num_processes > 1 else kl) > self.cfg.target_kl
+        return parallel.mean_over_ranks(self.accelerator, kl_sum / max(steps, 1), self.device) > self.cfg.target_kl
 
     def _minibatch_step(self, obs: Batch, actions, old, adv, mask, is_w, ref, returns,
                         old_values, pmask=None) -> dict[str, torch.Tensor]:
@@ -316,16 +299,8 @@ class PPOAgent:
         self.opt.zero_grad(set_to_none=True)
         if self.value_opt is not None:
             self.value_opt.zero_grad(set_to_none=True)
-        if uses_deepspeed(self.accelerator):
-            # this agent's own engine (accelerator.backward drives only the first engine an
-            # accelerator prepared); it clips by its config and steps; opt.step() is then a no-op
-            self._calls.backward(loss * self._rank_scale(mask))
-            self._calls.step()
-            gn = self._calls.get_global_grad_norm()
-            norm = None if gn is None else torch.as_tensor(float(gn))
-        else:
-            self.accelerator.backward(loss * self._rank_scale(mask))
-            norm = self._clip(self.policy)
+        norm = parallel.backward_step(self.accelerator, self._calls, loss * parallel.rank_scale(self.accelerator, mask),
+                                      self.policy.parameters(), self.cfg.max_grad_norm)
         if norm is not None:
             metrics["grad_norm"] = norm
         self.opt.step()
@@ -336,21 +311,19 @@ class PPOAgent:
         return metrics
 
     # -- checkpointing ----------------------------------------------------------------------
-    def deepspeed_engines(self) -> list:
-        """The DeepSpeed engine training policy (+ value net), for checkpoints; [] without."""
-        return [self._calls] if uses_deepspeed(self.accelerator) else []
+    def parallel_engines(self) -> list:
+        """The engine training policy (+ value net), for checkpoints; [] without engines."""
+        return parallel.engines(self.accelerator, self._calls)
 
     def state_dict(self) -> dict:
         """Policy, value function (when separate), optimizers and the update counter. Under
-        DeepSpeed the weights are gathered (every rank calls this together) and the optimizer
+        an engine the weights are gathered (every rank calls this together) and the optimizer
         state is the engine's own checkpoint (learner/engine_state.py), not in here."""
-        with zero3_gathered(self.policy, self.accelerator):
-            state = {"policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
-                     "num_updates": int(self.num_updates)}
+        state = {"policy": parallel.gathered_state(self.policy, self.accelerator),
+                 "num_updates": int(self.num_updates)}
         if self._value_raw is not None:
-            with zero3_gathered(self._value_raw, self.accelerator):
-                state["value_fn"] = {k: v.detach().clone() for k, v in self._value_raw.state_dict().items()}
-        if uses_deepspeed(self.accelerator):
+            state["value_fn"] = parallel.gathered_state(self._value_raw, self.accelerator)
+        if self.parallel_engines():
             return state
         state["opt"] = copy.deepcopy(self.opt.state_dict())
         if self.value_opt is not None:
@@ -358,13 +331,11 @@ class PPOAgent:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        with zero3_gathered(self.policy, self.accelerator, modifier_rank=0):
-            self.policy.load_state_dict(state["policy"])
+        parallel.load_gathered(self.policy, self.accelerator, state["policy"])
         self.num_updates = int(state["num_updates"])
         if self._value_raw is not None and "value_fn" in state:
-            with zero3_gathered(self._value_raw, self.accelerator, modifier_rank=0):
-                self._value_raw.load_state_dict(state["value_fn"])
-        if "opt" not in state or uses_deepspeed(self.accelerator):  # the engine loads its own
+            parallel.load_gathered(self._value_raw, self.accelerator, state["value_fn"])
+        if "opt" not in state or self.parallel_engines():  # the engine loads its own
             return
         # torch optimizers adopt the given tensors: copy so training never mutates ``state``
         self.opt.load_state_dict(copy.deepcopy(state["opt"]))

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from agents import parallel
 from agents.base import Batch, FeaturePolicy, ReparamSampler, check_pair
 from agents.common.critics import EnsembleCritic, make_critic
 from agents.common.policy_calls import to_device
@@ -228,7 +229,7 @@ class SACModel(nn.Module):
 
     Under DDP it is exact (each part keeps its optimizer; a phase's backward all-reduces the
     gradients of the parts it touched) and free on one process. Under DeepSpeed SAC uses one
-    engine per trained model instead (:mod:`agents.sac.deepspeed`).
+    engine per trained model instead (:mod:`agents.sac.engines`).
 
     Phases (``what``), each one forward:
 
@@ -273,23 +274,20 @@ class SACModel(nn.Module):
 
 
 def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, temperature: nn.Module,
-                deepspeed: bool = False):
+                engines: bool = False):
     """Optimizers for the three parts, ``model`` through ``accelerator.prepare`` (one model,
-    three optimizers: DDP or one process; under DeepSpeed, with ``deepspeed``, two engines:
-    :mod:`agents.sac.deepspeed`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
+    three optimizers: DDP or one process; under DeepSpeed, with ``engines``, two engines:
+    :mod:`agents.sac.engines`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
     ``critic_opt``/``temp_opt``, ``agent.engines`` (None without DeepSpeed), the raw parts
     ``agent._actor_raw``/``_critic_raw``/``_temp_raw`` and the target critic."""
-    from agents.base import uses_deepspeed
-
     acc, cfg = agent.accelerator, agent.cfg
     agent.engines = None
-    if uses_deepspeed(acc):
-        if not deepspeed:
-            raise ValueError(f"{type(agent).__name__} does not run under DeepSpeed: run it multi-GPU "
-                             "with deepspeed.stage=0 (DDP)")
-        from agents.sac.deepspeed import prepare_sac_deepspeed
+    if parallel.uses_engines(acc):
+        if not engines:
+            parallel.refuse_engines(acc, f"{type(agent).__name__} does not run under DeepSpeed")
+        from agents.sac.engines import prepare_sac_engines
 
-        return prepare_sac_deepspeed(agent, model.actor, actor_params, critic, temperature)
+        return prepare_sac_engines(agent, model.actor, actor_params, critic, temperature)
     # fused Adam: one kernel per step instead of ~10 ops per tensor (2x faster on CPU)
     fused = acc.device.type in ("cpu", "cuda")
     model.to(acc.device)
@@ -325,7 +323,7 @@ def sac_critic_step(agent, batch: Batch, actions: torch.Tensor) -> dict[str, tor
         q = agent.model(batch, "critic", actions)
     loss = critic_loss(q, target)
     if agent.engines is not None:  # DeepSpeed: the critic engine steps, then the soft update
-        from agents.sac.deepspeed import critic_update
+        from agents.sac.engines import critic_update
 
         critic_update(agent, loss)
     else:
@@ -357,7 +355,7 @@ def sac_actor_step(agent, batch: Batch) -> tuple[dict[str, torch.Tensor], torch.
         t_loss = temperature_loss(log_alpha, logp.detach(), agent.target_entropy)
         agent.temp_opt.zero_grad(set_to_none=True)
         if agent.engines is not None:  # DeepSpeed: the actor engine's backward and step
-            from agents.sac.deepspeed import actor_update
+            from agents.sac.engines import actor_update
 
             actor_update(agent, a_loss + t_loss)
         else:
@@ -405,7 +403,7 @@ class SACAgent:
         critic_params = {id(p) for p in critic.parameters()} if self.shared_encoder else set()
         prepare_sac(self, SACModel(policy, critic, temperature),
                     [p for p in policy.parameters() if p.requires_grad and id(p) not in critic_params],
-                    critic, temperature, deepspeed=True)
+                    critic, temperature, engines=True)
         self.device = accelerator.device
         self.num_updates = 0
 
@@ -440,14 +438,14 @@ class SACAgent:
         return utd_update(self, batches, lambda b: to_device(b, self.device))
 
     # -- checkpointing ----------------------------------------------------------------------
-    def deepspeed_engines(self) -> list:
+    def parallel_engines(self) -> list:
         return list(self.engines or ())
 
     def state_dict(self) -> dict:
         """Policy, critics, target critics, log_alpha, the three optimizers and the counter."""
         if self.engines is not None:
-            from agents.sac import deepspeed as sac_deepspeed
-            return sac_deepspeed.state_dict(self)
+            from agents.sac import engines as sac_engines
+            return sac_engines.state_dict(self)
         return {
             "policy": {k: v.detach().clone() for k, v in self._actor_raw.state_dict().items()},
             "critic": {k: v.detach().clone() for k, v in self._critic_raw.state_dict().items()},
@@ -461,8 +459,8 @@ class SACAgent:
 
     def load_state_dict(self, state: dict) -> None:
         if self.engines is not None:
-            from agents.sac import deepspeed as sac_deepspeed
-            return sac_deepspeed.load_state_dict(self, state)
+            from agents.sac import engines as sac_engines
+            return sac_engines.load_state_dict(self, state)
         self._actor_raw.load_state_dict(state["policy"])
         self._critic_raw.load_state_dict(state["critic"])
         self.target_critic.load_state_dict(state["target_critic"])
