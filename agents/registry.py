@@ -23,6 +23,11 @@ POLICIES: dict[str, tuple[str, str, str]] = {
     "openvla_oft_discrete": ("agents.policies.openvla_oft_discrete", "OpenVLAOFTDiscretePolicy",
                              "OpenVLAOFTDiscretePolicyConfig"),
 }
+# policy name -> (module, function): the function picks the class from the config section
+CLASS_FOR_CONFIG: dict[str, tuple[str, str]] = {
+    "pi0": ("agents.policies.flow_rl", "class_for_config"),
+    "pi05": ("agents.policies.flow_rl", "class_for_config"),
+}
 # name -> (builder module, builder class, config module, config dataclass); a variant of an
 # algorithm is a name of its own (its config a subclass of the algorithm's: ``sac_noise``)
 ALGOS: dict[str, tuple[str, str, str, str]] = {
@@ -76,11 +81,13 @@ def make_config(cfg_cls, values: Mapping[str, Any], where: str):
 
 
 def policy_class(name: str, values: Mapping[str, Any] | None = None):
-    """The class ``policy=name`` builds; a class with a ``class_for_config(values)`` classmethod
-    picks a variant from its config section (PI0's ``flow_rl``)."""
+    """The class ``policy=name`` builds; a policy in :data:`CLASS_FOR_CONFIG` has a function
+    ``(class, config section) -> class`` that picks a variant (PI0's ``flow_rl``)."""
     cls = _load(POLICIES, "policy", name)[0]
-    pick = getattr(cls, "class_for_config", None)
-    return pick(values or {}) if callable(pick) else cls
+    if name not in CLASS_FOR_CONFIG:
+        return cls
+    mod, fn = CLASS_FOR_CONFIG[name]
+    return getattr(importlib.import_module(mod), fn)(cls, values or {})
 
 
 def build_builder(algo_cfg: Mapping[str, Any]):
