@@ -33,6 +33,7 @@ from agents import parallel
 from agents.base import Batch, FeaturePolicy, ReparamSampler, check_pair
 from agents.common.critics import EnsembleCritic, make_critic
 from agents.common.policy_calls import to_device
+from agents.sac.engines import prepare_sac_engines
 from data.core.spec import EnvSpec
 
 
@@ -273,20 +274,74 @@ class SACModel(nn.Module):
         raise ValueError(f"unknown SAC phase {what!r}")
 
 
+class LocalSteps:
+    """SAC's optimizer steps and checkpoint state on one process or under DDP (one prepared
+    model, three optimizers); :class:`agents.sac.engines.EngineSteps` is the same over
+    DeepSpeed's two engines. :func:`prepare_sac` sets one as ``agent.steps``."""
+
+    def __init__(self, agent):
+        self.agent = agent
+
+    def critic(self, loss: torch.Tensor) -> None:
+        """The critic's backward and step, then the target's soft update."""
+        a = self.agent
+        a.critic_opt.zero_grad(set_to_none=True)
+        a.accelerator.backward(loss)
+        a._clip(a._critic_raw)
+        a.critic_opt.step()
+        soft_update(a.target_critic, a._critic_raw, a.cfg.tau)
+
+    def actor(self, loss: torch.Tensor) -> None:
+        """The backward of actor + temperature loss and the actor's step (the caller steps
+        ``temp_opt``)."""
+        a = self.agent
+        a.actor_opt.zero_grad(set_to_none=True)
+        a.accelerator.backward(loss)
+        a._clip(a._actor_raw)
+        a.actor_opt.step()
+
+    def state_dict(self) -> dict:
+        """Policy, critics, target critics, log_alpha, the three optimizers and the counter."""
+        a = self.agent
+        return {
+            "policy": {k: v.detach().clone() for k, v in a._actor_raw.state_dict().items()},
+            "critic": {k: v.detach().clone() for k, v in a._critic_raw.state_dict().items()},
+            "target_critic": {k: v.detach().clone() for k, v in a.target_critic.state_dict().items()},
+            "log_alpha": a._temp_raw.log_alpha.detach().clone(),
+            "actor_opt": copy.deepcopy(a.actor_opt.state_dict()),
+            "critic_opt": copy.deepcopy(a.critic_opt.state_dict()),
+            "temp_opt": copy.deepcopy(a.temp_opt.state_dict()),
+            "num_updates": int(a.num_updates),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        a = self.agent
+        a._actor_raw.load_state_dict(state["policy"])
+        a._critic_raw.load_state_dict(state["critic"])
+        a.target_critic.load_state_dict(state["target_critic"])
+        with torch.no_grad():
+            a._temp_raw.log_alpha.copy_(state["log_alpha"])
+        # torch optimizers adopt the given tensors (no copy): copy so that training this agent
+        # never mutates the caller's state dict
+        for name in ("actor_opt", "critic_opt", "temp_opt"):  # a DeepSpeed run's engines hold
+            if name in state:  # its actor/critic optimizers: evaluating it reads the weights only
+                getattr(a, name).load_state_dict(copy.deepcopy(state[name]))
+        a.num_updates = int(state["num_updates"])
+
+
 def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, temperature: nn.Module,
                 engines: bool = False):
     """Optimizers for the three parts, ``model`` through ``accelerator.prepare`` (one model,
     three optimizers: DDP or one process; under DeepSpeed, with ``engines``, two engines:
     :mod:`agents.sac.engines`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
-    ``critic_opt``/``temp_opt``, ``agent.engines`` (None without DeepSpeed), the raw parts
+    ``critic_opt``/``temp_opt``, ``agent.engines`` (None without DeepSpeed), ``agent.steps``
+    (:class:`LocalSteps` or :class:`agents.sac.engines.EngineSteps`), the raw parts
     ``agent._actor_raw``/``_critic_raw``/``_temp_raw`` and the target critic."""
     acc, cfg = agent.accelerator, agent.cfg
     agent.engines = None
     if parallel.uses_engines(acc):
         if not engines:
             parallel.refuse_engines(acc, f"{type(agent).__name__} does not run under DeepSpeed")
-        from agents.sac.engines import prepare_sac_engines
-
         return prepare_sac_engines(agent, model.actor, actor_params, critic, temperature)
     # fused Adam: one kernel per step instead of ~10 ops per tensor (2x faster on CPU)
     fused = acc.device.type in ("cpu", "cuda")
@@ -304,6 +359,7 @@ def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, tempera
     agent.critic, agent.temperature = raw.critic, raw.temperature
     agent.target_critic = copy.deepcopy(raw.critic).to(acc.device)
     agent.target_critic.requires_grad_(False)
+    agent.steps = LocalSteps(agent)
 
 
 def sac_critic_step(agent, batch: Batch, actions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -322,16 +378,7 @@ def sac_critic_step(agent, batch: Batch, actions: torch.Tensor) -> dict[str, tor
     else:
         q = agent.model(batch, "critic", actions)
     loss = critic_loss(q, target)
-    if agent.engines is not None:  # DeepSpeed: the critic engine steps, then the soft update
-        from agents.sac.engines import critic_update
-
-        critic_update(agent, loss)
-    else:
-        agent.critic_opt.zero_grad(set_to_none=True)
-        agent.accelerator.backward(loss)
-        agent._clip(agent._critic_raw)
-        agent.critic_opt.step()
-        soft_update(agent.target_critic, agent._critic_raw, agent.cfg.tau)
+    agent.steps.critic(loss)
     return {"critic_loss": loss.detach(), "q_mean": q.detach().mean(), "target_q_mean": target.mean()}
 
 
@@ -354,15 +401,7 @@ def sac_actor_step(agent, batch: Batch) -> tuple[dict[str, torch.Tensor], torch.
         a_loss = actor_loss(q, logp, alpha, agent.cfg.actor_q_reduce)
         t_loss = temperature_loss(log_alpha, logp.detach(), agent.target_entropy)
         agent.temp_opt.zero_grad(set_to_none=True)
-        if agent.engines is not None:  # DeepSpeed: the actor engine's backward and step
-            from agents.sac.engines import actor_update
-
-            actor_update(agent, a_loss + t_loss)
-        else:
-            agent.actor_opt.zero_grad(set_to_none=True)
-            agent.accelerator.backward(a_loss + t_loss)
-            agent._clip(agent._actor_raw)
-            agent.actor_opt.step()
+        agent.steps.actor(a_loss + t_loss)
         agent.temp_opt.step()
     finally:
         critic.requires_grad_(True)
@@ -442,33 +481,9 @@ class SACAgent:
         return list(self.engines or ())
 
     def state_dict(self) -> dict:
-        """Policy, critics, target critics, log_alpha, the three optimizers and the counter."""
-        if self.engines is not None:
-            from agents.sac import engines as sac_engines
-            return sac_engines.state_dict(self)
-        return {
-            "policy": {k: v.detach().clone() for k, v in self._actor_raw.state_dict().items()},
-            "critic": {k: v.detach().clone() for k, v in self._critic_raw.state_dict().items()},
-            "target_critic": {k: v.detach().clone() for k, v in self.target_critic.state_dict().items()},
-            "log_alpha": self._temp_raw.log_alpha.detach().clone(),
-            "actor_opt": copy.deepcopy(self.actor_opt.state_dict()),
-            "critic_opt": copy.deepcopy(self.critic_opt.state_dict()),
-            "temp_opt": copy.deepcopy(self.temp_opt.state_dict()),
-            "num_updates": int(self.num_updates),
-        }
+        """Policy, critics, target critics, log_alpha, the optimizers and the counter
+        (:class:`LocalSteps`; under DeepSpeed :class:`agents.sac.engines.EngineSteps`)."""
+        return self.steps.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if self.engines is not None:
-            from agents.sac import engines as sac_engines
-            return sac_engines.load_state_dict(self, state)
-        self._actor_raw.load_state_dict(state["policy"])
-        self._critic_raw.load_state_dict(state["critic"])
-        self.target_critic.load_state_dict(state["target_critic"])
-        with torch.no_grad():
-            self._temp_raw.log_alpha.copy_(state["log_alpha"])
-        # torch optimizers adopt the given tensors (no copy): copy so that training this agent
-        # never mutates the caller's state dict
-        for name in ("actor_opt", "critic_opt", "temp_opt"):  # a DeepSpeed run's engines hold
-            if name in state:  # its actor/critic optimizers: evaluating it reads the weights only
-                getattr(self, name).load_state_dict(copy.deepcopy(state[name]))
-        self.num_updates = int(state["num_updates"])
+        self.steps.load_state_dict(state)

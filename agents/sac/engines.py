@@ -120,6 +120,7 @@ def prepare_sac_engines(agent: Any, policy: nn.Module, actor_params: list, criti
     # prepare broadcast rank 0's weights into the engines: the target starts from them
     parallel.gathered_soft_update(target, critic, 1.0, acc, copy_whole=True)
     agent.target_critic = target
+    agent.steps = EngineSteps(agent)
 
 
 def critic_update(agent: Any, loss: torch.Tensor) -> None:
@@ -156,3 +157,24 @@ def load_state_dict(agent: Any, state: dict) -> None:
     if "temp_opt" in state:
         agent.temp_opt.load_state_dict(copy.deepcopy(state["temp_opt"]))
     agent.num_updates = int(state["num_updates"])
+
+
+class EngineSteps:
+    """SAC's optimizer steps and checkpoint state over the two engines (as
+    :class:`agents.sac.agent.LocalSteps` without them)."""
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+
+    def critic(self, loss: torch.Tensor) -> None:
+        critic_update(self.agent, loss)
+
+    def actor(self, loss: torch.Tensor) -> None:
+        actor_update(self.agent, loss)
+
+    def state_dict(self) -> dict:
+        return state_dict(self.agent)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_state_dict(self.agent, state)
+
