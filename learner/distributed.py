@@ -17,7 +17,7 @@ every rank loads it (and its engine state), and a resume at another N is refused
 
 Batch route: **rank 0 samples the global batch and scatters shares**. Rank 0's algorithm
 draws exactly what one process would (``batch_size`` rows, or a whole PPO/GRPO round) through
-its agent's ``update``, which :class:`RootAgent` intercepts: a header (keys, dtypes, shapes as
+its agent's ``update``, on the way through :class:`RootRoute`: a header (keys, dtypes, shapes as
 JSON bytes in a uint8 tensor; strings as padded UTF-8 rows) is broadcast, then every tensor
 is split into N equal row blocks and ``torch.distributed.scatter``-ed; rank r gets rows
 [r n, (r+1) n). Off-policy batches must split evenly (``batch_size`` a multiple of N);
@@ -216,22 +216,20 @@ class _ReceiveStream:
         return self.ranks.receive_batch()
 
 
-class RootAgent:
-    """Rank 0's agent: announces each update to the followers and scatters its data, then
-    runs the agent's own update on block 0. Everything else is the agent's."""
+class RootRoute:
+    """Rank 0's route of every update's data (:attr:`agents.core.AlgoLearner.route`): announces
+    the update to the followers and scatters its data (a batch, or each batch of a stream);
+    the agent's own update then runs on block 0."""
 
-    def __init__(self, agent: Any, ranks: Ranks):
-        self._agent, self._ranks = agent, ranks
+    def __init__(self, ranks: Ranks):
+        self._ranks = ranks
 
-    def __getattr__(self, name: str):
-        return getattr(self._agent, name)
-
-    def update(self, data, *args, **kw):
+    def __call__(self, data):
         if isinstance(data, dict):
             self._ranks.send(CTRL_UPDATE, _BATCH)
-            return self._agent.update(self._ranks.scatter_batch(data), *args, **kw)
+            return self._ranks.scatter_batch(data)
         self._ranks.send(CTRL_UPDATE, _STREAM)
-        return self._agent.update(_ScatterStream(data, self._ranks), *args, **kw)
+        return _ScatterStream(data, self._ranks)
 
 
 def gathered_trainable(policy: Any, accelerator: Any) -> dict[str, torch.Tensor]:
