@@ -172,70 +172,7 @@ def check_pair(algo_name: str, requires: Iterable[type], policy_name: str,
         )
 
 
-# -- algorithms: their contracts are in agents/core.py -----------------------------------------
-def accelerator_kwargs() -> list:
-    """The ``kwargs_handlers`` every learner ``Accelerator`` is made with. The algorithms put
-    their trained parts behind one wrapper module whose forward runs one *phase* (SAC: the
-    critic phase touches only the critic, the actor phase only the actor and temperature), so
-    under DDP some parameters get no gradient in a given backward: DDP must look for them
-    (``find_unused_parameters``) instead of waiting for their gradients forever."""
-    from accelerate.utils import DistributedDataParallelKwargs
-
-    return [DistributedDataParallelKwargs(find_unused_parameters=True)]
-
-
-def is_zero3(accelerator: Any) -> bool:
-    """True when ``accelerator`` shards parameters with DeepSpeed ZeRO-3."""
-    plugin = accelerator.state.deepspeed_plugin if uses_deepspeed(accelerator) else None
-    return plugin is not None and int(plugin.zero_stage) == 3
-
-
-def zero3_gathered(params: Any, accelerator: Any, *, modifier_rank: int | None = None):
-    """A context in which ``params`` (a module's parameters, or a list of them) are whole under
-    DeepSpeed ZeRO-3 (every rank must enter it together; ``modifier_rank`` = the rank whose
-    writes are kept), else a no-op."""
-    import contextlib
-
-    if not is_zero3(accelerator):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    params = list(params.parameters()) if isinstance(params, torch.nn.Module) else list(params)
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
-
-
-def uses_deepspeed(accelerator: Any) -> bool:
-    """True when ``accelerator`` prepares models as DeepSpeed engines."""
-    from accelerate.utils import DistributedType
-
-    return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED
-
-
-@contextlib.contextmanager
-def whole_weights():
-    """Build modules whole inside, also under DeepSpeed ZeRO-3.
-
-    accelerate registers its ZeRO-3 config with transformers, which then constructs every
-    model inside ``deepspeed.zero.Init``: parameters are partitioned as they are made, so the
-    policies' own initialisation (lerobot's and OFT's heads, LoRA) meets empty shards ("Fan in
-    and fan out can not be computed ...", seen on 2 H200s). Policies are built whole on each
-    rank instead (bf16 PI0 6.6 GB, OFT 15 GB) and ``accelerator.prepare`` partitions them.
-    Without a ZeRO-3 config this does nothing."""
-    try:
-        from transformers.integrations import deepspeed as hf_ds
-    except ImportError:  # no transformers: nothing registers a ZeRO-3 config
-        yield
-        return
-    ref = hf_ds._hf_deepspeed_config_weak_ref  # noqa: SLF001 - the registered config, to restore
-    held = ref() if ref is not None else None
-    if held is None or not hf_ds.is_deepspeed_zero3_enabled():
-        yield
-        return
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds.set_hf_deepspeed_config(held)
+# algorithms: their contracts are in agents/core.py; DDP and DeepSpeed in agents/parallel.py
 
 
 def extras_ranges(policy: Any) -> dict[str, tuple[int, int]]:
@@ -243,13 +180,3 @@ def extras_ranges(policy: Any) -> dict[str, tuple[int, int]]:
     ingest refuses records outside them)."""
     fn = getattr(policy, "extras_ranges", None)
     return dict(fn()) if callable(fn) else {}
-
-
-def low_precision_autocast(module: torch.nn.Module):
-    """Autocast to the dtype of ``module``'s weights when they are bf16/fp16 on a GPU (a
-    DeepSpeed bf16 engine casts a module's weights while batches stay float32), else a no-op."""
-    import contextlib
-
-    p = next(module.parameters(), None)
-    low = p is not None and p.is_cuda and p.dtype in (torch.bfloat16, torch.float16)
-    return torch.autocast("cuda", dtype=p.dtype) if low else contextlib.nullcontext()

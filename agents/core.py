@@ -55,15 +55,24 @@ class AlgoData(Protocol):
     def close(self, timeout: float = 30.0) -> None: ...
 
 
+def direct_route(data: Any) -> Any:
+    """:attr:`AlgoLearner.route` of one process: the data as it is."""
+    return data
+
+
 class AlgoLearner(Protocol):
     """An algorithm's training side, built by its :class:`Builder`. It owns the update
     cadence: :meth:`step` runs one update when its data allows and returns metrics, else
     None. ``policy`` is the trained policy, whose ``trainable_state_dict`` is published;
-    ``agent`` the update (the multi-rank wrapper replaces it); ``updates`` counts updates."""
+    ``agent`` the update; ``updates`` counts updates. Every update's data (a batch, or a stream
+    of batches) goes to ``agent.update`` through ``route`` (:func:`direct_route`; the
+    multi-rank learner's rank 0 sets one that announces the update to the other ranks and
+    scatters the data: :class:`learner.distributed.RootRoute`)."""
 
     policy: Any
     agent: Any
     updates: int
+    route: Callable[[Any], Any]
 
     def step(self) -> dict[str, float] | None: ...
 

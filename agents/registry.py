@@ -23,20 +23,22 @@ POLICIES: dict[str, tuple[str, str, str]] = {
     "openvla_oft_discrete": ("agents.policies.openvla_oft_discrete", "OpenVLAOFTDiscretePolicy",
                              "OpenVLAOFTDiscretePolicyConfig"),
 }
-# name -> (builder module, builder class (or factory of the config), config module, config dataclass)
+# policy name -> (module, function): the function picks the class from the config section
+CLASS_FOR_CONFIG: dict[str, tuple[str, str]] = {
+    "pi0": ("agents.policies.flow_rl", "class_for_config"),
+    "pi05": ("agents.policies.flow_rl", "class_for_config"),
+}
+# name -> (builder module, builder class, config module, config dataclass); a variant of an
+# algorithm is a name of its own (its config a subclass of the algorithm's: ``sac_noise``)
 ALGOS: dict[str, tuple[str, str, str, str]] = {
-    "sac": ("agents.sac.builder", "make_sac_builder", "agents.sac.agent", "SACConfig"),
+    "sac": ("agents.sac.builder", "SACBuilder", "agents.sac.agent", "SACConfig"),
+    "sac_noise": ("agents.sac.noise_builder", "NoiseSACBuilder", "agents.sac.noise", "NoiseSACConfig"),
+    "sac_residual": ("agents.sac.residual_builder", "ResidualSACBuilder",
+                     "agents.sac.residual", "ResidualSACConfig"),
     "rejection_sampling": ("agents.rs.builder", "RejectionSamplingBuilder",
                            "agents.rs.agent", "RejectionSamplingConfig"),
     "ppo": ("agents.ppo.builder", "PPOBuilder", "agents.ppo.builder", "PPOBuilderConfig"),
     "grpo": ("agents.grpo.builder", "GRPOBuilder", "agents.grpo.config", "GRPOBuilderConfig"),
-}
-# (algorithm, config key, value) -> an entry as in ALGOS: the variant that value selects, with
-# its own builder and config dataclass (which may add keys; the algorithm's yaml lists them,
-# and the other variants drop them)
-VARIANTS: dict[tuple[str, str, str], tuple[str, str, str, str]] = {
-    ("sac", "action_space", "residual"): ("agents.sac.residual_builder", "ResidualSACBuilder",
-                                          "agents.sac.residual", "ResidualSACConfig"),
 }
 
 
@@ -79,11 +81,13 @@ def make_config(cfg_cls, values: Mapping[str, Any], where: str):
 
 
 def policy_class(name: str, values: Mapping[str, Any] | None = None):
-    """The class ``policy=name`` builds; a class with a ``class_for_config(values)`` classmethod
-    picks a variant from its config section (PI0's ``flow_rl``)."""
+    """The class ``policy=name`` builds; a policy in :data:`CLASS_FOR_CONFIG` has a function
+    ``(class, config section) -> class`` that picks a variant (PI0's ``flow_rl``)."""
     cls = _load(POLICIES, "policy", name)[0]
-    pick = getattr(cls, "class_for_config", None)
-    return pick(values or {}) if callable(pick) else cls
+    if name not in CLASS_FOR_CONFIG:
+        return cls
+    mod, fn = CLASS_FOR_CONFIG[name]
+    return getattr(importlib.import_module(mod), fn)(cls, values or {})
 
 
 def build_builder(algo_cfg: Mapping[str, Any]):
@@ -91,24 +95,9 @@ def build_builder(algo_cfg: Mapping[str, Any]):
     name = algo_cfg["name"]
     if name not in ALGOS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGOS)}")
-    values = _plain(algo_cfg)
-    entry, drop = ALGOS[name], set()
-    for (algo, key, value), variant in VARIANTS.items():
-        if algo != name:
-            continue
-        if values.get(key) == value:
-            entry = variant
-        else:  # keys only that variant's config has
-            own = _fields(variant[2], variant[3]) - _fields(ALGOS[name][2], ALGOS[name][3])
-            drop |= own
-    bmod, bcls, cmod, ccls = entry
-    values = {k: v for k, v in values.items() if k not in drop}
-    cfg = make_config(getattr(importlib.import_module(cmod), ccls), values, f"algo={name}")
+    bmod, bcls, cmod, ccls = ALGOS[name]
+    cfg = make_config(getattr(importlib.import_module(cmod), ccls), _plain(algo_cfg), f"algo={name}")
     return getattr(importlib.import_module(bmod), bcls)(cfg)
-
-
-def _fields(module: str, cls: str) -> set[str]:
-    return {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), cls))}
 
 
 def check_algo_policy(algo_cfg: Mapping[str, Any] | str, policy: Mapping[str, Any] | str) -> None:
@@ -146,7 +135,7 @@ def build_policy(policy_cfg: Mapping[str, Any], spec):
     values = _plain(policy_cfg)
     init = values.pop(INIT_TRAINABLE, None)
     cls = policy_class(name, values)
-    from agents.base import whole_weights
+    from agents.parallel import whole_weights
 
     with whole_weights():  # ZeRO-3: built whole, partitioned by accelerator.prepare
         policy = cls(make_config(cfg_cls, values, f"policy={name}"), spec)

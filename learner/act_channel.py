@@ -33,16 +33,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import zmq
 
 from data.core.codec import CodecError, FieldRangeError, decode, encode, recv_frames
 from data.core.schema import ACT_TOKEN_BYTES
 from learner.wire_guard import RateLimitedLog
-
-if TYPE_CHECKING:  # pragma: no cover
-    from learner.service import LearnerService
 
 log = logging.getLogger("tandem.learner.act")
 
@@ -71,8 +68,9 @@ def drain(sock: zmq.Socket, limit: int = 256, *, ready: bool = False):
 
 
 class ActChannel:
-    def __init__(self, service: LearnerService, sock: zmq.Socket, port: int):
-        """``sock``: the learner's end of the act socket (messages ``[routing id, (CURVE
+    def __init__(self, service: Any, sock: zmq.Socket, port: int):
+        """``service``: the :class:`learner.service.LearnerService` (not imported: it imports
+        this module); ``sock``: the learner's end of the act socket (messages ``[routing id, (CURVE
         User-Id,) frames...]`` from the wire gate, :mod:`learner.server_sockets`); ``port``:
         the act socket's TCP port, bound by the gate."""
         self.service = service

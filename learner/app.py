@@ -43,7 +43,7 @@ from learner.checkpoint import (checkpoint_age_s, format_age, latest_checkpoint,
 from data.live_view import LiveView
 from data.stops import StopSignals
 from learner.console import RateMeter, Stages, render, view_status
-from learner.distributed import (RankError, Ranks, RootAgent, check_shared_run_dir, check_world,
+from learner.distributed import (RankError, Ranks, RootRoute, check_shared_run_dir, check_world,
                                  gathered_trainable, make_accelerator, needs_gather)
 from learner.engine_state import engines_of, ranks_meta, restore_algo, save_ranked
 from learner.eval_report import EvalVideos, write_eval_report
@@ -138,7 +138,7 @@ class Learner:
         self.algo = self.builder.make_learner(networks, self.data, self.accelerator,
                                               env_steps=lambda: self.ingest.steps)
         if self.ranks.world > 1:  # every update is announced to and shared with the other ranks
-            self.algo.agent = RootAgent(self.algo.agent, self.ranks)
+            self.algo.route = RootRoute(self.ranks)
         # what the operator sees (learner/console.py): per-actor numbers fed by the threads
         self.actor_stats = ActorStats(window=int(cfg.logging.stats_window))
         self.eval_videos = EvalVideos(self.spec) if cfg.mode == "eval" else None

@@ -17,7 +17,7 @@ every rank loads it (and its engine state), and a resume at another N is refused
 
 Batch route: **rank 0 samples the global batch and scatters shares**. Rank 0's algorithm
 draws exactly what one process would (``batch_size`` rows, or a whole PPO/GRPO round) through
-its agent's ``update``, which :class:`RootAgent` intercepts: a header (keys, dtypes, shapes as
+its agent's ``update``, on the way through :class:`RootRoute`: a header (keys, dtypes, shapes as
 JSON bytes in a uint8 tensor; strings as padded UTF-8 rows) is broadcast, then every tensor
 is split into N equal row blocks and ``torch.distributed.scatter``-ed; rank r gets rows
 [r n, (r+1) n). Off-policy batches must split evenly (``batch_size`` a multiple of N);
@@ -52,12 +52,12 @@ _BATCH, _STREAM = 1, 0  # CTRL_UPDATE's argument: one batch (on-policy) or a bat
 
 def make_accelerator(cpu: bool, timeout_s: float = 300.0):
     """The learner's Accelerator: DDP looks for unused parameters (the algorithms' phase
-    forwards, :func:`agents.base.accelerator_kwargs`), collectives time out after ``timeout_s``,
+    forwards, :func:`agents.parallel.accelerator_kwargs`), collectives time out after ``timeout_s``,
     and optimizer steps with a non-finite loss or gradient are skipped and counted
     (:class:`learner.finite_guard.GuardedAccelerator`)."""
     from accelerate.utils import InitProcessGroupKwargs
 
-    from agents.base import accelerator_kwargs
+    from agents.parallel import accelerator_kwargs
     from learner.finite_guard import GuardedAccelerator
 
     return GuardedAccelerator(cpu=cpu, kwargs_handlers=accelerator_kwargs() + [
@@ -216,22 +216,20 @@ class _ReceiveStream:
         return self.ranks.receive_batch()
 
 
-class RootAgent:
-    """Rank 0's agent: announces each update to the followers and scatters its data, then
-    runs the agent's own update on block 0. Everything else is the agent's."""
+class RootRoute:
+    """Rank 0's route of every update's data (:attr:`agents.core.AlgoLearner.route`): announces
+    the update to the followers and scatters its data (a batch, or each batch of a stream);
+    the agent's own update then runs on block 0."""
 
-    def __init__(self, agent: Any, ranks: Ranks):
-        self._agent, self._ranks = agent, ranks
+    def __init__(self, ranks: Ranks):
+        self._ranks = ranks
 
-    def __getattr__(self, name: str):
-        return getattr(self._agent, name)
-
-    def update(self, data, *args, **kw):
+    def __call__(self, data):
         if isinstance(data, dict):
             self._ranks.send(CTRL_UPDATE, _BATCH)
-            return self._agent.update(self._ranks.scatter_batch(data), *args, **kw)
+            return self._ranks.scatter_batch(data)
         self._ranks.send(CTRL_UPDATE, _STREAM)
-        return self._agent.update(_ScatterStream(data, self._ranks), *args, **kw)
+        return _ScatterStream(data, self._ranks)
 
 
 def gathered_trainable(policy: Any, accelerator: Any) -> dict[str, torch.Tensor]:
@@ -239,7 +237,7 @@ def gathered_trainable(policy: Any, accelerator: Any) -> dict[str, torch.Tensor]
     each rank holds a shard: every rank must call this together (rank 0 sends CTRL_GATHER
     first); the parameters are gathered with DeepSpeed's ``GatheredParameters`` for the
     read. Elsewhere the weights are whole already. Ran under ZeRO-3 on one H100 rank."""
-    from agents.base import is_zero3, zero3_gathered
+    from agents.parallel import is_zero3, zero3_gathered
 
     if not is_zero3(accelerator):
         return policy.trainable_state_dict()
@@ -248,7 +246,7 @@ def gathered_trainable(policy: Any, accelerator: Any) -> dict[str, torch.Tensor]
 
 
 def needs_gather(accelerator: Any) -> bool:
-    from agents.base import is_zero3
+    from agents.parallel import is_zero3
 
     return is_zero3(accelerator)
 
@@ -304,7 +302,7 @@ def check_world(cfg: Any, world: int, algo_name: str) -> None:
         raise ValueError("algo=rejection_sampling runs on one rank only (its evaluate/roll-back "
                          "cycle is not distributed): run it with gpus=1")
     bs = int(cfg.algo.get("batch_size", 0) or 0)
-    if world > 1 and algo_name == "sac" and bs % world:
+    if world > 1 and (algo_name == "sac" or algo_name.startswith("sac_")) and bs % world:
         raise ValueError(f"algo.batch_size={bs} must be a multiple of gpus={world} (every rank "
                          "trains on an equal share of each batch)")
 

@@ -50,9 +50,9 @@ ENGINE = "engine"
 
 
 def engines_of(algo: Any) -> list:
-    """The DeepSpeed engines the algorithm's agent trains (``agent.deepspeed_engines()``, in a
+    """The DeepSpeed engines the algorithm's agent trains (``agent.parallel_engines()``, in a
     fixed order; empty without DeepSpeed)."""
-    fn = getattr(algo.agent, "deepspeed_engines", None)
+    fn = getattr(algo.agent, "parallel_engines", None)
     return list(fn()) if callable(fn) else []
 
 

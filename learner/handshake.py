@@ -8,19 +8,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from data.core.codec import encode
 from data.core.schema import ACT_TOKEN_BYTES, MAX_SEQ
 from learner.act_channel import is_act_token
-
-if TYPE_CHECKING:  # pragma: no cover
-    from learner.service import LearnerService
+from learner.peers import Peer
 
 log = logging.getLogger("tandem.learner.service")
 
 
-def on_hello(svc: "LearnerService", identity: bytes, msg, user_id: str | None = None) -> None:
+def on_hello(svc: Any, identity: bytes, msg, user_id: str | None = None) -> None:
+    """``svc``: the :class:`learner.service.LearnerService` (not imported: it imports this module)."""
     actor_id = msg["actor_id"]
     if not actor_id or len(actor_id) > 128:
         svc._error(identity, "bad_hello", "actor_id must be 1-128 characters")
@@ -83,8 +82,6 @@ def on_hello(svc: "LearnerService", identity: bytes, msg, user_id: str | None = 
     if old is not None:  # a second hello on the same connection: a new session token
         svc.act_sessions.pop(old.token, None)
     token = b"\x01" + os.urandom(ACT_TOKEN_BYTES - 1)
-    from learner.service import Peer  # (that module imports this one)
-
     svc.peers[identity] = peer = Peer(actor_id, now, instance, token)
     svc.act_sessions[token] = peer
     ch = svc.act_channel

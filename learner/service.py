@@ -70,6 +70,7 @@ from data.core.schema import MAX_BATCH, OBS_STATE
 from data.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
 from learner.handshake import on_hello
+from learner.peers import Peer
 from learner.ingest import Ingest
 from learner.act_channel import ActChannel, drain as _drain, is_act_token
 from learner.server_sockets import Outboxes, open_server_sockets, send_or_drop
@@ -101,17 +102,6 @@ class ActRequest:
     @property
     def n(self) -> int:
         return int(self.arrays[OBS_STATE].shape[0])
-
-
-@dataclass
-class Peer:
-    actor_id: str
-    last_seen: float
-    #: the actor process's random instance token from its hello ("" when it sent none): a
-    #: retried hello of the same process may take over its own live session
-    instance: str = ""
-    #: this session's act token (the routing id of its act socket)
-    token: bytes = b""
 
 
 class LearnerService(threading.Thread):

@@ -11,7 +11,7 @@ Per ZeRO stage (2 and 3), fp32 engines without gradient clipping, so that the co
 are exact up to reduction order:
 
 - **SAC equivalence**: each rank updates on its half of every global batch through the actor
-  and critic engines (agents/sac/deepspeed.py); the weights after K updates equal a single
+  and critic engines (agents/sac/engines.py); the weights after K updates equal a single
   CPU process's (no DeepSpeed) on the whole batches. Without the engines' gradient averaging
   each rank would follow its own half-batch gradients and differ from it.
 - **Checkpoint + resume**: PPO (policy + value net in one engine) and SAC (two engines) train
@@ -75,7 +75,7 @@ def _ppo(acc, seed: int):
 
 
 def _weights(agent, kind: str) -> dict[str, torch.Tensor]:
-    from agents.base import zero3_gathered
+    from agents.parallel import zero3_gathered
 
     mods = ((("actor", agent._actor_raw), ("critic", agent._critic_raw), ("target", agent.target_critic),
              ("temp", agent._temp_raw)) if kind == "sac" else (("policy", agent.policy), ("value", agent._value_raw)))
@@ -89,7 +89,7 @@ def _weights(agent, kind: str) -> dict[str, torch.Tensor]:
 def _moments(agent) -> list[torch.Tensor]:
     """Every engine's optimizer state on this rank (its fp32 partition): moments and steps."""
     out = []
-    for engine in agent.deepspeed_engines():
+    for engine in agent.parallel_engines():
         base = getattr(engine.optimizer, "optimizer", engine.optimizer)
         # ZeRO-3 empties the torch optimizer's param_groups between steps: its fp32 partitions
         flat = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
@@ -129,7 +129,7 @@ def _worker(rank: int, world: int, port: int, stage: int, out: str) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    from agents.base import accelerator_kwargs
+    from agents.parallel import accelerator_kwargs
     from learner.checkpoint import load_checkpoint
     from learner.distributed import Ranks, follow
     from learner.rank_control import CTRL_STOP
@@ -220,7 +220,7 @@ def single_sac() -> dict[str, torch.Tensor]:
     """One CPU process, no DeepSpeed: SAC on the whole batches (the reference)."""
     from accelerate import Accelerator
 
-    from agents.base import accelerator_kwargs
+    from agents.parallel import accelerator_kwargs
     from test_distributed import K, _sac_batches
 
     torch.set_num_threads(1)

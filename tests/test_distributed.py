@@ -86,7 +86,7 @@ def run_updates(rank: int, world: int, broken: bool) -> dict[str, torch.Tensor]:
     """K SAC and K PPO updates on this rank's shares; the final parameters by name."""
     from accelerate import Accelerator
 
-    from agents.base import accelerator_kwargs
+    from agents.parallel import accelerator_kwargs
     from agents.policies.mlp import MLPPolicyConfig
     from agents.ppo.agent import PPOAgent, PPOConfig
     from agents.sac.agent import SACAgent, SACConfig

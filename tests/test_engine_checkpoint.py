@@ -50,7 +50,7 @@ class FakeAgent:
     def __init__(self, engines):
         self.engines, self.weight, self.state_calls = engines, torch.zeros(3), 0
 
-    def deepspeed_engines(self):
+    def parallel_engines(self):
         return self.engines
 
     def state_dict(self):
@@ -232,7 +232,7 @@ def test_a_deepspeed_sac_state_without_engine_optimizers_loads_for_evaluation():
     files do): a single-process agent (mode=eval at N=1) still loads its weights."""
     from accelerate import Accelerator
 
-    from agents.base import accelerator_kwargs
+    from agents.parallel import accelerator_kwargs
     from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
     from agents.sac.agent import SACAgent, SACConfig
     from data.core.spec import EnvSpec

@@ -46,14 +46,14 @@ def make_agent(ckpt, **cfg):
     too); sharing it is safe because nothing may change it (the tests check that)."""
     from agents.sac.noise_builder import NoiseSACBuilder
     from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
-    from agents.sac.agent import SACConfig
+    from agents.sac.noise import NoiseSACConfig
 
     path, spec = ckpt
     torch.manual_seed(0)
     if path not in _BASES:
         _BASES[path] = Pi0Policy(Pi0PolicyConfig(checkpoint=str(path), chunk_size=H, lora_rank=4, device="cpu"), spec)
     base = _BASES[path]
-    c = SACConfig(action_space="noise", critic_hidden_dims=(32, 32), noise_actor_hidden_dims=(32, 32),
+    c = NoiseSACConfig(critic_hidden_dims=(32, 32), noise_actor_hidden_dims=(32, 32),
                   **{"utd_ratio": 1, **cfg})
     builder = NoiseSACBuilder(c)
     nets = builder.make_networks(spec.with_extras(base.extras_spec()), base, torch.device("cpu"))
@@ -234,20 +234,20 @@ def test_update_trains_only_the_noise_actor_critic_and_temperature(ckpt):
 def test_noise_action_space_with_a_policy_without_a_noise_hook_fails_at_start_up():
     from agents import registry
 
-    with pytest.raises(ValueError, match=r"'sac' cannot train policy 'mlp'.*NoiseConditionedPolicy"):
-        registry.check_algo_policy({"name": "sac", "action_space": "noise"}, "mlp")
-    registry.check_algo_policy({"name": "sac", "action_space": "noise"}, "pi0")  # the pair that works
+    with pytest.raises(ValueError, match=r"'sac_noise' cannot train policy 'mlp'.*NoiseConditionedPolicy"):
+        registry.check_algo_policy({"name": "sac_noise"}, "mlp")
+    registry.check_algo_policy({"name": "sac_noise"}, "pi0")  # the pair that works
     with pytest.raises(ValueError, match="ReparamSampler"):
         registry.check_algo_policy({"name": "sac"}, "pi0")  # action-space SAC still refuses PI0
-    with pytest.raises(ValueError, match="action_space must be 'action' or 'noise'"):
-        registry.check_algo_policy({"name": "sac", "action_space": "latent"}, "pi0")
+    with pytest.raises(ValueError, match="unknown algorithm 'sac_latent'"):
+        registry.check_algo_policy({"name": "sac_latent"}, "pi0")
     # the learner entry point refuses the pair before building any model
     from hydra import compose, initialize_config_dir
 
     from learner.app import Learner
 
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
-        cfg = compose(config_name="learner", overrides=["algo=sac", "algo.action_space=noise", "policy=mlp"])
+        cfg = compose(config_name="learner", overrides=["algo=sac_noise", "policy=mlp"])
     with pytest.raises(ValueError, match="NoiseConditionedPolicy"):
         Learner(cfg)
 
@@ -274,7 +274,7 @@ def test_served_noise_is_the_stored_extra_noise_and_drives_pi0(ckpt, tmp_path):
               "transport.timeout_s=2.0", "transport.heartbeat_s=0.5", "policy=pi0", f"policy.checkpoint={path}",
               f"policy.chunk_size={H}", "policy.lora_rank=0", "policy.device=cpu"]
     learner = Learner(_compose("learner", common + [
-        "algo=sac", "algo.action_space=noise", "algo.learning_starts=8", "algo.batch_size=8", "algo.utd_ratio=1",
+        "algo=sac_noise", "algo.learning_starts=8", "algo.batch_size=8", "algo.utd_ratio=1",
         "algo.publish_every=2", "algo.critic_hidden_dims=[32,32]", "algo.noise_actor_hidden_dims=[32,32]",
         "device=cpu", "logging.wandb=disabled", "trainer.num_threads=1", "buffer.commit_interval_s=0.2",
         "buffer.video=false"]))

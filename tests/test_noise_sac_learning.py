@@ -6,7 +6,7 @@ target also in the state; 0/1 outcome). Base: a tiny, architecturally faithful P
 fitted by 250 flow-matching BC steps on 30 scripted demos
 (:func:`tools.noise_sac_learning.make_weak_base`): deliberately stopped early, it succeeds
 ~0.3 with N(0, I) noise, where best-of-8 noises reach ~0.75 (the DSRL premise: the noise can
-steer it). Then ``python -m learner algo=sac algo.action_space=noise policy=pi0`` with the
+steer it). Then ``python -m learner algo=sac_noise policy=pi0`` with the
 frozen base and two ``python -m actor`` processes for 400 online episodes,
 trained on the env's own dense reward (1 on success, else minus the distance); the outcome
 measured is always the 0/1 success.

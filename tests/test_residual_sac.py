@@ -241,7 +241,7 @@ def test_bad_pairs_fail_at_start_up_and_plain_sac_ignores_the_residual_keys():
     from agents.sac.builder import SACBuilder
     from learner.app import Learner
 
-    algo = {"name": "sac", "action_space": "residual"}
+    algo = {"name": "sac_residual"}
     registry.check_algo_policy(algo, "openvla_oft")  # the pair that works
     with pytest.raises(ValueError, match=r"cannot train policy 'mlp'.*L1ChunkPolicy"):
         registry.check_algo_policy(algo, "mlp")
@@ -257,14 +257,14 @@ def test_bad_pairs_fail_at_start_up_and_plain_sac_ignores_the_residual_keys():
         with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
             return compose(config_name="learner", overrides=list(o))
 
-    # the yaml's residual keys do not reach plain or noise-space SAC
+    # the residual keys are sac_residual's own: plain SAC's yaml has none
     assert isinstance(registry.build_builder(cfg("algo=sac").algo), SACBuilder)
-    b = registry.build_builder(cfg("algo=sac", "algo.action_space=residual", "algo.residual_scale=0.25").algo)
+    b = registry.build_builder(cfg("algo=sac_residual", "algo.residual_scale=0.25").algo)
     assert isinstance(b, ResidualSACBuilder) and b.cfg.residual_scale == 0.25
     with pytest.raises(ValueError, match=r"cannot train policy 'openvla_oft_discrete'"):
-        Learner(cfg("algo=sac", "algo.action_space=residual", "policy=openvla_oft_discrete"))
+        Learner(cfg("algo=sac_residual", "policy=openvla_oft_discrete"))
     with pytest.raises(ValueError, match="L1ChunkPolicy"):
-        Learner(cfg("algo=sac", "algo.action_space=residual", "policy=mlp"))
+        Learner(cfg("algo=sac_residual", "policy=mlp"))
 
 
 # -- the real learner and actor ---------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_served_chunk_is_the_clipped_base_plus_scaled_stored_residual(ckpt, tmp_
               "transport.timeout_s=2.0", "transport.heartbeat_s=0.5", "policy=openvla_oft",
               f"policy.checkpoint={path}", f"policy.chunk_size={H}", "policy.lora_rank=0", "policy.device=cpu"]
     learner = Learner(_compose("learner", common + [
-        "algo=sac", "algo.action_space=residual", f"algo.residual_scale={scale}", "algo.learning_starts=8",
+        "algo=sac_residual", f"algo.residual_scale={scale}", "algo.learning_starts=8",
         "algo.batch_size=8", "algo.utd_ratio=1", "algo.publish_every=2", "algo.critic_hidden_dims=[32,32]",
         "algo.residual_actor_hidden_dims=[32,32]", "device=cpu", "logging.wandb=disabled", "trainer.num_threads=1",
         "buffer.commit_interval_s=0.2", "buffer.video=false"]))

@@ -5,7 +5,7 @@ Task: ``env=point_reach`` (one task, a random target every episode, one 32x32 ca
 target also in the state; 0/1 outcome). Base: a tiny, architecturally faithful OFT (chunk
 4 x 2) fitted by 80 L1 steps on 10 scripted demos (:func:`tools.residual_sac_learning.
 make_weak_base`): deliberately stopped early, it succeeds ~0.34. Then ``python -m learner
-algo=sac algo.action_space=residual policy=openvla_oft policy.init_trainable=<base>`` with the
+algo=sac_residual policy=openvla_oft policy.init_trainable=<base>`` with the
 frozen base and two ``python -m actor`` processes until EPISODES online episodes, trained on
 the env's own dense reward (1 on success, else minus the distance); the outcome measured is
 always the 0/1 success.

@@ -117,7 +117,7 @@ def test_actor_with_rtc_stores_exactly_the_executed_actions(ckpt, tmp_path):
 
 @pytest.mark.parametrize("extra, names", [
     (["policy.flow_rl=noise", "algo=ppo"], ("rtc.enabled=true", "policy.flow_rl=noise")),
-    (["algo=sac", "algo.action_space=noise"], ("rtc.enabled=true", "algo.action_space=noise")),
+    (["algo=sac_noise"], ("rtc.enabled=true", "algo=sac_noise")),
 ])
 def test_rtc_refused_with_flow_log_probs_and_noise_sac(extra, names, tmp_path):
     from learner.app import validate

@@ -1,4 +1,4 @@
-"""Policies are built whole under a registered ZeRO-3 config (agents.base.whole_weights).
+"""Policies are built whole under a registered ZeRO-3 config (agents.parallel.whole_weights).
 
 accelerate registers its DeepSpeed config with transformers; with ZeRO-3, transformers then
 constructs models inside ``deepspeed.zero.Init`` and the policies' own initialisation met
@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled  # noqa: E402
 
-from agents.base import whole_weights  # noqa: E402
+from agents.parallel import whole_weights  # noqa: E402
 
 
 def test_whole_weights_hides_a_zero3_config_while_building_and_restores_it():

@@ -7,7 +7,7 @@
    flow-matching BC steps on those demos (every weight trained), saved as a lerobot checkpoint.
 3. Before: the frozen base evaluated in-process on ``--eval-episodes`` fixed seeds (50000...;
    stochastic: N(0, I) noise, as it serves; deterministic: zero noise).
-4. ``python -m learner algo=sac algo.action_space=noise policy=pi0 policy.checkpoint=<base>``
+4. ``python -m learner algo=sac_noise policy=pi0 policy.checkpoint=<base>``
    and ``--actors`` ``python -m actor`` (remote) as processes on loopback for ``--train-s``
    seconds (or ``--episodes`` online episodes).
 5. After: the learner's final checkpoint (the noise actor) around the same frozen base,
@@ -159,7 +159,7 @@ def train(out: Path, base: Path, train_s: float, algo: list[str], reward: str = 
     run.mkdir(parents=True, exist_ok=True)
     procs = []
     for module, args, log in (
-            ("learner", ["algo=sac", "algo.action_space=noise", *algo, "device=cpu", "logging.wandb=disabled",
+            ("learner", ["algo=sac_noise", *algo, "device=cpu", "logging.wandb=disabled",
                          "logging.every_s=5", "trainer.num_threads=1", "buffer.video=false",
                          "buffer.commit_interval_s=2"], "learner.log"),
             *(("actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={i}"], f"actor{i}.log")
@@ -206,8 +206,8 @@ def trained_policy(base: Path, run_dir: Path, algo: list[str]):
     from learner.checkpoint import latest_checkpoint, load_checkpoint
 
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
-        cfg = compose(config_name="learner", overrides=[*ENV_O, *policy_overrides(base), "algo=sac",
-                                                         "algo.action_space=noise", *algo])
+        cfg = compose(config_name="learner", overrides=[*ENV_O, *policy_overrides(base), "algo=sac_noise",
+                                                         *algo])
     builder = registry.build_builder(cfg.algo)
     policy = registry.build_trained_policy(builder, cfg.policy, env_spec(cfg.env)).eval()
     fresh = {k: v.clone() for k, v in policy.trainable_state_dict().items()}

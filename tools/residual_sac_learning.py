@@ -10,7 +10,7 @@ learner and actors (issue 10, proof (c)).
    ``policy.init_trainable``.
 3. Before, on ``--eval-episodes`` fixed seeds (50000...): the base alone (the L1 head is
    deterministic), and the untrained residual actor (sampled, and its mean ~0).
-4. ``python -m learner algo=sac algo.action_space=residual policy=openvla_oft
+4. ``python -m learner algo=sac_residual policy=openvla_oft
    policy.init_trainable=<base>`` and ``--actors`` remote ``python -m actor`` processes on
    loopback until the learner counts ``--episodes`` online episodes (``--train-s`` caps a
    stuck run).
@@ -106,8 +106,8 @@ def learner_cfg(ckpt: Path, init: Path, algo: list[str]):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
-        return compose(config_name="learner", overrides=[*ENV_O, *policy_overrides(ckpt, init), "algo=sac",
-                                                         "algo.action_space=residual", *algo])
+        return compose(config_name="learner", overrides=[*ENV_O, *policy_overrides(ckpt, init), "algo=sac_residual",
+                                                         *algo])
 
 
 def residual_policy(ckpt: Path, init: Path, algo: list[str]):
@@ -135,7 +135,7 @@ def train(out: Path, ckpt: Path, init: Path, algo: list[str], reward: str = "den
     run.mkdir(parents=True, exist_ok=True)
     procs = []
     for module, args, log in (
-            ("learner", ["algo=sac", "algo.action_space=residual", *algo, "device=cpu", "logging.wandb=disabled",
+            ("learner", ["algo=sac_residual", *algo, "device=cpu", "logging.wandb=disabled",
                          "logging.every_s=5", "trainer.num_threads=1", "buffer.persist=false"], "learner.log"),
             *(("actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={i}"], f"actor{i}.log")
               for i in range(actors))):

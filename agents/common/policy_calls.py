@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agents.base import Batch, low_precision_autocast
+from agents.base import Batch
+from agents.parallel import low_precision_autocast
 from data.core.schema import EXTRA_PREFIX, TASK
 
 

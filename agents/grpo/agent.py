@@ -17,13 +17,13 @@ values and which episodes to keep).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from agents.common.advantages import dynamic_sampling_mask, grpo, remax, rloo
-from agents.common.kl import KL_KINDS
-from agents.ppo.agent import PPOAgent, PPOConfig
+from agents.ppo.agent import PPOAgent
+from agents.ppo.config import PolicyUpdateConfig, PPOConfig
 
 #: what an episode is scored by
 SCORES = ("success", "return")
@@ -32,8 +32,10 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "remax")
 
 
 @dataclass
-class GRPOConfig:
-    """Hyperparameters of :class:`GRPOAgent` and its cadence (the GRPO builder).
+class GRPOConfig(PolicyUpdateConfig):
+    """Hyperparameters of :class:`GRPOAgent` and its cadence (the GRPO builder): the update's
+    keys are PPO's (:class:`agents.ppo.config.PolicyUpdateConfig`, with GRPO's defaults below),
+    plus the groups; :meth:`ppo_config` is the PPO update it runs.
 
     Temperature: GRPO needs diverse outcomes within a group, so actors sample
     (``deterministic=False``) from the policy's own distribution; the behaviour log-prob in
@@ -45,9 +47,6 @@ class GRPOConfig:
     group_size: int = 8
     #: groups per update round (the builder waits for this many complete groups)
     batch_groups: int = 4
-    #: outcome estimator: "grpo" (group mean/std), "rloo" (leave-one-out) or "remax"
-    #: (minus the greedy rollout of the same job, which the builder adds to each group)
-    estimator: str = "grpo"
     #: divide by the group's std ("grpo" only; False is Dr. GRPO)
     norm_std: bool = True
     #: an episode's score: "success" (1.0 when the episode ended in success, else 0.0) or
@@ -55,41 +54,16 @@ class GRPOConfig:
     score: str = "success"
     #: drop groups whose scores are all equal (DAPO dynamic sampling)
     dynamic_sampling: bool = True
-    #: how chunk losses are averaged: "chunk_mean" (every chunk alike, verl's token-mean) or
-    #: "episode_mean" (every episode alike, seq-mean-token-mean: long failures do not outweigh
-    #: short successes)
-    loss_agg: str = "chunk_mean"
-    #: the ratio is clipped below at 1 - clip_low
-    clip_low: float = 0.2
-    #: the ratio is clipped above at 1 + clip_high (clip higher, DAPO / SimpleVLA-RL)
+    # -- GRPO's defaults of the update's keys
+    #: outcome estimator: "grpo" (group mean/std), "rloo" (leave-one-out) or "remax"
+    #: (minus the greedy rollout of the same job, which the builder adds to each group)
+    estimator: str = "grpo"
+    #: clip higher (DAPO / SimpleVLA-RL)
     clip_high: float = 0.28
-    #: dual-clip cap of the loss of negative-advantage chunks (verl's clip_ratio_c; None: off)
-    dual_clip: float | None = None
-    #: KL estimator of the penalty to the reference: "k1", "k2", "k3" or "none"
+    #: KL estimator of the penalty (its weight ``kl_coef`` is 0: off, as DAPO / SimpleVLA-RL)
     kl_kind: str = "k3"
-    #: weight of the KL penalty (0: off, as DAPO / SimpleVLA-RL); > 0 needs a ReferencePolicy
-    kl_coef: float = 0.0
-    #: weight of the entropy bonus
-    entropy_coef: float = 0.0
-    #: passes over each batch
     epochs: int = 1
-    #: chunks per minibatch (one optimizer step each)
-    minibatch_size: int = 64
-    #: Adam learning rate of the policy
-    lr: float = 3e-4
-    #: clip the global gradient norm to this value (None: no clipping)
     max_grad_norm: float | None = 1.0
-    #: rollouts more than this many policy versions old are dropped (0: strictly on-policy)
-    max_staleness: int = 1
-    #: cap on the importance weights of stale rollouts (None: ratio against the behaviour)
-    is_truncation: float | None = 2.0
-    #: importance ratio per "token" (each factor of the chunk's likelihood: SimpleVLA-RL / verl),
-    #: per "chunk", or "auto" (token when the policy has per-token log-probs)
-    ratio_level: str = "auto"
-    #: token-level ratios: tokens of actions never executed leave the policy loss (PPOConfig's)
-    mask_unexecuted: bool = True
-    #: update rounds between published weight versions
-    publish_every: int = 1
 
     def __post_init__(self) -> None:
         if self.group_size < 2 or self.batch_groups < 1:
@@ -99,33 +73,13 @@ class GRPOConfig:
             raise ValueError(f"estimator must be one of {GROUP_ESTIMATORS}, got {self.estimator!r}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
-        if self.loss_agg not in ("chunk_mean", "episode_mean"):
-            raise ValueError(f"loss_agg must be chunk_mean or episode_mean, got {self.loss_agg!r}")
-        if self.kl_kind not in KL_KINDS:
-            raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
-        self.ppo_config()  # the remaining checks are PPO's
-
-    @property
-    def kl_active(self) -> bool:
-        return self.kl_kind != "none" and self.kl_coef > 0
-
-    @property
-    def requires(self) -> tuple[type, ...]:
-        """The policy capabilities this configuration needs."""
-        return self.ppo_config().requires
+        super().__post_init__()
 
     def ppo_config(self) -> PPOConfig:
-        """The PPO update this GRPO runs: no value loss, advantages used as given."""
-        return PPOConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                         value_clip=None,
-                         value_coef=0.0, entropy_coef=self.entropy_coef, kl_kind=self.kl_kind,
-                         kl_coef=self.kl_coef, epochs=self.epochs,
-                         minibatch_size=self.minibatch_size,
-                         batch_episodes=self.group_size * self.batch_groups, lr=self.lr,
-                         max_grad_norm=self.max_grad_norm, max_staleness=self.max_staleness,
-                         is_truncation=self.is_truncation, estimator=self.estimator,
-                         normalize_advantages=False, publish_every=self.publish_every,
-                         ratio_level=self.ratio_level, mask_unexecuted=self.mask_unexecuted)
+        """The PPO update this GRPO runs: its update keys, no value loss, advantages used as given."""
+        shared = {f.name: getattr(self, f.name) for f in fields(PolicyUpdateConfig)}
+        return PPOConfig(**shared, value_clip=None, value_coef=0.0, normalize_advantages=False,
+                         batch_episodes=self.group_size * self.batch_groups)
 
 
 def group_advantages(cfg: GRPOConfig, scores: torch.Tensor, group_ids: torch.Tensor,
@@ -155,7 +109,7 @@ def group_advantages(cfg: GRPOConfig, scores: torch.Tensor, group_ids: torch.Ten
 class GRPOAgent(PPOAgent):
     """GRPO over a :class:`agents.base.LogProbPolicy`: :class:`agents.ppo.agent.PPOAgent`'s update
     without a critic, on advantages precomputed per chunk from the episode's group outcome.
-    ``self.cfg`` is the derived :class:`PPOConfig`; ``self.grpo_cfg`` the given config."""
+    ``self.cfg`` is the derived :class:`PPOConfig` (:meth:`GRPOConfig.ppo_config`); ``self.grpo_cfg`` the given config."""
 
     name = "grpo"
 

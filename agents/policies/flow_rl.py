@@ -2,7 +2,7 @@
 head and a LoRA-disabled reference, so that PPO (:mod:`agents.ppo.agent`) can train a flow policy.
 
 ``policy=pi0`` (or ``pi05``) with ``policy.flow_rl=noise|sde`` builds :class:`Pi0FlowRLPolicy`
-(:meth:`agents.policies.pi0.Pi0Policy.class_for_config`); ``flow_rl=null`` is plain PI0.
+(:func:`class_for_config`, which the registry asks); ``flow_rl=null`` is plain PI0.
 
 The chain. lerobot's PI0 integrates x from t = 1 (noise x_0) to t = 0 in K Euler steps,
 dt = -1/K, t_k = 1 + k dt: x_{k+1} = x_k + dt v(x_k, t_k). Here every step is a Gaussian
@@ -81,31 +81,11 @@ from torch import nn
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
 from agents.policies.pi0 import Pi0Policy, Pi05Policy
+from agents.policies.flow_rl_config import FLOW_RL_MODES, VALUE_FEATURES, validate_flow_config  # noqa: F401
 from agents.policies.pi0_lerobot import lerobot_pi_module
 from data.core.schema import EXTRA_PREFIX
 
-FLOW_RL_MODES = ("noise", "sde")
-VALUE_FEATURES = ("expert", "prefix")
 _LOG_2PI = math.log(2 * math.pi)
-
-
-def validate_flow_config(cfg) -> None:
-    """Check the flow-RL fields of a :class:`agents.policies.pi0.Pi0PolicyConfig`."""
-    who = f"policy={cfg.variant}"
-    if cfg.flow_rl not in FLOW_RL_MODES:
-        raise ValueError(f"{who}: flow_rl must be null (plain PI0), 'noise' (Flow-Noise) or 'sde' "
-                         f"(Flow-SDE), got {cfg.flow_rl!r}")
-    if not 0 < cfg.noise_std_min < cfg.noise_std_max:
-        raise ValueError(f"{who}: need 0 < noise_std_min < noise_std_max, got {cfg.noise_std_min}, "
-                         f"{cfg.noise_std_max}")
-    if not 0.0 <= cfg.init_noise_scale <= 1.0:
-        raise ValueError(f"{who}: init_noise_scale must be in [0, 1], got {cfg.init_noise_scale}")
-    if cfg.sde_noise_level <= 0:
-        raise ValueError(f"{who}: sde_noise_level must be > 0, got {cfg.sde_noise_level}")
-    if cfg.value_features not in VALUE_FEATURES:
-        raise ValueError(f"{who}: value_features must be one of {VALUE_FEATURES}, got {cfg.value_features!r}")
-    if min(cfg.noise_head_hidden, cfg.value_hidden) < 1:
-        raise ValueError(f"{who}: noise_head_hidden and value_hidden must be >= 1")
 
 
 def flow_rl_class(base: type, mode: Any) -> type:
@@ -114,6 +94,13 @@ def flow_rl_class(base: type, mode: Any) -> type:
         raise ValueError(f"policy={'pi05' if issubclass(base, Pi05Policy) else 'pi0'}: flow_rl must be "
                          f"null (plain PI0), 'noise' (Flow-Noise) or 'sde' (Flow-SDE), got {mode!r}")
     return Pi05FlowRLPolicy if issubclass(base, Pi05Policy) else Pi0FlowRLPolicy
+
+
+def class_for_config(base: type, values) -> type:
+    """The class a ``policy=pi0|pi05`` config section builds (:func:`agents.registry.policy_class`):
+    with ``flow_rl`` set, the flow-RL policy of this module, else ``base``."""
+    mode = dict(values or {}).get("flow_rl")
+    return base if mode is None else flow_rl_class(base, mode)
 
 
 class FlowHeads(nn.Module):

@@ -23,14 +23,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from agents.base import ActionChunk, Batch, ExtrasSpec
 from agents.common.encoders import ObsEncoder, activation
+from agents.common.squash import tanh_log_det
 from data.core.spec import EnvSpec
-
-_LOG2 = math.log(2.0)
 
 
 @dataclass
@@ -72,11 +70,6 @@ class MLPPolicyConfig:
     activation: str = "relu"
     #: clamp for actions inside atanh in ``log_prob`` / ``bc_loss`` (|a| <= 1 - eps)
     atanh_eps: float = 1e-6
-
-
-def tanh_log_det(u: torch.Tensor) -> torch.Tensor:
-    """log(1 - tanh(u)^2), elementwise and numerically stable."""
-    return 2.0 * (_LOG2 - u - F.softplus(-2.0 * u))
 
 
 class MLPPolicy(nn.Module):

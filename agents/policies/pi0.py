@@ -54,6 +54,7 @@ from torch import nn
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
 from agents.policies.fast_common import resolve_compile, warm_up
+from agents.policies.flow_rl_config import validate_flow_config
 from agents.policies.pi0_fast import FastPiSampler
 from agents.policies.pi0_norm import Normalizer, fit_stats, load_stats
 from agents.policies.pi0_prompt import PromptTokens, prompts
@@ -171,7 +172,6 @@ class Pi0PolicyConfig:
         if self.chunk_size < 1 or self.num_inference_steps < 1 or self.lora_rank < 0:
             raise ValueError("chunk_size and num_inference_steps must be >= 1, lora_rank >= 0")
         if self.flow_rl is not None:
-            from agents.policies.flow_rl import validate_flow_config
             validate_flow_config(self)
         known = set(_HEADS["pi0"]) | set(_HEADS["pi05"])
         if set(self.trainable_heads) - known:
@@ -228,16 +228,6 @@ class Pi0Policy(nn.Module):
         vc.set_trainable(self.inner, heads)
         self.inner.to(dev)
         self.lora = vc.LoRAServing(self.inner)
-
-    @classmethod
-    def class_for_config(cls, values) -> type:
-        """The class a config section builds (:func:`agents.registry.policy_class`): with
-        ``flow_rl`` set, the flow-RL policy of :mod:`agents.policies.flow_rl`."""
-        mode = dict(values or {}).get("flow_rl")
-        if mode is None:
-            return cls
-        from agents.policies.flow_rl import flow_rl_class
-        return flow_rl_class(cls, mode)
 
     # -- construction helpers -------------------------------------------------------------------
     def _config(self, ckpt: Path | None, dev: torch.device, dtype: torch.dtype):

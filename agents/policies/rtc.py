@@ -150,9 +150,8 @@ def check_rtc_pair(rtc: RtcSettings, algo_cfg, policy_cfg) -> None:
         raise ValueError(f"rtc.enabled=true cannot be paired with policy.flow_rl={flow}: the flow chain's "
                          "log-probability (Flow-Noise/Flow-SDE PPO) would be computed for actions that did not "
                          "run and without the RTC guidance; set rtc.enabled=false or policy.flow_rl=null")
-    space = (algo_cfg or {}).get("action_space")
-    if space == "noise":
-        raise ValueError("rtc.enabled=true cannot be paired with algo.action_space=noise (noise-space SAC): "
+    if (algo_cfg or {}).get("name") == "sac_noise":
+        raise ValueError("rtc.enabled=true cannot be paired with algo=sac_noise (noise-space SAC): "
                          "with RTC the chunk depends on the pending prefix, not only on the stored noise; "
                          "set rtc.enabled=false")
     name = str((policy_cfg or {}).get("name", ""))

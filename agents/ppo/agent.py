@@ -32,122 +32,22 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from agents.common.advantages import ESTIMATORS, masked_mean, masked_whiten
-from agents.base import (Batch, LogProbPolicy, ReferencePolicy, ReparamSampler, TokenLogProbPolicy,
-                         ValuePolicy, check_pair, has_capability, uses_deepspeed, zero3_gathered)
-from agents.common.kl import KL_KINDS, kl_penalty
+from agents.common.advantages import masked_mean, masked_whiten
+from agents import parallel
+from agents.base import (Batch, ReferencePolicy, ReparamSampler, TokenLogProbPolicy,
+                         ValuePolicy, check_pair, has_capability)
+from agents.common.kl import kl_penalty
 from agents.common.policy_calls import PolicyCalls, observation_keys, take, to_device
+from agents.ppo.config import PPOConfig
 from agents.ppo.losses import (entropy_bonus, per_token, policy_loss,  # noqa: F401 (re-exported)
                                truncated_is_weights, value_loss)
 
 log = logging.getLogger("tandem.agents.ppo.agent")
-
-#: where the importance ratio is taken (PPOConfig.ratio_level)
-RATIO_LEVELS = ("auto", "token", "chunk")
-
-
-@dataclass
-class PPOConfig:
-    """Hyperparameters of :class:`PPOAgent` and its cadence (the PPO builder)."""
-
-    #: discount factor (per policy step: per chunk for chunked policies) and GAE lambda
-    gamma: float = 0.99
-    lam: float = 0.95
-    #: the ratio is clipped below at 1 - clip_low
-    clip_low: float = 0.2
-    #: the ratio is clipped above at 1 + clip_high (DAPO / SimpleVLA-RL "clip higher": 0.28)
-    clip_high: float = 0.2
-    #: dual-clip PPO (verl's clip_ratio_c): A < 0 losses capped at -A * dual_clip (None: off)
-    dual_clip: float | None = None
-    #: value updates are clipped to +-value_clip around the rollout's values (None: no clipping)
-    value_clip: float | None = 0.2
-    #: weight of the value loss in the total loss
-    value_coef: float = 0.5
-    #: weight of the entropy bonus (subtracted from the loss)
-    entropy_coef: float = 0.0
-    #: KL penalty to the reference policy: estimator "k1", "k2", "k3" or "none", and weight (0:
-    #: off; > 0 needs a ReferencePolicy or "ref_log_prob" in batches)
-    kl_kind: str = "none"
-    kl_coef: float = 0.0
-    #: passes over each batch; target_kl: no further pass once one's mean approx_kl exceeds it
-    epochs: int = 4
-    target_kl: float | None = None
-    #: chunks per minibatch (one optimizer step each)
-    minibatch_size: int = 64
-    #: finished episodes per update round (the builder waits for this many)
-    batch_episodes: int = 8
-    #: Adam learning rate of the policy
-    lr: float = 3e-4
-    #: Adam lr of the value function (also of a ValuePolicy's own ``value_parameters()``)
-    value_lr: float = 1e-3
-    #: clip the global gradient norm of each network to this value (None: no clipping)
-    max_grad_norm: float | None = 0.5
-    #: rollouts more than this many policy versions old are dropped (0: strictly on-policy)
-    max_staleness: int = 1
-    #: cap of the weights pi_prox / pi_behaviour of stale rollouts (None: ratio against behaviour)
-    is_truncation: float | None = 2.0
-    #: "token": a clipped ratio per factor of the chunk's likelihood (TokenLogProbPolicy and
-    #: is_truncation); "chunk": one per chunk; "auto": token when the policy has them
-    ratio_level: str = "auto"
-    #: token-level ratios: the tokens of a chunk's actions that were never executed (the episode
-    #: ended mid-chunk, or the actor runs only ``chunk.execute`` of each) leave the policy loss
-    mask_unexecuted: bool = True
-    #: advantage estimator, a key of :data:`agents.common.advantages.ESTIMATORS`
-    estimator: str = "gae"
-    #: "chunk_mean" or "episode_mean" (every episode alike; builders pass ``chunk_weight``)
-    loss_agg: str = "chunk_mean"
-    #: whiten the advantages of each batch (mean 0, std 1 over the real chunks)
-    normalize_advantages: bool = True
-    #: update rounds between published weight versions
-    publish_every: int = 1
-
-    def __post_init__(self) -> None:
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or null), got {self.dual_clip}")
-        if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, "
-                             f"{self.clip_high}")
-        if self.value_clip is not None and self.value_clip <= 0:
-            raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
-        if self.kl_kind not in KL_KINDS:
-            raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
-        if self.kl_coef < 0 or self.entropy_coef < 0 or self.value_coef < 0:
-            raise ValueError("kl_coef, entropy_coef and value_coef must be >= 0")
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {self.estimator!r}")
-        if self.target_kl is not None and self.target_kl <= 0:
-            raise ValueError(f"target_kl must be > 0 or None, got {self.target_kl}")
-        if self.loss_agg not in ("chunk_mean", "episode_mean"):
-            raise ValueError(f"loss_agg must be chunk_mean or episode_mean, got {self.loss_agg!r}")
-        if min(self.epochs, self.minibatch_size, self.batch_episodes, self.publish_every) < 1:
-            raise ValueError("epochs, minibatch_size, batch_episodes and publish_every must be >= 1")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.is_truncation is not None and self.is_truncation <= 0:
-            raise ValueError(f"is_truncation must be > 0 or None, got {self.is_truncation}")
-        if self.ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
-        if self.ratio_level == "token" and self.is_truncation is None:
-            raise ValueError("ratio_level=token needs is_truncation (the records carry the behaviour "
-                             "log-prob per chunk, so token ratios are taken against the proximal policy)")
-
-    @property
-    def kl_active(self) -> bool:
-        return self.kl_kind != "none" and self.kl_coef > 0
-
-    @property
-    def requires(self) -> tuple[type, ...]:
-        """The policy capabilities this configuration needs (a value net is made by the
-        builder when the policy has none, so ValuePolicy is not required)."""
-        need = (LogProbPolicy, ReferencePolicy) if self.kl_active else (LogProbPolicy,)
-        return need + ((TokenLogProbPolicy,) if self.ratio_level == "token" else ())
-
 
 # -- the agent ----------------------------------------------------------------------------------
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -178,7 +78,7 @@ class PPOAgent:
     minibatch), so DDP all-reduces both; ``self.policy`` stays the unwrapped policy (what
     broadcasts read). With N ranks each holding a share of the round, advantages are whitened
     with the global statistics and each rank's loss is scaled so that the all-reduced gradient
-    is the global masked mean's (:meth:`_whiten`, :meth:`_rank_scale`). A reference policy is
+    is the global masked mean's (:meth:`_whiten`, :func:`agents.parallel.rank_scale`). A reference policy is
     the same weights with adapters and heads at their start (``policy.reference()``), no copy.
     """
 
@@ -204,23 +104,23 @@ class PPOAgent:
         log.info("%s: importance ratios per %s", self.name, "token" if self.token_level else "chunk")
         separate = self.has_critic and not self._value_in_policy
         calls = PolicyCalls(policy, value_fn if separate else None).to(self.device)
-        self.value_opt = self._value_raw = None
-        if separate and uses_deepspeed(accelerator):
-            # one engine, one optimizer: the value net is a second parameter group (its own
-            # lr); gradient clipping is the engine's (config/deepspeed/*.json), over both
-            opt = torch.optim.AdamW([{"params": _trainable(policy), "lr": cfg.lr},
-                                     {"params": _trainable(value_fn), "lr": cfg.value_lr}],
-                                    weight_decay=0.0)
-            self._calls, self.opt = accelerator.prepare(calls, opt)
-        elif separate:
-            vopt = _adam(value_fn, cfg.value_lr, self.device)
-            self._calls, self.opt, self.value_opt = accelerator.prepare(
-                calls, _adam(policy, cfg.lr, self.device), vopt)
+        self._value_raw = None
+        if separate:
+            # under an engine: one optimizer, the value net a second parameter group (its own
+            # lr); gradient clipping is then the engine's, over both
+            self._calls, self.opt, self.value_opt = parallel.prepare(
+                accelerator, calls,
+                lambda: [_adam(policy, cfg.lr, self.device), _adam(value_fn, cfg.value_lr, self.device)],
+                engine_optimizer=lambda: torch.optim.AdamW(
+                    [{"params": _trainable(policy), "lr": cfg.lr},
+                     {"params": _trainable(value_fn), "lr": cfg.value_lr}], weight_decay=0.0),
+                slots=2)
         else:  # a ValuePolicy's own head trains at value_lr (its own parameter group)
             groups = (_param_groups(policy, cfg.lr, cfg.value_lr) if self._value_in_policy
                       else [{"params": _trainable(policy), "lr": cfg.lr}])
-            opt = torch.optim.Adam(groups, fused=self.device.type in ("cpu", "cuda"))
-            self._calls, self.opt = accelerator.prepare(calls, opt)
+            self._calls, self.opt, self.value_opt = parallel.prepare(
+                accelerator, calls, lambda: [torch.optim.Adam(groups, fused=self.device.type in ("cpu", "cuda"))],
+                slots=2)
         if separate:
             self._value_raw = value_fn
         #: the value net (unwrapped; no-gradient calls only) or None
@@ -242,24 +142,10 @@ class PPOAgent:
 
     def _whiten(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """:func:`agents.common.advantages.masked_whiten` with the statistics of the *global* batch
-        (all ranks' shares), so N ranks normalise as one process would."""
-        if self.accelerator.num_processes == 1:
+        (all ranks' shares: :func:`agents.parallel.whiten_over_ranks`)."""
+        if parallel.world(self.accelerator) == 1:
             return masked_whiten(adv, mask)
-        m = mask.to(adv.dtype)
-        tot = self.accelerator.reduce(torch.stack([(adv * m).sum(), m.sum()]), "sum")
-        mean = tot[0] / tot[1].clamp_min(1.0)
-        var = self.accelerator.reduce(((adv - mean).pow(2) * m).sum(), "sum") / (tot[1] - 1.0).clamp_min(1.0)
-        return (adv - mean) / (var.sqrt() + 1e-6) * m
-
-    def _rank_scale(self, mask: torch.Tensor) -> torch.Tensor | float:
-        """Factor on a rank's masked-mean loss so that DDP's mean over ranks is the masked
-        mean over the global minibatch (ranks whose shares hold different numbers of real
-        chunks); 1 on one process."""
-        if self.accelerator.num_processes == 1:
-            return 1.0
-        local = mask.float().sum()
-        total = self.accelerator.reduce(local.detach().clone(), "sum")
-        return local.clamp_min(1.0) * self.accelerator.num_processes / total.clamp_min(1.0)
+        return parallel.whiten_over_ranks(self.accelerator, adv, mask)
 
     @torch.no_grad()
     def _in_chunks(self, fn, obs: Batch, actions: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -288,10 +174,7 @@ class PPOAgent:
         return entropy_bonus(self._chunk_sum(logp), mask, score_function=True)
 
     def _clip(self, module) -> torch.Tensor | None:
-        if self.cfg.max_grad_norm is None:
-            return None
-        norm = self.accelerator.clip_grad_norm_(module.parameters(), self.cfg.max_grad_norm)
-        return None if norm is None else torch.as_tensor(norm).detach().float()
+        return parallel.clip(self.accelerator, module.parameters(), self.cfg.max_grad_norm)
 
     # -- the update -------------------------------------------------------------------------
     def update(self, batch: Batch) -> dict[str, float]:
@@ -384,8 +267,7 @@ class PPOAgent:
 
     def _kl_reached(self, kl_sum, steps: int) -> bool:
         """target_kl early stop: the last pass's mean approx_kl (the same on every rank) > it."""
-        kl = torch.as_tensor(kl_sum / max(steps, 1), device=self.device, dtype=torch.float32)
-        return float(self.accelerator.reduce(kl, "mean") if self.accelerator.num_processes > 1 else kl) > self.cfg.target_kl
+        return parallel.mean_over_ranks(self.accelerator, kl_sum / max(steps, 1), self.device) > self.cfg.target_kl
 
     def _minibatch_step(self, obs: Batch, actions, old, adv, mask, is_w, ref, returns,
                         old_values, pmask=None) -> dict[str, torch.Tensor]:
@@ -417,16 +299,8 @@ class PPOAgent:
         self.opt.zero_grad(set_to_none=True)
         if self.value_opt is not None:
             self.value_opt.zero_grad(set_to_none=True)
-        if uses_deepspeed(self.accelerator):
-            # this agent's own engine (accelerator.backward drives only the first engine an
-            # accelerator prepared); it clips by its config and steps; opt.step() is then a no-op
-            self._calls.backward(loss * self._rank_scale(mask))
-            self._calls.step()
-            gn = self._calls.get_global_grad_norm()
-            norm = None if gn is None else torch.as_tensor(float(gn))
-        else:
-            self.accelerator.backward(loss * self._rank_scale(mask))
-            norm = self._clip(self.policy)
+        norm = parallel.backward_step(self.accelerator, self._calls, loss * parallel.rank_scale(self.accelerator, mask),
+                                      self.policy.parameters(), self.cfg.max_grad_norm)
         if norm is not None:
             metrics["grad_norm"] = norm
         self.opt.step()
@@ -437,21 +311,19 @@ class PPOAgent:
         return metrics
 
     # -- checkpointing ----------------------------------------------------------------------
-    def deepspeed_engines(self) -> list:
-        """The DeepSpeed engine training policy (+ value net), for checkpoints; [] without."""
-        return [self._calls] if uses_deepspeed(self.accelerator) else []
+    def parallel_engines(self) -> list:
+        """The engine training policy (+ value net), for checkpoints; [] without engines."""
+        return parallel.engines(self.accelerator, self._calls)
 
     def state_dict(self) -> dict:
         """Policy, value function (when separate), optimizers and the update counter. Under
-        DeepSpeed the weights are gathered (every rank calls this together) and the optimizer
+        an engine the weights are gathered (every rank calls this together) and the optimizer
         state is the engine's own checkpoint (learner/engine_state.py), not in here."""
-        with zero3_gathered(self.policy, self.accelerator):
-            state = {"policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
-                     "num_updates": int(self.num_updates)}
+        state = {"policy": parallel.gathered_state(self.policy, self.accelerator),
+                 "num_updates": int(self.num_updates)}
         if self._value_raw is not None:
-            with zero3_gathered(self._value_raw, self.accelerator):
-                state["value_fn"] = {k: v.detach().clone() for k, v in self._value_raw.state_dict().items()}
-        if uses_deepspeed(self.accelerator):
+            state["value_fn"] = parallel.gathered_state(self._value_raw, self.accelerator)
+        if self.parallel_engines():
             return state
         state["opt"] = copy.deepcopy(self.opt.state_dict())
         if self.value_opt is not None:
@@ -459,13 +331,11 @@ class PPOAgent:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        with zero3_gathered(self.policy, self.accelerator, modifier_rank=0):
-            self.policy.load_state_dict(state["policy"])
+        parallel.load_gathered(self.policy, self.accelerator, state["policy"])
         self.num_updates = int(state["num_updates"])
         if self._value_raw is not None and "value_fn" in state:
-            with zero3_gathered(self._value_raw, self.accelerator, modifier_rank=0):
-                self._value_raw.load_state_dict(state["value_fn"])
-        if "opt" not in state or uses_deepspeed(self.accelerator):  # the engine loads its own
+            parallel.load_gathered(self._value_raw, self.accelerator, state["value_fn"])
+        if "opt" not in state or self.parallel_engines():  # the engine loads its own
             return
         # torch optimizers adopt the given tensors: copy so training never mutates ``state``
         self.opt.load_state_dict(copy.deepcopy(state["opt"]))

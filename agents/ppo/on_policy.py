@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from agents.common.advantages import gae, reinforce_pp
+from agents.core import direct_route
 from data.core.schema import EXTRA_PREFIX, TASK
 from data.rollouts import LOG_PROB, RolloutEpisode, RolloutQueue, episode_chunks
 
@@ -283,6 +284,7 @@ class OnPolicyLearner:
 
     def __init__(self, agent: Any, collector: Any, *, publish_every: int = 1, lr_warmup: int = 0):
         self.agent = agent
+        self.route = direct_route
         #: updates over which the policy's lr rises linearly to ``agent.cfg.lr`` (0: none)
         self.lr_warmup = int(lr_warmup)
         self.policy = agent.policy
@@ -309,7 +311,7 @@ class OnPolicyLearner:
             t_up = time.monotonic()
             if self.lr_warmup > 0:
                 metrics["lr"] = self._warm_lr()
-            metrics.update(self.agent.update(got.batch))
+            metrics.update(self.agent.update(self.route(got.batch)))
             metrics["update_s"] = time.monotonic() - t_up
             self.updates += 1
             if self.updates % self.publish_every == 0:

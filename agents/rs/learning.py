@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from agents.core import direct_route
 from agents.rs.agent import BCAgent, RejectionSamplingConfig, cosine_lr, keep_version, scheduled_lr
 from agents.rs.data import RSData
 from agents.rs.jobs import EVAL_GROUP_BASE, EvalJobs
@@ -54,6 +55,7 @@ class RSLearner:
     def __init__(self, cfg: RejectionSamplingConfig, agent: BCAgent, data: RSData, jobs: EvalJobs,
                  *, env_steps: Callable[[], int], horizon: int = 1):
         self.cfg, self.agent, self.data, self.jobs = cfg, agent, data, jobs
+        self.route = direct_route
         self.policy = agent.policy
         self.env_steps = env_steps
         self.horizon = int(horizon)
@@ -122,7 +124,7 @@ class RSLearner:
         t0 = time.perf_counter()
         batch = self.data.sampler.sample(self.cfg.batch_size, **self._kw)
         sample_s = time.perf_counter() - t0
-        m = self.agent.update(batch, lr)
+        m = self.agent.update(self.route(batch), lr)
         m["sample_s"] = sample_s
         self.updates += 1
         self.sft_updates += 1
@@ -137,7 +139,7 @@ class RSLearner:
     def _pretrain_step(self) -> dict[str, float]:
         demo = self.data.demo
         lr = cosine_lr(self.pretrain_done, self.cfg.pretrain_steps, self.cfg.lr, self.cfg.lr_min)
-        m = self.agent.update(demo.sample(self.cfg.batch_size, **self._kw), lr)
+        m = self.agent.update(self.route(demo.sample(self.cfg.batch_size, **self._kw)), lr)
         self.pretrain_done += 1
         self.updates += 1
         if self.pretrain_done >= self.cfg.pretrain_steps:

@@ -29,15 +29,19 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from agents.base import Batch, FeaturePolicy, NoiseConditionedPolicy, ReparamSampler, check_pair
+from agents import parallel
+from agents.base import Batch, FeaturePolicy, ReparamSampler, check_pair
 from agents.common.critics import EnsembleCritic, make_critic
 from agents.common.policy_calls import to_device
+from agents.sac.engines import prepare_sac_engines
 from data.core.spec import EnvSpec
 
 
 @dataclass
 class SACConfig:
-    """Hyperparameters of :class:`SACAgent` and its cadence (:mod:`agents.sac.builder`).
+    """Hyperparameters of :class:`SACAgent` and its cadence (:mod:`agents.sac.builder`);
+    the variants' configs add their own keys (:class:`agents.sac.noise.NoiseSACConfig`,
+    :class:`agents.sac.residual.ResidualSACConfig`).
 
     The defaults are ``config/algo/sac.yaml``'s, tuned for the CPU demo task
     tandem/InvertedPendulum-v0 (one thread, solved in ~1.2-2.1k env steps) with
@@ -101,22 +105,6 @@ class SACConfig:
     max_update_ratio: float = 1.0
     #: updates between published weight versions
     publish_every: int = 25
-    # -- noise-space SAC (DSRL; agents/sac/noise.py) --
-    #: "action": the actor outputs the executed actions (the policy must be a ReparamSampler);
-    #: "noise": a small actor outputs the initial noise of a frozen flow policy (PI0/PI0.5,
-    #: a NoiseConditionedPolicy), the critic scores (features, noise)
-    action_space: str = "action"
-    #: noise space: the actor's noise is ``noise_scale * tanh(u)`` (DSRL's action magnitude)
-    noise_scale: float = 1.5
-    #: noise space: "action" (the actor sets the first action_dim noise dims of each step,
-    #: zeros in the flow's padded dims) or "all" (every dim of the flow's noise)
-    noise_dims: str = "action"
-    #: noise space: hidden widths of the noise actor (LayerNorm + ``critic_activation``)
-    noise_actor_hidden_dims: tuple[int, ...] = (256, 256)
-    #: noise space: env steps each chunk runs (the actor's ``chunk.execute``; 0: the whole chunk)
-    execute_steps: int = 0
-    #: noise space: frozen features kept per distinct observation (0: recompute every batch)
-    noise_feature_cache: int = 200_000
 
     def __post_init__(self) -> None:
         if self.utd_ratio < 1:
@@ -134,16 +122,10 @@ class SACConfig:
             raise ValueError(f"init_temperature must be > 0, got {self.init_temperature}")
         if self.publish_every < 1 or self.learning_starts < 0 or self.max_update_ratio < 0:
             raise ValueError("publish_every must be >= 1, learning_starts and max_update_ratio >= 0")
-        if self.action_space not in ("action", "noise"):
-            raise ValueError(f"action_space must be 'action' or 'noise', got {self.action_space!r}")
-        if self.noise_dims not in ("action", "all") or self.noise_scale <= 0 or self.execute_steps < 0:
-            raise ValueError("noise_dims must be 'action' or 'all', noise_scale > 0, execute_steps >= 0")
 
     @property
     def requires(self) -> tuple[type, ...]:
         """The policy capabilities this configuration needs."""
-        if self.action_space == "noise":
-            return (NoiseConditionedPolicy,)
         return (ReparamSampler, FeaturePolicy) if self.critic_encoder == "policy" else (ReparamSampler,)
 
 
@@ -248,7 +230,7 @@ class SACModel(nn.Module):
 
     Under DDP it is exact (each part keeps its optimizer; a phase's backward all-reduces the
     gradients of the parts it touched) and free on one process. Under DeepSpeed SAC uses one
-    engine per trained model instead (:mod:`agents.sac.deepspeed`).
+    engine per trained model instead (:mod:`agents.sac.engines`).
 
     Phases (``what``), each one forward:
 
@@ -292,24 +274,75 @@ class SACModel(nn.Module):
         raise ValueError(f"unknown SAC phase {what!r}")
 
 
-def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, temperature: nn.Module,
-                deepspeed: bool = False):
-    """Optimizers for the three parts, ``model`` through ``accelerator.prepare`` (one model,
-    three optimizers: DDP or one process; under DeepSpeed, with ``deepspeed``, two engines:
-    :mod:`agents.sac.deepspeed`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
-    ``critic_opt``/``temp_opt``, ``agent.engines`` (None without DeepSpeed), the raw parts
-    ``agent._actor_raw``/``_critic_raw``/``_temp_raw`` and the target critic."""
-    from agents.base import uses_deepspeed
+class LocalSteps:
+    """SAC's optimizer steps and checkpoint state on one process or under DDP (one prepared
+    model, three optimizers); :class:`agents.sac.engines.EngineSteps` is the same over
+    DeepSpeed's two engines. :func:`prepare_sac` sets one as ``agent.steps``."""
 
+    def __init__(self, agent):
+        self.agent = agent
+
+    def critic(self, loss: torch.Tensor) -> None:
+        """The critic's backward and step, then the target's soft update."""
+        a = self.agent
+        a.critic_opt.zero_grad(set_to_none=True)
+        a.accelerator.backward(loss)
+        a._clip(a._critic_raw)
+        a.critic_opt.step()
+        soft_update(a.target_critic, a._critic_raw, a.cfg.tau)
+
+    def actor(self, loss: torch.Tensor) -> None:
+        """The backward of actor + temperature loss and the actor's step (the caller steps
+        ``temp_opt``)."""
+        a = self.agent
+        a.actor_opt.zero_grad(set_to_none=True)
+        a.accelerator.backward(loss)
+        a._clip(a._actor_raw)
+        a.actor_opt.step()
+
+    def state_dict(self) -> dict:
+        """Policy, critics, target critics, log_alpha, the three optimizers and the counter."""
+        a = self.agent
+        return {
+            "policy": {k: v.detach().clone() for k, v in a._actor_raw.state_dict().items()},
+            "critic": {k: v.detach().clone() for k, v in a._critic_raw.state_dict().items()},
+            "target_critic": {k: v.detach().clone() for k, v in a.target_critic.state_dict().items()},
+            "log_alpha": a._temp_raw.log_alpha.detach().clone(),
+            "actor_opt": copy.deepcopy(a.actor_opt.state_dict()),
+            "critic_opt": copy.deepcopy(a.critic_opt.state_dict()),
+            "temp_opt": copy.deepcopy(a.temp_opt.state_dict()),
+            "num_updates": int(a.num_updates),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        a = self.agent
+        a._actor_raw.load_state_dict(state["policy"])
+        a._critic_raw.load_state_dict(state["critic"])
+        a.target_critic.load_state_dict(state["target_critic"])
+        with torch.no_grad():
+            a._temp_raw.log_alpha.copy_(state["log_alpha"])
+        # torch optimizers adopt the given tensors (no copy): copy so that training this agent
+        # never mutates the caller's state dict
+        for name in ("actor_opt", "critic_opt", "temp_opt"):  # a DeepSpeed run's engines hold
+            if name in state:  # its actor/critic optimizers: evaluating it reads the weights only
+                getattr(a, name).load_state_dict(copy.deepcopy(state[name]))
+        a.num_updates = int(state["num_updates"])
+
+
+def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, temperature: nn.Module,
+                engines: bool = False):
+    """Optimizers for the three parts, ``model`` through ``accelerator.prepare`` (one model,
+    three optimizers: DDP or one process; under DeepSpeed, with ``engines``, two engines:
+    :mod:`agents.sac.engines`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
+    ``critic_opt``/``temp_opt``, ``agent.engines`` (None without DeepSpeed), ``agent.steps``
+    (:class:`LocalSteps` or :class:`agents.sac.engines.EngineSteps`), the raw parts
+    ``agent._actor_raw``/``_critic_raw``/``_temp_raw`` and the target critic."""
     acc, cfg = agent.accelerator, agent.cfg
     agent.engines = None
-    if uses_deepspeed(acc):
-        if not deepspeed:
-            raise ValueError(f"{type(agent).__name__} does not run under DeepSpeed: run it multi-GPU "
-                             "with deepspeed.stage=0 (DDP)")
-        from agents.sac.deepspeed import prepare_sac_deepspeed
-
-        return prepare_sac_deepspeed(agent, model.actor, actor_params, critic, temperature)
+    if parallel.uses_engines(acc):
+        if not engines:
+            parallel.refuse_engines(acc, f"{type(agent).__name__} does not run under DeepSpeed")
+        return prepare_sac_engines(agent, model.actor, actor_params, critic, temperature)
     # fused Adam: one kernel per step instead of ~10 ops per tensor (2x faster on CPU)
     fused = acc.device.type in ("cpu", "cuda")
     model.to(acc.device)
@@ -326,6 +359,7 @@ def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, tempera
     agent.critic, agent.temperature = raw.critic, raw.temperature
     agent.target_critic = copy.deepcopy(raw.critic).to(acc.device)
     agent.target_critic.requires_grad_(False)
+    agent.steps = LocalSteps(agent)
 
 
 def sac_critic_step(agent, batch: Batch, actions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -344,16 +378,7 @@ def sac_critic_step(agent, batch: Batch, actions: torch.Tensor) -> dict[str, tor
     else:
         q = agent.model(batch, "critic", actions)
     loss = critic_loss(q, target)
-    if agent.engines is not None:  # DeepSpeed: the critic engine steps, then the soft update
-        from agents.sac.deepspeed import critic_update
-
-        critic_update(agent, loss)
-    else:
-        agent.critic_opt.zero_grad(set_to_none=True)
-        agent.accelerator.backward(loss)
-        agent._clip(agent._critic_raw)
-        agent.critic_opt.step()
-        soft_update(agent.target_critic, agent._critic_raw, agent.cfg.tau)
+    agent.steps.critic(loss)
     return {"critic_loss": loss.detach(), "q_mean": q.detach().mean(), "target_q_mean": target.mean()}
 
 
@@ -376,15 +401,7 @@ def sac_actor_step(agent, batch: Batch) -> tuple[dict[str, torch.Tensor], torch.
         a_loss = actor_loss(q, logp, alpha, agent.cfg.actor_q_reduce)
         t_loss = temperature_loss(log_alpha, logp.detach(), agent.target_entropy)
         agent.temp_opt.zero_grad(set_to_none=True)
-        if agent.engines is not None:  # DeepSpeed: the actor engine's backward and step
-            from agents.sac.deepspeed import actor_update
-
-            actor_update(agent, a_loss + t_loss)
-        else:
-            agent.actor_opt.zero_grad(set_to_none=True)
-            agent.accelerator.backward(a_loss + t_loss)
-            agent._clip(agent._actor_raw)
-            agent.actor_opt.step()
+        agent.steps.actor(a_loss + t_loss)
         agent.temp_opt.step()
     finally:
         critic.requires_grad_(True)
@@ -425,7 +442,7 @@ class SACAgent:
         critic_params = {id(p) for p in critic.parameters()} if self.shared_encoder else set()
         prepare_sac(self, SACModel(policy, critic, temperature),
                     [p for p in policy.parameters() if p.requires_grad and id(p) not in critic_params],
-                    critic, temperature, deepspeed=True)
+                    critic, temperature, engines=True)
         self.device = accelerator.device
         self.num_updates = 0
 
@@ -460,37 +477,13 @@ class SACAgent:
         return utd_update(self, batches, lambda b: to_device(b, self.device))
 
     # -- checkpointing ----------------------------------------------------------------------
-    def deepspeed_engines(self) -> list:
+    def parallel_engines(self) -> list:
         return list(self.engines or ())
 
     def state_dict(self) -> dict:
-        """Policy, critics, target critics, log_alpha, the three optimizers and the counter."""
-        if self.engines is not None:
-            from agents.sac import deepspeed as sac_deepspeed
-            return sac_deepspeed.state_dict(self)
-        return {
-            "policy": {k: v.detach().clone() for k, v in self._actor_raw.state_dict().items()},
-            "critic": {k: v.detach().clone() for k, v in self._critic_raw.state_dict().items()},
-            "target_critic": {k: v.detach().clone() for k, v in self.target_critic.state_dict().items()},
-            "log_alpha": self._temp_raw.log_alpha.detach().clone(),
-            "actor_opt": copy.deepcopy(self.actor_opt.state_dict()),
-            "critic_opt": copy.deepcopy(self.critic_opt.state_dict()),
-            "temp_opt": copy.deepcopy(self.temp_opt.state_dict()),
-            "num_updates": int(self.num_updates),
-        }
+        """Policy, critics, target critics, log_alpha, the optimizers and the counter
+        (:class:`LocalSteps`; under DeepSpeed :class:`agents.sac.engines.EngineSteps`)."""
+        return self.steps.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if self.engines is not None:
-            from agents.sac import deepspeed as sac_deepspeed
-            return sac_deepspeed.load_state_dict(self, state)
-        self._actor_raw.load_state_dict(state["policy"])
-        self._critic_raw.load_state_dict(state["critic"])
-        self.target_critic.load_state_dict(state["target_critic"])
-        with torch.no_grad():
-            self._temp_raw.log_alpha.copy_(state["log_alpha"])
-        # torch optimizers adopt the given tensors (no copy): copy so that training this agent
-        # never mutates the caller's state dict
-        for name in ("actor_opt", "critic_opt", "temp_opt"):  # a DeepSpeed run's engines hold
-            if name in state:  # its actor/critic optimizers: evaluating it reads the weights only
-                getattr(self, name).load_state_dict(copy.deepcopy(state[name]))
-        self.num_updates = int(state["num_updates"])
+        self.steps.load_state_dict(state)

@@ -13,7 +13,7 @@ from agents.base import check_pair
 from agents.core import Builder
 from agents.common.critics import EnsembleCritic
 from agents.sac.off_policy import OffPolicyLearner
-from agents.sac.agent import SACAgent, SACConfig, make_critic
+from agents.sac.agent import SACAgent, make_critic
 from data.core.spec import EnvSpec
 from data.sampler import Replay, build_replay
 
@@ -45,13 +45,3 @@ class SACBuilder(Builder):
                                 publish_every=self.cfg.publish_every,
                                 horizon=int(getattr(networks.policy, "chunk_size", 1)))
 
-
-
-def make_sac_builder(cfg: SACConfig):
-    """The registry's entry for ``algo=sac``: SAC over actions, or noise-space SAC
-    (:mod:`agents.sac.noise_builder`) when ``cfg.action_space == "noise"``."""
-    if cfg.action_space == "noise":
-        from agents.sac.noise_builder import NoiseSACBuilder
-
-        return NoiseSACBuilder(cfg)
-    return SACBuilder(cfg)

@@ -1,5 +1,5 @@
 """Noise-space SAC (DSRL, Wagenmaker et al. 2025): SAC whose action is the initial noise of a
-frozen flow policy's denoising ODE (``algo=sac algo.action_space=noise policy=pi0``).
+frozen flow policy's denoising ODE (``algo=sac_noise policy=pi0``).
 
 The policy is a :class:`agents.sac.noise_actor.NoiseSpacePolicy`: the frozen PI0 plus a small
 tanh-Gaussian noise actor. One transition is one executed chunk: a replay window of H steps
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from agents.base import Batch
+from agents.base import Batch, NoiseConditionedPolicy
 from agents.common.critics import EnsembleCritic
 from agents.sac.noise_actor import NOISE_EXTRA, NoiseSpacePolicy
 from agents.common.policy_calls import to_device
@@ -40,6 +41,45 @@ from agents.sac.agent import (SACAgent, SACConfig, SACModel, Temperature, prepar
 from data.core.spec import EnvSpec
 
 FEATURES = "features"
+
+
+@dataclass
+class FrozenBaseSACConfig(SACConfig):
+    """:class:`agents.sac.agent.SACConfig` of SAC over a small actor on a frozen base policy's
+    features, one transition per executed chunk (noise-space and residual SAC)."""
+
+    #: env steps each chunk runs (the actor's ``chunk.execute``; 0: the whole chunk)
+    execute_steps: int = 0
+    #: frozen features kept per distinct observation (0: recompute every batch)
+    noise_feature_cache: int = 200_000
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.execute_steps < 0:
+            raise ValueError(f"execute_steps must be >= 0, got {self.execute_steps}")
+
+
+@dataclass
+class NoiseSACConfig(FrozenBaseSACConfig):
+    """``algo=sac_noise``: a small actor outputs the initial noise of a frozen flow policy
+    (PI0/PI0.5, a NoiseConditionedPolicy), the critic scores (features, noise)."""
+
+    #: the actor's noise is ``noise_scale * tanh(u)`` (DSRL's action magnitude)
+    noise_scale: float = 1.5
+    #: "action" (the actor sets the first action_dim noise dims of each step, zeros in the
+    #: flow's padded dims) or "all" (every dim of the flow's noise)
+    noise_dims: str = "action"
+    #: hidden widths of the noise actor (LayerNorm + ``critic_activation``)
+    noise_actor_hidden_dims: tuple[int, ...] = (256, 256)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.noise_dims not in ("action", "all") or self.noise_scale <= 0:
+            raise ValueError("noise_dims must be 'action' or 'all', noise_scale > 0")
+
+    @property
+    def requires(self) -> tuple[type, ...]:
+        return (NoiseConditionedPolicy,)
 
 
 class CachedFeatures(nn.Module):
@@ -152,7 +192,7 @@ class NoiseSACAgent:
     actor_attr = "noise_actor"
     action_space = "noise"
 
-    def __init__(self, cfg: SACConfig, policy: NoiseSpacePolicy, spec: EnvSpec, accelerator: Any,
+    def __init__(self, cfg: FrozenBaseSACConfig, policy: NoiseSpacePolicy, spec: EnvSpec, accelerator: Any,
                  critic: EnsembleCritic | None = None):
         if not isinstance(policy, self.policy_type):
             raise TypeError(f"{self.action_space}-space SAC trains a {self.policy_type.__name__}, "
@@ -210,7 +250,7 @@ class NoiseSACAgent:
     def load_state_dict(self, state: dict) -> None:
         if state.get("action_space") != self.action_space:
             raise ValueError(f"checkpoint is not of {self.action_space}-space SAC "
-                             f"(algo.action_space={self.action_space})")
+                             f"(algo=sac_{self.action_space})")
         self.policy.load_trainable_state_dict(state["policy"])
         self._critic_raw.load_state_dict(state["critic"])
         self.target_critic.load_state_dict(state["target_critic"])

@@ -34,7 +34,7 @@ from torch import nn
 
 from agents.base import ActionChunk, Batch, ExtrasSpec
 from agents.common.encoders import activation
-from agents.policies.mlp import tanh_log_det
+from agents.common.squash import tanh_log_det
 from data.core.schema import OBS_STATE
 
 NOISE_EXTRA = "noise"

@@ -1,4 +1,4 @@
-"""Noise-space SAC's builder (``algo=sac algo.action_space=noise``, see :mod:`agents.sac.noise`).
+"""Noise-space SAC's builder (``algo=sac_noise``, see :mod:`agents.sac.noise`).
 
 - the policy the learner trains and serves is :class:`agents.sac.noise_actor.NoiseSpacePolicy`
   around the configured PI0/PI0.5 (:meth:`NoiseSACBuilder.wrap_policy`; the registry calls it
@@ -28,9 +28,8 @@ from agents.base import check_pair
 from agents.core import Builder
 from agents.common.critics import EnsembleCritic
 from agents.sac.noise_actor import NoiseSpacePolicy
-from agents.sac.noise import NoiseSACAgent, make_noise_critic
+from agents.sac.noise import FrozenBaseSACConfig, NoiseSACAgent, make_noise_critic
 from agents.sac.off_policy import OffPolicyLearner
-from agents.sac.agent import SACConfig
 from data.core.spec import EnvSpec
 from data.sampler import Replay, build_replay
 
@@ -66,22 +65,18 @@ class NoiseSACBuilder(Builder):
     """Noise-space SAC's builder; the residual-SAC builder (:mod:`agents.sac.residual_builder`)
     reuses everything but the wrapped policy, the critic, the agent class and the demo note."""
 
-    name = "sac"
+    name = "sac_noise"
+    cfg: FrozenBaseSACConfig
     #: the update (:class:`agents.sac.noise.NoiseSACAgent` or a subclass)
     agent_cls: type = NoiseSACAgent
     #: why demonstrations are not mixed in (logged when ``buffer.demos`` is set)
     demos_ignored = "noise-space SAC ignores buffer.demos: demonstrations carry no flow noise"
 
-    def __init__(self, cfg: SACConfig):
-        if cfg.action_space != "noise":
-            raise ValueError("NoiseSACBuilder needs algo.action_space=noise")
-        super().__init__(cfg)
-
     def wrap_policy(self, policy) -> NoiseSpacePolicy:
         """The noise-space policy around a freshly built flow policy (idempotent)."""
         if isinstance(policy, NoiseSpacePolicy):
             return policy
-        check_pair("sac (action_space=noise)", self.requires, type(policy).__name__, policy)
+        check_pair(self.name, self.requires, type(policy).__name__, policy)
         c = self.cfg
         return NoiseSpacePolicy(policy, noise_dims=c.noise_dims, scale=c.noise_scale,
                                 hidden_dims=tuple(c.noise_actor_hidden_dims), activation_name=c.critic_activation)

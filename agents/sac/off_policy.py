@@ -13,12 +13,15 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable, Iterator
 
+from agents.core import direct_route
+
 
 class OffPolicyLearner:
     def __init__(self, agent: Any, sampler: Any, *, batch_size: int, env_steps: Callable[[], int],
                  learning_starts: int = 0, max_update_ratio: float = 1.0, publish_every: int = 1,
                  horizon: int = 1):
         self.agent = agent
+        self.route = direct_route
         self.policy = agent.policy
         self.sampler = sampler
         self.batch_size = int(batch_size)
@@ -43,7 +46,7 @@ class OffPolicyLearner:
     def step(self) -> dict[str, float] | None:
         if not self.ready():
             return None
-        metrics = self.agent.update(self._batches)
+        metrics = self.agent.update(self.route(self._batches))
         self.updates += 1
         return metrics
 

@@ -1,6 +1,5 @@
 """Residual SAC for OpenVLA-OFT (PLD / Policy Decorator style): SAC whose action is a bounded
-residual added to a frozen VLA's L1 action chunk (``algo=sac algo.action_space=residual
-policy=openvla_oft``).
+residual added to a frozen VLA's L1 action chunk (``algo=sac_residual policy=openvla_oft``).
 
 The policy is a :class:`agents.sac.residual_actor.ResidualPolicy`: the frozen OFT (L1 head) gives
 the base chunk a_base [H, A]; a tanh-Gaussian residual actor on (VLA features, a_base) gives
@@ -27,17 +26,16 @@ import torch
 
 from agents.base import Batch
 from agents.common.critics import EnsembleCritic
-from agents.sac.noise import CachedFeatures, NoiseSACAgent
-from agents.sac.residual_actor import RESIDUAL_EXTRA, ResidualPolicy
 from agents.sac.agent import SACConfig, sac_actor_step
+from agents.sac.noise import CachedFeatures, FrozenBaseSACConfig, NoiseSACAgent
+from agents.sac.residual_actor import RESIDUAL_EXTRA, ResidualPolicy
 
 
 @dataclass
-class ResidualSACConfig(SACConfig):
-    """:class:`agents.sac.agent.SACConfig` with ``action_space="residual"`` and the residual's keys
-    (the SAC keys, ``execute_steps`` and ``noise_feature_cache`` keep their meaning)."""
+class ResidualSACConfig(FrozenBaseSACConfig):
+    """``algo=sac_residual``: :class:`agents.sac.noise.FrozenBaseSACConfig` with the residual's
+    keys (the SAC keys, ``execute_steps`` and ``noise_feature_cache`` keep their meaning)."""
 
-    action_space: str = "residual"
     #: executed chunk = clip(base + residual_scale * r, -1, 1), r in [-1, 1]: the most any
     #: action may depart from the VLA's (in env action units)
     residual_scale: float = 0.3
@@ -47,13 +45,7 @@ class ResidualSACConfig(SACConfig):
     residual_init_std: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.action_space != "residual":
-            raise ValueError(f"ResidualSACConfig needs action_space='residual', got {self.action_space!r}")
-        self.action_space = "action"  # SACConfig's own checks know action/noise only
-        try:
-            super().__post_init__()
-        finally:
-            self.action_space = "residual"
+        super().__post_init__()
         if self.residual_scale <= 0 or self.residual_init_std <= 0:
             raise ValueError(f"residual_scale and residual_init_std must be > 0, got "
                              f"{self.residual_scale}, {self.residual_init_std}")

@@ -55,12 +55,12 @@ def check_residual_base(policy_name: str, cls_or_policy) -> None:
     action tokens; a residual on them is not what this algorithm does)."""
     cls = cls_or_policy if isinstance(cls_or_policy, type) else type(cls_or_policy)
     if not has_capability(cls, L1ChunkPolicy):
-        raise ValueError(f"algorithm 'sac' (action_space=residual) cannot train policy {policy_name!r}: the policy "
+        raise ValueError(f"algorithm 'sac_residual' cannot train policy {policy_name!r}: the policy "
                          f"does not provide L1ChunkPolicy (model_inputs, hidden: a VLA's action-position hidden "
                          f"states, and an L1 action head); use policy=openvla_oft")
     kind = getattr(cls, "head_kind", None)
     if kind != "l1":
-        raise ValueError(f"algorithm 'sac' (action_space=residual) cannot train policy {policy_name!r}: the "
+        raise ValueError(f"algorithm 'sac_residual' cannot train policy {policy_name!r}: the "
                          f"residual is added to a continuous L1-head chunk (policy=openvla_oft, action_head=l1); "
                          f"{policy_name!r} has head_kind={kind!r}")
 

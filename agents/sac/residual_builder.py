@@ -1,4 +1,4 @@
-"""Residual SAC's builder (``algo=sac algo.action_space=residual policy=openvla_oft``, see
+"""Residual SAC's builder (``algo=sac_residual policy=openvla_oft``, see
 :mod:`agents.sac.residual`).
 
 - the policy the learner trains and serves is :class:`agents.sac.residual_actor.ResidualPolicy`
@@ -16,21 +16,16 @@ local-mode actor builds a plain OFT and cannot load the residual actor's weights
 
 from __future__ import annotations
 
-from agents.core import Builder
 from agents.sac.noise_builder import NoiseSACBuilder
 from agents.sac.residual_actor import ResidualPolicy, check_residual_base
 from agents.sac.residual import ResidualSACAgent, ResidualSACConfig, make_residual_critic
 
 
 class ResidualSACBuilder(NoiseSACBuilder):
-    name = "sac"
+    name = "sac_residual"
     agent_cls = ResidualSACAgent
     demos_ignored = "residual SAC ignores buffer.demos: their residual to the base is unknown"
-
-    def __init__(self, cfg: ResidualSACConfig):
-        if cfg.action_space != "residual" or not isinstance(cfg, ResidualSACConfig):
-            raise ValueError("ResidualSACBuilder needs a ResidualSACConfig (algo.action_space=residual)")
-        Builder.__init__(self, cfg)  # not noise-space SAC's check
+    cfg: ResidualSACConfig
 
     def check_policy_class(self, policy_name: str, cls) -> None:
         """Start-up check beyond the capability protocol: an L1 (continuous) head."""

@@ -78,7 +78,7 @@ def main(argv=None) -> dict | None:
     from accelerate.utils import InitProcessGroupKwargs
     from datetime import timedelta
 
-    from agents.base import accelerator_kwargs, uses_deepspeed
+    from agents.parallel import accelerator_kwargs, uses_deepspeed
     from tools.bench.common import LoopbackLearner, bench_spec
     from tools.bench.policy_actors import HASH, run_actors
     from tools.bench.scaling import BCStep, build_policy, micro_batches, patch_deepspeed_config

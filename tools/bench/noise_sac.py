@@ -58,7 +58,7 @@ def bench_noise_sac(args, spec, tmp: Path) -> dict:
 
     from agents.sac.noise import NoiseSACAgent, attach_features
     from agents.sac.noise_builder import NoiseSACBuilder
-    from agents.sac.agent import SACConfig
+    from agents.sac.noise import NoiseSACConfig
     from tools.bench.common import p50_p99, timed_ms
     from tools.bench.policy import build
 
@@ -69,8 +69,8 @@ def bench_noise_sac(args, spec, tmp: Path) -> dict:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     base = build("pi0", args.tiny, args.device, tmp, spec)[0]
-    cfg = SACConfig(action_space="noise", batch_size=args.batch, utd_ratio=1, critic_hidden_dims=(256, 256),
-                    noise_actor_hidden_dims=(256, 256), num_critics=2)
+    cfg = NoiseSACConfig(batch_size=args.batch, utd_ratio=1, critic_hidden_dims=(256, 256),
+                         noise_actor_hidden_dims=(256, 256), num_critics=2)
     builder = NoiseSACBuilder(cfg)
     nets = builder.make_networks(spec.with_extras(base.extras_spec()), base, torch.device(args.device))
     agent = NoiseSACAgent(cfg, nets.policy, nets.spec, Accelerator(cpu=not cuda, mixed_precision="no"),

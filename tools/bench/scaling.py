@@ -67,7 +67,7 @@ def tiny_checkpoint(case: str, spec, root: Path) -> Path:
 def build_policy(case: str, tiny: bool, device: str, tmp: Path, spec, tiny_dir: Path | None = None):
     """The policy of ``case``: OpenVLA-OFT (L1 head) with LoRA, PI0 with LoRA, or PI0 with every
     parameter trainable and no LoRA (``pi0_full``); built as tools/bench/policy.build does."""
-    from agents.base import whole_weights
+    from agents.parallel import whole_weights
 
     with whole_weights():  # ZeRO-3: built whole on each rank, partitioned by prepare (as the learner)
         return _build_policy(case, tiny, device, tmp, spec, tiny_dir)
@@ -167,7 +167,7 @@ def run(args, spec) -> dict | None:
     from accelerate.utils import InitProcessGroupKwargs
     from datetime import timedelta
 
-    from agents.base import accelerator_kwargs, is_zero3, uses_deepspeed
+    from agents.parallel import accelerator_kwargs, is_zero3, uses_deepspeed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_rank, rem = divmod(args.global_batch, world)

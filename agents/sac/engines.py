@@ -1,4 +1,5 @@
-"""SAC under DeepSpeed (ZeRO-2/3): one engine per trained model.
+"""SAC under DeepSpeed (ZeRO-2/3): one engine per trained model (:mod:`agents.parallel` does
+the preparing, stepping, reducing and gathering).
 
 SAC steps its actor, critic ensemble and temperature separately, and one DeepSpeed engine
 steps one optimizer over all of its parameters (Adam moves parameters whose gradient is zero
@@ -6,14 +7,15 @@ through their moments), so the parts cannot share an engine. Here the actor (the
 the critic ensemble each go through their own ``accelerator.prepare`` call and become two
 engines with their own optimizers. accelerate >= 1.x allows one DeepSpeed model per
 ``prepare`` call; both engines use the one DeepSpeed plugin of the launch
-(``config/deepspeed/zero<S>.json``: the same stage, bf16, gradient clipping), so accelerate's
-dict of named plugins (``select_deepspeed_plugin``) is not needed. ``accelerator.backward``
+(the launch's ZeRO config: the same stage, bf16, gradient clipping), so accelerate's
+dict of named plugins is not needed. ``accelerator.backward``
 only knows the first engine, so each step calls its engine's ``backward`` and ``step``
 directly (the engine clips by its config's ``gradient_clipping``; ``max_grad_norm`` is not
-used under DeepSpeed).
+used under DeepSpeed: :func:`agents.parallel.engine_step`).
 
 The temperature (one scalar) stays a plain local parameter with its own Adam: its gradient
-is averaged over the ranks by one all-reduce before the step, so it stays equal everywhere.
+is averaged over the ranks (:func:`agents.parallel.average_grads`) before the step, so it stays
+equal everywhere.
 
 The target critic is **unsharded by choice**: a whole fp32 copy on every rank (it only runs
 forwards), updated by the soft update from the online critic after each critic step, under
@@ -33,10 +35,11 @@ import copy
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from agents.base import Batch, low_precision_autocast, zero3_gathered
+from agents import parallel
+from agents.base import Batch
+from agents.parallel import low_precision_autocast
 
 
 class ActorCalls(nn.Module):
@@ -91,7 +94,7 @@ class SACEngines:
         raise ValueError(f"SAC phase {what!r} is not available under DeepSpeed")
 
 
-def prepare_sac_deepspeed(agent: Any, policy: nn.Module, actor_params: list, critic: nn.Module,
+def prepare_sac_engines(agent: Any, policy: nn.Module, actor_params: list, critic: nn.Module,
                           temperature: nn.Module) -> None:
     """Sets what :func:`agents.sac.agent.prepare_sac` sets, with two engines (module docstring);
     ``agent.engines`` = (actor engine, critic engine)."""
@@ -99,7 +102,7 @@ def prepare_sac_deepspeed(agent: Any, policy: nn.Module, actor_params: list, cri
     if cfg.critic_encoder == "shared":
         raise ValueError("critic_encoder=shared trains the policy's encoder from the critic: under "
                          "DeepSpeed the actor and critic engines would share those parameters. Use "
-                         "critic_encoder=own or policy, or deepspeed.stage=0 (DDP)")
+                         f"critic_encoder=own or policy, or {parallel.DDP_HINT}")
     dev = acc.device
     target = copy.deepcopy(critic).float().to(dev)  # whole, before prepare may shard the critic
     target.requires_grad_(False)
@@ -107,46 +110,30 @@ def prepare_sac_deepspeed(agent: Any, policy: nn.Module, actor_params: list, cri
     actor_opt = torch.optim.AdamW(actor_params, lr=cfg.actor_lr, weight_decay=0.0)
     critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic_lr,
                                    weight_decay=0.0)
-    actor_engine, agent.actor_opt = acc.prepare(ActorCalls(policy).to(dev), actor_opt)
-    critic_engine, agent.critic_opt = acc.prepare(CriticCalls(critic).to(dev), critic_opt)
+    actor_engine, agent.actor_opt = parallel.prepare_engine(acc, ActorCalls(policy).to(dev), actor_opt)
+    critic_engine, agent.critic_opt = parallel.prepare_engine(acc, CriticCalls(critic).to(dev), critic_opt)
     agent.temp_opt = torch.optim.Adam(temperature.parameters(), lr=cfg.temp_lr)
     agent.engines = (actor_engine, critic_engine)
     agent.model = SACEngines(actor_engine, critic_engine, temperature, critic)
     agent._actor_raw, agent._critic_raw, agent._temp_raw = policy, critic, temperature
     agent.critic, agent.temperature = critic, temperature
     # prepare broadcast rank 0's weights into the engines: the target starts from them
-    with torch.no_grad(), zero3_gathered(critic, acc):
-        for t, o in zip(target.parameters(), critic.parameters()):
-            t.copy_(o.detach().float())
-        for t, o in zip(target.buffers(), critic.buffers()):
-            t.copy_(o)
+    parallel.gathered_soft_update(target, critic, 1.0, acc, copy_whole=True)
     agent.target_critic = target
+    agent.steps = EngineSteps(agent)
 
 
 def critic_update(agent: Any, loss: torch.Tensor) -> None:
     """Backward and step of the critic engine, then the target's soft update."""
-    engine = agent.engines[1]
-    engine.backward(loss)
-    engine.step()
-    with torch.no_grad(), zero3_gathered(agent._critic_raw, agent.accelerator):
-        tp = list(agent.target_critic.parameters())
-        torch._foreach_lerp_(tp, [p.detach().float() for p in agent._critic_raw.parameters()], agent.cfg.tau)
-        for tb, ob in zip(agent.target_critic.buffers(), agent._critic_raw.buffers()):
-            tb.copy_(ob)
+    parallel.engine_step(agent.engines[1], loss)
+    parallel.gathered_soft_update(agent.target_critic, agent._critic_raw, agent.cfg.tau, agent.accelerator)
 
 
 def actor_update(agent: Any, loss: torch.Tensor) -> None:
     """Backward of actor + temperature loss through the actor engine, the temperature's
     gradient averaged over the ranks, the actor engine's step (the caller steps temp_opt)."""
-    engine = agent.engines[0]
-    engine.backward(loss)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        for p in agent._temp_raw.parameters():
-            if p.grad is not None:  # gloo has no AVG: sum, then divide
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-                p.grad.div_(world)
-    engine.step()
+    parallel.engine_step(agent.engines[0], loss,
+                         before_step=lambda: parallel.average_grads(agent._temp_raw.parameters()))
 
 
 def state_dict(agent: Any) -> dict:
@@ -154,8 +141,7 @@ def state_dict(agent: Any) -> dict:
     temperature's optimizer and the counter; the engines' optimizers are in their own files."""
     out: dict[str, Any] = {}
     for name, mod in (("policy", agent._actor_raw), ("critic", agent._critic_raw)):
-        with zero3_gathered(mod, agent.accelerator):
-            out[name] = {k: v.detach().clone().cpu() for k, v in mod.state_dict().items()}
+        out[name] = parallel.gathered_state(mod, agent.accelerator, cpu=True)
     out.update(target_critic={k: v.detach().clone() for k, v in agent.target_critic.state_dict().items()},
                log_alpha=agent._temp_raw.log_alpha.detach().clone(),
                temp_opt=copy.deepcopy(agent.temp_opt.state_dict()), num_updates=int(agent.num_updates))
@@ -164,11 +150,31 @@ def state_dict(agent: Any) -> dict:
 
 def load_state_dict(agent: Any, state: dict) -> None:
     for name, mod in (("policy", agent._actor_raw), ("critic", agent._critic_raw)):
-        with zero3_gathered(mod, agent.accelerator, modifier_rank=0):
-            mod.load_state_dict(state[name])
+        parallel.load_gathered(mod, agent.accelerator, state[name])
     agent.target_critic.load_state_dict(state["target_critic"])
     with torch.no_grad():
         agent._temp_raw.log_alpha.copy_(state["log_alpha"])
     if "temp_opt" in state:
         agent.temp_opt.load_state_dict(copy.deepcopy(state["temp_opt"]))
     agent.num_updates = int(state["num_updates"])
+
+
+class EngineSteps:
+    """SAC's optimizer steps and checkpoint state over the two engines (as
+    :class:`agents.sac.agent.LocalSteps` without them)."""
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+
+    def critic(self, loss: torch.Tensor) -> None:
+        critic_update(self.agent, loss)
+
+    def actor(self, loss: torch.Tensor) -> None:
+        actor_update(self.agent, loss)
+
+    def state_dict(self) -> dict:
+        return state_dict(self.agent)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_state_dict(self.agent, state)
+
