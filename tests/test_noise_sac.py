@@ -5,7 +5,7 @@ Model: a tiny, architecturally faithful PI0 (tools/make_tiny_checkpoints.make_pi
 on point_reach's spec (state 4, action 2, one 32x32 camera, an instruction).
 
 No learning test yet: noise-space SAC does not reliably improve the weak base within the
-CPU budget (figures and diagnosis in tools/noise_sac_learning.py's docstring: the base is
+CPU budget (figures and diagnosis in tools/experiments/noise_sac_learning.py's docstring: the base is
 steerable, best-of-8 noise 0.45 vs 0.05; through the processes 0.10 -> 0.25 sampled on 40
 episodes after 325 online ones, not significant). The feature cache is tested here.
 """

@@ -4,7 +4,7 @@ on loopback (CPU; issue 10, proof (b)).
 Task: ``env=point_reach`` (one task, a random target every episode, one 32x32 camera, the
 target also in the state; 0/1 outcome). Base: a tiny, architecturally faithful PI0 (chunk 4)
 fitted by 250 flow-matching BC steps on 30 scripted demos
-(:func:`tools.noise_sac_learning.make_weak_base`): deliberately stopped early, it succeeds
+(:func:`tools.experiments.noise_sac_learning.make_weak_base`): deliberately stopped early, it succeeds
 ~0.3 with N(0, I) noise, where best-of-8 noises reach ~0.75 (the DSRL premise: the noise can
 steer it). Then ``python -m learner algo=sac algo.action_space=noise policy=pi0`` with the
 frozen base and two ``python -m actor`` processes for 400 online episodes,
@@ -59,7 +59,7 @@ def test_noise_sac_lifts_a_weak_pi0(tmp_path: Path):
 
     from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
     from envs.registry import env_spec
-    from tools.noise_sac_learning import (ALGO_O, CHUNK, ENV_O, evaluate, make_weak_base, train,
+    from tools.experiments.noise_sac_learning import (ALGO_O, CHUNK, ENV_O, evaluate, make_weak_base, train,
                                           trained_policy)
     from tools.record_demos import env_config, record_demos
 

@@ -3,7 +3,7 @@ and actor processes on loopback (CPU; issue 10, proof (c)).
 
 Task: ``env=point_reach`` (one task, a random target every episode, one 32x32 camera, the
 target also in the state; 0/1 outcome). Base: a tiny, architecturally faithful OFT (chunk
-4 x 2) fitted by 80 L1 steps on 10 scripted demos (:func:`tools.residual_sac_learning.
+4 x 2) fitted by 80 L1 steps on 10 scripted demos (:func:`tools.experiments.residual_sac_learning.
 make_weak_base`): deliberately stopped early, it succeeds ~0.34. Then ``python -m learner
 algo=sac algo.action_space=residual policy=openvla_oft policy.init_trainable=<base>`` with the
 frozen base and two ``python -m actor`` processes until EPISODES online episodes, trained on
@@ -20,7 +20,7 @@ vs each), 626 online episodes, 217 updates, 11,167 env steps, 262 s of training,
 the online success window 0.3-0.45 over the first ~200 episodes, 0.55-0.85 after ~290. A
 second run (load 12-13.5): 0.34 -> 0.68 (z 3.4), 607 episodes, 230 updates, 206 s of
 training, 357 s in all. More
-figures: the tool's docstring (tools/residual_sac_learning.py).
+figures: the tool's docstring (tools/experiments/residual_sac_learning.py).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def test_residual_sac_lifts_a_weak_oft(tmp_path: Path):
 
     import torch
 
-    from tools.noise_sac_learning import evaluate
+    from tools.experiments.noise_sac_learning import evaluate
     from tools.record_demos import env_config, record_demos
-    from tools.residual_sac_learning import (ALGO_O, ENV_O, make_weak_base, residual_policy, train,
+    from tools.experiments.residual_sac_learning import (ALGO_O, ENV_O, make_weak_base, residual_policy, train,
                                              trained_policy)
 
     torch.set_num_threads(1)

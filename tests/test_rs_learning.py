@@ -1,7 +1,7 @@
 """Rejection sampling through the real learner and actor processes on loopback (CPU), on
 ``env=point_reach_vl``: both targets drawn, the instruction says which, the state holds only
 the agent's position, reaching takes >= 8 steps. Policy, demos and cycle settings are those of
-the pre-registered runs (:mod:`tools.rs_vl_learning`: the MLP with a CNN and an instruction
+the pre-registered runs (:mod:`tools.experiments.rs_vl_learning`: the MLP with a CNN and an instruction
 encoder, 10 scripted demos, 150 pretraining BC steps, 800 env steps -> 300 BC steps per cycle),
 cut to two cycles to fit the suite.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from tandem_testutil import ROOT, free_port
-from tools.rs_vl_learning import ALGO_O, ENV_O, POLICY_O
+from tools.experiments.rs_vl_learning import ALGO_O, ENV_O, POLICY_O
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +121,7 @@ class RSRun:
 
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory):
-    from tools.rs_vl_learning import prepare
+    from tools.experiments.rs_vl_learning import prepare
 
     return prepare(tmp_path_factory.mktemp("rs"))
 

@@ -54,7 +54,7 @@ trained parameters, no second model.
 The weights sync to actors (``trainable_state_dict``) adds the noise head (``flow_rl.noise.*``);
 the value head stays on the learner.
 
-Measured (``python -m tools.flow_ppo_demo``: tiny PI0, chunk 4, K = 4, LoRA 4, point_reach with a
+Measured (``python -m tools.experiments.flow_ppo_demo``: tiny PI0, chunk 4, K = 4, LoRA 4, point_reach with a
 camera + the target in the state, BC on 5 scripted demos, 2 actors; docs/learning.md). With
 lerobot's x_0 ~ N(0, I) start, ~30 updates of ~40 episodes stayed flat; with rounds of 16
 episodes, the episode-mean loss and ~100 updates the runs rose slowly (200-episode windows

@@ -29,7 +29,7 @@ the deterministic evaluation jobs, baseline = the pretrained version):
 - MLP 64x64, state-only, 30 pretrain steps, std bounds [e^-3, e^-1], lr 3e-3, 20% demos
   (what tests/test_rs_learning.py ran before it moved to ``env=point_reach_vl``, where the
   target is not in the state; the registered comparison there with its demos-only control is
-  tools/rs_vl_learning.py, figures in docs/learning.md): 0.00 -> 0.50 after 4 cycles (173 online episodes, 117 s);
+  tools/experiments/rs_vl_learning.py, figures in docs/learning.md): 0.00 -> 0.50 after 4 cycles (173 online episodes, 117 s);
   demos-only control (an in-process replica of the cycle, online data unused, 4 seeds): best
   0.15-0.35 where rejection sampling reached 0.25-0.50; with the scripted expert correcting
   the first 25 episodes 0.00 -> 0.85 after two cycles. (With std bounds [e^-5, e^-1.5], lr
@@ -37,7 +37,7 @@ the deterministic evaluation jobs, baseline = the pretrained version):
 - tiny PI0 (tools/make_tiny_checkpoints.make_pi0, chunk 4, LoRA 4; camera + state), 100
   pretrain steps, 100 BC steps per 300 env steps, 10 evaluation episodes: 0.0 -> 0.7 after
   7 cycles (250 s, 477 online episodes); demos-only control stays at 0.0-0.1. The gated test
-  tests/test_rs_pi0_learning.py (python -m tools.rs_pi0_learning; 30 evaluation episodes, 5
+  tests/test_rs_pi0_learning.py (python -m tools.experiments.rs_pi0_learning; 30 evaluation episodes, 5
   Euler steps): 0.13 -> best 0.63 after 4 cycles (565 episodes); with the scripted expert
   correcting the first 50 episodes 0.07 -> 0.63 after one cycle, 0.83 after 4 (load 8-13).
 """

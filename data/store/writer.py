@@ -7,7 +7,7 @@ Two encoders write video datasets (``buffer.encoder``):
   stats and one H.264 MP4 per camera (preset ``veryfast``, CRF 23, lerobot's GOP of 2)
   encoded from memory -- and the writer thread only appends rows, metadata and videos at
   commit time (:mod:`data.store.prepare`, :mod:`data.store.append`). Measured with
-  ``python tools/bench_buffer.py --json`` (burst of 30 episodes of 21 frames, 2 cameras
+  ``python -m tools.bench.buffer --json`` (burst of 30 episodes of 21 frames, 2 cameras
   128x128, 2 shared cores): 21.4 episodes/s against 2.24 for ``lerobot``,
   ``writer_ratio`` 9.5. Disk: 18.9 KB of video per episode against 12.7 KB for AV1 (1.5x;
   PSNR 36.3 dB against 34.1 dB on the bench's camera-like frames).
@@ -20,7 +20,7 @@ computed on the writer thread (no worker processes): lerobot's ``save_episode`` 
 0.3-1 s per episode even then (a per-row ``datasets.map`` that embeds images there are
 none of), slower on a loaded 2-core machine than two reacher actors make episodes, and
 the episodes waiting for it (in the learner's memory) and their records (unacknowledged,
-in the actors' spool caches) grew without bound in ``tools/soak.py``.
+in the actors' spool caches) grew without bound in ``tools/bench/soak.py``.
 """
 
 from __future__ import annotations

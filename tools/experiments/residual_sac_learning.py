@@ -22,7 +22,7 @@ target) by default, ``--reward sparse`` for 0/1; success (``info["is_success"]``
 outcome) is what every figure measures. Prints a JSON summary and writes
 ``<out>/summary.json``::
 
-    python -m tools.residual_sac_learning --out /tmp/residual_sac --episodes 300
+    python -m tools.experiments.residual_sac_learning --out /tmp/residual_sac --episodes 300
 
 WHY A RESIDUAL (and not SAC on the L1 head itself): the base VLA stays intact (frozen,
 bit-identical; ``residual_scale`` bounds how far any action departs from it, which is what
@@ -61,7 +61,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "env.state_has_target=true"]
 CHUNK = 4
 #: the learner's algo.* overrides (noise-space SAC's proof settings, plus the residual's scale)
@@ -86,7 +86,7 @@ def make_weak_base(out: Path, demos: Path, steps: int, *, lr: float = 1e-3, seed
     from data.demos import load_demos
     from envs.registry import env_spec
     from tools.make_tiny_checkpoints import make_openvla_oft
-    from tools.oft_grpo_demo import env_ranged_stats
+    from tools.experiments.oft_grpo_demo import env_ranged_stats
     from tools.record_demos import env_config
     from tools.sft import sft
 
@@ -124,7 +124,7 @@ def train(out: Path, ckpt: Path, init: Path, algo: list[str], reward: str = "den
           max_s: float, poll_s: float = 5.0, actors: int = 2) -> dict:
     """Learner + ``actors`` remote actors as processes until the learner counts ``episodes``
     online episodes (or ``max_s`` passes), then SIGINT (the learner checkpoints)."""
-    from tools.learning_run import free_port, stop_processes
+    from tools.experiments.learning_run import free_port, stop_processes
 
     run = out / "run"
     port, pub = free_port(), free_port()
@@ -196,7 +196,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     import torch
 
-    from tools.noise_sac_learning import evaluate
+    from tools.experiments.noise_sac_learning import evaluate
     from tools.record_demos import env_config, record_demos
 
     torch.set_num_threads(1)

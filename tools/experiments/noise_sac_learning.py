@@ -19,7 +19,7 @@ Reward: the learner trains on the env's own reward, by default point_reach's
 ``--reward sparse``: 0/1). Success (``info["is_success"]``, the 0/1 outcome) is what every
 figure below measures. Prints a JSON summary and writes it to ``<out>/summary.json``::
 
-    python -m tools.noise_sac_learning --out /tmp/noise_sac --train-s 220 --eval-episodes 50
+    python -m tools.experiments.noise_sac_learning --out /tmp/noise_sac --train-s 220 --eval-episodes 50
 
 WHAT MADE IT LEARN (the DSRL premise: a base that already sometimes succeeds).
 - Base: 30 demos (124 transitions), 250 BC steps (lr 3e-4, batch 32): success 0.30 with
@@ -83,7 +83,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "env.state_has_target=true"]
 CHUNK = 4
 #: the learner's algo.* overrides (see the module docstring for how they were found)
@@ -138,7 +138,7 @@ def make_weak_base(out: Path, demos: Path, steps: int, *, lr: float = 3e-4, batc
 
 def evaluate(policy, episodes: int, *, seed: int = 50_000, deterministic: bool = False) -> float:
     """Success rate over ``episodes`` resets with seeds seed, seed+1, ... (whole chunks run)."""
-    from tools.learning_run import evaluate_policy
+    from tools.experiments.learning_run import evaluate_policy
     from tools.record_demos import env_config
 
     return float(np.mean(evaluate_policy(policy, env_config(ENV_O), episodes, seed=seed,
