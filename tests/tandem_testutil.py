@@ -2,6 +2,7 @@
 ``tests`` package, so ``tests.conftest`` cannot be imported by name)."""
 
 import json
+import math
 import socket
 from pathlib import Path
 
@@ -12,6 +13,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def two_proportion_z(p1: float, p0: float, n: int) -> float:
+    """Two-proportion z statistic (pooled) of p1 vs p0, n episodes each."""
+    p = (p1 + p0) / 2
+    se = math.sqrt(max(2 * p * (1 - p) / n, 1e-12))
+    return (p1 - p0) / se
 
 
 def import_blocker(blocked) -> str:
