@@ -7,7 +7,7 @@ records are all <= S. ``meta.json`` keeps the next sequence number and episode i
 restarted actor continues numbering where it stopped and resends what is pending.
 
 Removed files are recycled, up to ``spare_bytes``: an acknowledged file is renamed to
-``<n>.spare`` (a rename, where unlinking a few MB of fresh page cache costs 0.2-0.5 ms), and
+``<n>.spare`` (a rename, cheaper than unlinking a few MB of fresh page cache), and
 the next append renames a spare to its ``.tmp`` name and overwrites it in place (pages and
 blocks already allocated: a fraction of a fresh file's cost). A spare is never a pending
 batch (only ``*.msg`` files are); spares left by a killed actor are deleted at start-up.
@@ -16,7 +16,7 @@ The in-memory copies (``cache_bytes``) are recycled too: an acknowledged blob's 
 kept (within the same budget) and the next append encodes into it, once nothing else holds
 it (a zero-copy send still in flight keeps a reference: then it is let go). Blobs of a few MB
 are beyond malloc's mmap threshold, so each new one costs page faults and each freed one an
-munmap (~0.25 ms for 3 MB) on the actor's thread.
+munmap on the actor's thread.
 
 Dead letters: a batch the learner refused (``batch_rejected``: it consumed the records and
 will never store them) is copied to ``dead/`` with a ``.why.json`` naming the reason, counted

@@ -211,8 +211,8 @@ def whole_weights():
     accelerate registers its ZeRO-3 config with transformers, which then constructs every
     model inside ``deepspeed.zero.Init``: parameters are partitioned as they are made, so the
     policies' own initialisation (lerobot's and OFT's heads, LoRA) meets empty shards ("Fan in
-    and fan out can not be computed ...", seen on 2 H200s). Policies are built whole on each
-    rank instead (bf16 PI0 6.6 GB, OFT 15 GB) and ``accelerator.prepare`` partitions them.
+    and fan out can not be computed ..."). Policies are built whole on each rank instead
+    and ``accelerator.prepare`` partitions them.
     Without a ZeRO-3 config this does nothing."""
     try:
         from transformers.integrations import deepspeed as hf_ds

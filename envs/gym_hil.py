@@ -36,10 +36,9 @@ one) report them.
 Speed: gym-hil renders with a 4096 shadow map and 8x multisampling, which cost a software
 renderer dearly; ``render_quality: fast`` (default) sets the shadow map size and the
 multisample count to 0 and rebuilds the renderer (no shadows, aliased edges);
-``faithful`` keeps gym-hil's look. Measured (2 cameras, Mesa llvmpipe, shared 2-vCPU VM,
-``python -m envs.gym_hil``): fast ~10 steps/s wall / ~19 per CPU-second at 128x128 (OSMesa),
-~16 at 256x256; faithful ~1 per CPU-second; state only (``cameras: {}``) ~140. The render
-cost is almost all per-triangle work on the robot meshes, so image size matters little.
+``faithful`` keeps gym-hil's look. The render cost is mostly per-triangle work on the robot
+meshes, so image size matters little. ``python -m envs.gym_hil`` times the steps; current
+figures: docs/benchmarks.md, "Environments".
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ job: ``init_state`` fixes the arm's start and the target, whatever the seed).
 
 ``tandem/Reacher-v0`` (:func:`make_reacher_env`) -- S=10, A=2, 50 steps. Success at a step:
 the fingertip is within ``success_threshold`` metres of the target (default 0.05 m; the arm
-reaches 0.21 m and targets lie within 0.2 m of the base). Measured over 2000 episodes, a
-uniform-random policy ends within 0.05 m 6.5% of the time (0.02 m: 0.9%, 0.03 m: 2.3%).
-Reacher never terminates. It learns, but slowly for a CPU demo: SAC reached ~30-50% success
-after 3.5-7.5k steps (several minutes on one thread); :mod:`envs.pendulum` is the quick one.
+reaches 0.21 m and targets lie within 0.2 m of the base), so a random policy rarely succeeds
+(docs/learning.md gives the rate). Reacher never terminates. It is slower to learn than
+:mod:`envs.pendulum`, the demo's env.
 
 Importing this module registers the id, so ``gym.make("tandem/Reacher-v0")`` works; MuJoCo is
 imported only when an env is made, so :func:`reacher_spec` runs without it.

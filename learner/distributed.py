@@ -236,7 +236,7 @@ def gathered_trainable(policy: Any, accelerator: Any) -> dict[str, torch.Tensor]
     """The policy's trainable weights, complete on every rank that calls it. Under ZeRO-3
     each rank holds a shard: every rank must call this together (rank 0 sends CTRL_GATHER
     first); the parameters are gathered with DeepSpeed's ``GatheredParameters`` for the
-    read. Elsewhere the weights are whole already. Ran under ZeRO-3 on one H100 rank."""
+    read. Elsewhere the weights are whole already."""
     from agents.parallel import is_zero3, zero3_gathered
 
     if not is_zero3(accelerator):

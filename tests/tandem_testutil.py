@@ -2,6 +2,7 @@
 ``tests`` package, so ``tests.conftest`` cannot be imported by name)."""
 
 import json
+import math
 import socket
 from pathlib import Path
 
@@ -12,6 +13,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def two_proportion_z(p1: float, p0: float, n: int) -> float:
+    """Two-proportion z statistic (pooled) of p1 vs p0, n episodes each."""
+    p = (p1 + p0) / 2
+    se = math.sqrt(max(2 * p * (1 - p) / n, 1e-12))
+    return (p1 - p0) / se
 
 
 def import_blocker(blocked) -> str:
@@ -38,7 +46,7 @@ def blocked_loaded():
 
 
 def run_learning_demo(main, out, *, updates: int, seed: int, max_minutes: float) -> dict:
-    """A learning demo's ``main`` (tools.flow_ppo_demo, tools.oft_grpo_demo) run to ``updates``
+    """A learning demo's ``main`` (tools.experiments.flow_ppo_demo, tools.experiments.oft_grpo_demo) run to ``updates``
     updates (``max_minutes`` only bounds a stuck run; no success target stops it); prints the
     figures the verdict reads and returns the summary."""
     r = main(["--out", str(out), "--updates", str(updates), "--minutes", str(max_minutes),
@@ -49,7 +57,7 @@ def run_learning_demo(main, out, *, updates: int, seed: int, max_minutes: float)
 
 def assert_learning_run_lifts(r: dict, *, updates: int, start_max: float, margin: float,
                               min_window: int, min_start_episodes: int, after_min: float = 0.0) -> None:
-    """The learning tests' verdict on a ``tools.learning_run.run`` summary: ``updates`` were
+    """The learning tests' verdict on a ``tools.experiments.learning_run.run`` summary: ``updates`` were
     done; version 0 (the starting policy, >= ``min_start_episodes`` episodes) succeeded at most
     ``start_max``; the best window of >= ``min_window`` episodes from version 1 on succeeded at
     least ``margin`` more often and at least ``after_min``."""

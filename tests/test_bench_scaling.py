@@ -1,4 +1,4 @@
-"""The scaling benchmark (tools/bench_scaling.py) on the CPU: the tiny PI0, every parameter
+"""The scaling benchmark (tools/bench/scaling_cli.py) on the CPU: the tiny PI0, every parameter
 trained, as one process and as 2 gloo ranks (torchrun), through the matrix driver."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tools.bench.scaling_matrix import CONFIGS, command
-from tools.bench_scaling import main, parse
+from tools.bench.scaling_cli import main, parse
 
 #: a 2-rank launch that could not start here (no loopback sockets, ...), not a benchmark failure
 LAUNCH_PROBLEMS = ("DistNetworkError", "EADDRINUSE", "Address already in use", "Connection refused",

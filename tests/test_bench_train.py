@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tools.bench_train import main
+from tools.bench.train import main
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
-"""Smoke run of tools/bench_transport.py with tiny iteration counts (a few seconds)."""
+"""Smoke run of tools/bench/transport.py with tiny iteration counts (a few seconds)."""
 
 import json
 
-from tools import bench_transport
+from tools.bench import transport as bench_transport
 
 
 def test_bench_transport_json_smoke(capsys):

@@ -1,4 +1,4 @@
-"""tools/compare_lerobot: the rows computed from captured LeRobot event lines and Tandem status
+"""tools/bench/compare_lerobot: the rows computed from captured LeRobot event lines and Tandem status
 samples, the ratios' orientation, and LeRobot's pipeline config built and validated with the
 ``dataset: null`` patch (no process is started)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.compare_lerobot.analyze import (lerobot_rows, parse_events, ratios, tandem_rows,
+from tools.bench.compare_lerobot.analyze import (lerobot_rows, parse_events, ratios, tandem_rows,
                                            windowed_success_time)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ bench = pytest.mark.skipif(not os.environ.get("TANDEM_BENCH_TESTS"),
 @bench
 def test_lerobot_config_builds_and_validates_with_no_dataset(tmp_path):
     pytest.importorskip("lerobot.rl.train_rl")
-    from tools.compare_lerobot.lerobot_entry import build_config, patch_validation
+    from tools.bench.compare_lerobot.lerobot_entry import build_config, patch_validation
 
     patch_validation()
     args = argparse.Namespace(latent_dim=64, channels=8, pool_features=4, freeze_vision_encoder=1,
@@ -150,7 +150,7 @@ def test_lerobot_config_builds_and_validates_with_no_dataset(tmp_path):
 FAST_RENDER_SCRIPT = """
 import argparse, sys
 import lerobot.rl.actor as A
-from tools.compare_lerobot.lerobot_entry import build_config, fast_render
+from tools.bench.compare_lerobot.lerobot_entry import build_config, fast_render
 args = argparse.Namespace(latent_dim=64, channels=8, pool_features=4, freeze_vision_encoder=1,
                           buffer=100, learning_starts=10, hidden=[32, 32], port=50000, push_s=4.0,
                           utd=2, out=sys.argv[1], role="actor", batch=16, seed=0)

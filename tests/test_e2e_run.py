@@ -1,4 +1,4 @@
-"""tools/e2e_run.py measures a real learner + actors from outside (CPU smoke run: GRPO jobs,
+"""tools/bench/e2e_run.py measures a real learner + actors from outside (CPU smoke run: GRPO jobs,
 MLP policy, point_reach)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_e2e_run_reports_throughput_updates_and_version_lag(tmp_path):
-    from tools.e2e_run import main
+    from tools.bench.e2e_run import main
 
     out = tmp_path / "e2e"
     res = main(["--out", str(out), "--actors", "2", "--minutes", "0.2", "--sample-s", "1",

@@ -302,7 +302,7 @@ def test_view_episode_saves_an_rrd_headless(tmp_path):
 
 @pytest.mark.slow
 def test_bench_buffer_json(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_buffer.py"), "--json",
+    r = subprocess.run([sys.executable, "-m", "tools.bench.buffer", "--json",
                         "--episodes", "3", "--episode-len", "20", "--sample-iters", "2",
                         "--write-episodes", "1", "--writer-episodes", "4", "--writer-len", "8"],
                        capture_output=True, text=True, timeout=600,
@@ -319,7 +319,7 @@ def test_bench_buffer_json(tmp_path):
 def test_a_dataset_without_cameras_is_appended_by_tandem_not_by_lerobots_save_episode(
         tmp_path, monkeypatch):
     """Without cameras ``video`` changes nothing in the dataset, and lerobot's save_episode
-    (0.3-1 s an episode even without images) fell behind two reacher actors in tools/soak.py:
+    (0.3-1 s an episode even without images) fell behind two reacher actors in tools/bench/soak.py:
     the episodes waiting for it grew the learner's memory, their unacknowledged records the
     actors'. The rows are appended as for video datasets, stats on the writer thread."""
     from lerobot.datasets.dataset_writer import DatasetWriter

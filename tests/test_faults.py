@@ -1,6 +1,6 @@
 """Fault injection with real processes on loopback: SIGKILL of the learner mid-checkpoint
 and mid-weight-publish, a network partition and a delaying, jittering, lossy link
-(tools/netproxy.py: this machine has no ``sch_netem`` for ``tc netem``), a stalled actor
+(tools/bench/netproxy.py: this machine has no ``sch_netem`` for ``tc netem``), a stalled actor
 receiving weights, NaN / Inf records. Each test counts what the actors produced (their
 spools' sequence numbers) against what the LeRobot dataset holds (``actor_id``, ``actor_seq``
 columns): nothing lost, nothing twice.
@@ -134,7 +134,7 @@ PARTITION_S = float(os.environ.get("TANDEM_PARTITION_S", "30"))
 
 @process_faults
 def test_partition_then_heal_drains_the_backlog_and_a_lossy_link_keeps_versions_in_order(run):
-    from tools.netproxy import NetProxy
+    from tools.bench.netproxy import NetProxy
 
     port, pub = free_port(), free_port()
     learner = run.learner("buffer.video=false", "buffer.commit_interval_s=0.3")
@@ -205,14 +205,14 @@ BIG = "policy.hidden_dims=[1448,1448]"
 
 @process_faults
 def test_learner_sigkill_mid_weight_publish_never_loads_a_partial_snapshot(run):
-    """The weight link is thin (4 MB/s through tools/netproxy.py) and the learner publishes an
+    """The weight link is thin (4 MB/s through tools/bench/netproxy.py) and the learner publishes an
     8.4 MB snapshot after every update, so a snapshot is always on the wire; SIGKILL lands
     while one is part way out (the proxy follows the ZMTP framing: the learner's stream ends
     inside a message). The actor loads no partial or corrupt snapshot (every load verified:
     nothing refused), takes the restarted learner's complete snapshot (never a broadcast of
     the dead one after it), and every record arrives exactly once. The actor is held
     (SIGSTOP) while the learner restarts, so that it is still stepping when it comes back."""
-    from tools.netproxy import NetProxy
+    from tools.bench.netproxy import NetProxy
 
     pub = free_port()
     learner_args = [*PUBLISHING[:-1], BIG, "trainer.checkpoint_every=30"]

@@ -4,8 +4,8 @@ real learner and actor processes on loopback (CPU; issue 9, proof (c)).
 Task: ``env=point_reach`` (one task, a random target every episode, one 32x32 camera, the target
 also in the state). Policy: the tiny PI0 of :func:`tools.make_tiny_checkpoints.make_pi0` (chunk
 4, 4 Euler steps, LoRA 8 + the action heads + the noise head), 300 BC steps of its heads on 10
-scripted demos as the weak start. Recipe: :data:`tools.flow_ppo_demo.FLOW_O` (every chain starts
-at x_0 = 0, per-step std held at 0.3) and :data:`tools.flow_ppo_demo.PPO_O` (rounds of 32
+scripted demos as the weak start. Recipe: :data:`tools.experiments.flow_ppo_demo.FLOW_O` (every chain starts
+at x_0 = 0, per-step std held at 0.3) and :data:`tools.experiments.flow_ppo_demo.PPO_O` (rounds of 32
 episodes, GAE with the policy's value head, token-level clipped ratios over the chain's K x H
 Gaussians, lr 3e-4 warmed up over 5 updates, 2 epochs, episode-mean loss). The run stops at
 UPDATES updates, not at a time.
@@ -55,7 +55,7 @@ MAX_MINUTES = 50.0  # bounds a stuck run only
 
 
 def test_flow_noise_ppo_lifts_a_weak_tiny_pi0(tmp_path):
-    from tools import flow_ppo_demo
+    from tools.experiments import flow_ppo_demo
 
     r = run_learning_demo(flow_ppo_demo.main, tmp_path / "run", updates=UPDATES, seed=SEED, max_minutes=MAX_MINUTES)
     assert_learning_run_lifts(r, updates=UPDATES, start_max=START_MAX, margin=MARGIN, min_window=MIN_WINDOW,

@@ -1,10 +1,10 @@
 """Property-based fuzzing of the learner's wire against a real service on loopback
-(tools/fuzz_wire.py; `python -m tools.fuzz_wire --examples N` for a long run)."""
+(tools/bench/fuzz_wire.py; `python -m tools.bench.fuzz_wire --examples N` for a long run)."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tools.fuzz_wire import FuzzTarget, messages
+from tools.bench.fuzz_wire import FuzzTarget, messages
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +30,12 @@ def test_a_real_client_is_still_served_after_the_fuzzing(target):
 
 
 def test_each_attack_class_leaves_the_service_serving(target):
-    """tools/fuzz_attacks.py's generators, once each, against the same real service (its wire
+    """tools/bench/fuzz_attacks.py's generators, once each, against the same real service (its wire
     gate included): answered or dropped, never an unchecked exception, still serving."""
     import zmq
 
-    from tools import fuzz_attacks as A
-    from tools.fuzz_wire import HASH
+    from tools.bench import fuzz_attacks as A
+    from tools.bench.fuzz_wire import HASH
 
     ctx = zmq.Context()
     try:

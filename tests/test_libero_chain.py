@@ -24,7 +24,7 @@ import pytest
 
 from tandem_testutil import free_port
 from test_envs_libero import _assets_available
-from tools.learning_run import stop_processes
+from tools.experiments.learning_run import stop_processes
 from tools.make_tiny_checkpoints import TINY_PI0_ARCH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def _wait(procs, cond, timeout, what, logs):
 
 def test_expert_demos_sft_eval_and_two_rl_rounds_hand_over(tmp_path):
     from tools import sft
-    from tools.learning_run import version_success
+    from tools.experiments.learning_run import version_success
     from tools.record_demos import env_config, record_demos
 
     # 1. the expert's demos, from sampled placements (none of the evaluation states)

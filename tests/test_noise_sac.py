@@ -4,10 +4,8 @@ and the served noise against the stored ``extra.noise`` through the real learner
 Model: a tiny, architecturally faithful PI0 (tools/make_tiny_checkpoints.make_pi0), chunk 4,
 on point_reach's spec (state 4, action 2, one 32x32 camera, an instruction).
 
-No learning test yet: noise-space SAC does not reliably improve the weak base within the
-CPU budget (figures and diagnosis in tools/noise_sac_learning.py's docstring: the base is
-steerable, best-of-8 noise 0.45 vs 0.05; through the processes 0.10 -> 0.25 sampled on 40
-episodes after 325 online ones, not significant). The feature cache is tested here.
+The learning run is tests/test_noise_sac_learning.py (gated: several minutes; its tool
+tools/experiments/sac_learning.py). The feature cache is tested here.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ on loopback (CPU; issue 10, proof (b)).
 Task: ``env=point_reach`` (one task, a random target every episode, one 32x32 camera, the
 target also in the state; 0/1 outcome). Base: a tiny, architecturally faithful PI0 (chunk 4)
 fitted by 250 flow-matching BC steps on 30 scripted demos
-(:func:`tools.noise_sac_learning.make_weak_base`): deliberately stopped early, it succeeds
+(:func:`tools.experiments.sac_learning.make_weak_base`, ``variant="noise"``): deliberately stopped early, it succeeds
 ~0.3 with N(0, I) noise, where best-of-8 noises reach ~0.75 (the DSRL premise: the noise can
 steer it). Then ``python -m learner algo=sac_noise policy=pi0`` with the
 frozen base and two ``python -m actor`` processes for 400 online episodes,
@@ -27,11 +27,12 @@ one actor, 250 episodes, load ~1.5 took 256 s and reached 0.54).
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 import pytest
+
+from tandem_testutil import two_proportion_z as _z
 
 # about 5 minutes on 2 quiet cores, which the README's test command (~20 min) cannot carry:
 # run it with TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q tests/test_noise_sac_learning.py
@@ -45,13 +46,6 @@ MARGIN = 0.2
 EPISODES = 400
 
 
-def _z(p1: float, p0: float, n: int) -> float:
-    """Two-proportion z statistic (pooled) of p1 vs p0, n episodes each."""
-    p = (p1 + p0) / 2
-    se = math.sqrt(max(2 * p * (1 - p) / n, 1e-12))
-    return (p1 - p0) / se
-
-
 def test_noise_sac_lifts_a_weak_pi0(tmp_path: Path):
     import time
 
@@ -59,8 +53,7 @@ def test_noise_sac_lifts_a_weak_pi0(tmp_path: Path):
 
     from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
     from envs.registry import env_spec
-    from tools.noise_sac_learning import (ALGO_O, CHUNK, ENV_O, evaluate, make_weak_base, train,
-                                          trained_policy)
+    from tools.experiments.sac_learning import ALGO_O, CHUNK, ENV_O, evaluate, make_weak_base, train, trained_policy
     from tools.record_demos import env_config, record_demos
 
     torch.set_num_threads(1)
@@ -68,19 +61,20 @@ def test_noise_sac_lifts_a_weak_pi0(tmp_path: Path):
     demos = tmp_path / "demos"
     record_demos(env_config(ENV_O), demos, 30, seed=1000)
     demos_s = time.monotonic() - t0
-    base = make_weak_base(tmp_path, demos, 250)
+    base = make_weak_base("noise", tmp_path, demos, 250)
     spec = env_spec(env_config(ENV_O))
-    frozen = Pi0Policy(Pi0PolicyConfig(checkpoint=str(base), chunk_size=CHUNK, lora_rank=0, device="cpu"),
+    frozen = Pi0Policy(Pi0PolicyConfig(checkpoint=str(base.ckpt), chunk_size=CHUNK, lora_rank=0, device="cpu"),
                        spec).eval()
     before = evaluate(frozen, EVAL_EPISODES)
     setup_s = time.monotonic() - t0
 
     # stop at a number of episodes, not a time: under load (the suite beside it) the same
     # learning takes longer; the time cap only bounds a stuck run
-    res = train(tmp_path, base, 480.0, ALGO_O, "dense", episodes=EPISODES, poll_s=2.0, actors=2)
+    res = train("noise", tmp_path, base, ALGO_O["noise"], "dense", episodes=EPISODES, max_s=480.0, poll_s=2.0,
+                actors=2)
     run_dir = Path(res["run_dir"])
     assert "Traceback" not in (run_dir / "learner.log").read_text()
-    policy, fresh, ckpt = trained_policy(base, run_dir, ALGO_O)
+    policy, fresh, ckpt = trained_policy("noise", base, run_dir, ALGO_O["noise"])
     t1 = time.monotonic()
     after = evaluate(policy, EVAL_EPISODES, deterministic=True)
     policy.load_trainable_state_dict(fresh)

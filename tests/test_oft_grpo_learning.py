@@ -4,7 +4,7 @@ outcome, through the real learner and actor processes on loopback (CPU; issue 9,
 Task: ``env=point_reach`` (one task, a random target every episode, one 32x32 camera, the
 target also in the state). Policy: the tiny OFT of :func:`tools.make_tiny_checkpoints.make_openvla_oft`
 (chunk 4 x 2 action tokens, LoRA 8 + the LM head and proprio projector), 300 SFT steps on 10
-scripted demos as the weak start. Recipe: :data:`tools.oft_grpo_demo.ALGO_O` (groups of 8, 4
+scripted demos as the weak start. Recipe: :data:`tools.experiments.oft_grpo_demo.ALGO_O` (groups of 8, 4
 groups per update, token-level clipped ratios, lr 3e-4, 2 epochs, episode-mean loss). The run
 stops at UPDATES updates, not at a time (the minutes only bound a stuck run), so a loaded
 machine takes longer but measures the same thing.
@@ -56,7 +56,7 @@ MAX_MINUTES = 45.0  # bounds a stuck run only
 
 
 def test_grpo_lifts_a_weak_tiny_oft(tmp_path):
-    from tools import oft_grpo_demo
+    from tools.experiments import oft_grpo_demo
 
     r = run_learning_demo(oft_grpo_demo.main, tmp_path / "run", updates=UPDATES, seed=SEED, max_minutes=MAX_MINUTES)
     assert_learning_run_lifts(r, updates=UPDATES, start_max=START_MAX, margin=MARGIN, min_window=MIN_WINDOW,

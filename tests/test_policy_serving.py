@@ -1,5 +1,5 @@
 """The VLA policies inside the learner's batched inference, over real loopback sockets, and the
-CPU smoke run of tools/bench_policy.py."""
+CPU smoke run of tools/bench/policy.py."""
 
 import json
 
@@ -18,7 +18,7 @@ from learner.inference import InferenceServer
 from learner.ingest import Ingest
 from learner.service import LearnerService
 from learner.weights import WeightPublisher
-from tools import bench_policy
+from tools.bench import policy as bench_policy
 from tools.make_tiny_checkpoints import make_openvla_oft, make_pi0
 
 SPEC = EnvSpec(state_dim=8, action_dim=7, cameras={"image": (32, 32, 3), "wrist_image": (32, 32, 3)}, has_task=True)

@@ -6,7 +6,6 @@ there within the time limit, and that episodes, rounds and versions add up."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 from tandem_testutil import ROOT, free_port
+from tools.experiments.learning_run import read_status, stop_processes, version_success
 
 pytestmark = pytest.mark.slow
 
@@ -55,24 +55,13 @@ class Procs:
                           "log_every_s=5", *over)
 
     def status(self) -> dict:
-        try:
-            return json.loads((self.dir / "status.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
+        return read_status(self.dir)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.log.name}\n{p.log.read_text()[-3000:]}" for p in self.procs)
 
     def stop_all(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, 20)
 
 
 @pytest.fixture
@@ -80,19 +69,6 @@ def procs(tmp_path):
     p = Procs(tmp_path, "env=inverted_pendulum", "policy=mlp", "policy.chunk_size=1")
     yield p
     p.stop_all()
-
-
-def version_success(dataset: Path) -> dict[int, list[bool]]:
-    """Outcomes of the stored episodes by the newest policy version that acted in them."""
-    from data.store import read_episodes
-
-    out: dict[int, list[bool]] = {}
-    for ep in read_episodes(dataset):
-        c = ep.columns
-        steps = ~np.asarray(c["is_last"]).astype(bool)
-        v = int(np.asarray(c["policy_version"])[steps].max())
-        out.setdefault(v, []).append(bool(np.asarray(c["next.success"])[-1]))
-    return out
 
 
 def test_ppo_learns_the_pendulum_from_a_random_policy(procs):

@@ -30,7 +30,7 @@ ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "en
 def ckpt(tmp_path_factory):
     from envs.registry import env_spec
     from tools.make_tiny_checkpoints import make_openvla_oft
-    from tools.oft_grpo_demo import env_ranged_stats
+    from tools.experiments.oft_grpo_demo import env_ranged_stats
     from tools.record_demos import env_config
 
     spec = env_spec(env_config(ENV_O))

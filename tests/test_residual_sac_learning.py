@@ -3,8 +3,8 @@ and actor processes on loopback (CPU; issue 10, proof (c)).
 
 Task: ``env=point_reach`` (one task, a random target every episode, one 32x32 camera, the
 target also in the state; 0/1 outcome). Base: a tiny, architecturally faithful OFT (chunk
-4 x 2) fitted by 80 L1 steps on 10 scripted demos (:func:`tools.residual_sac_learning.
-make_weak_base`): deliberately stopped early, it succeeds ~0.34. Then ``python -m learner
+4 x 2) fitted by 80 L1 steps on 10 scripted demos (:func:`tools.experiments.sac_learning.
+make_weak_base`, ``variant="residual"``): deliberately stopped early, it succeeds ~0.34. Then ``python -m learner
 algo=sac_residual policy=openvla_oft policy.init_trainable=<base>`` with the
 frozen base and two ``python -m actor`` processes until EPISODES online episodes, trained on
 the env's own dense reward (1 on success, else minus the distance); the outcome measured is
@@ -19,17 +19,17 @@ Figures are printed (``pytest -s``). Measured, 2-core CPU shared with other help
 vs each), 626 online episodes, 217 updates, 11,167 env steps, 262 s of training, 444 s in all;
 the online success window 0.3-0.45 over the first ~200 episodes, 0.55-0.85 after ~290. A
 second run (load 12-13.5): 0.34 -> 0.68 (z 3.4), 607 episodes, 230 updates, 206 s of
-training, 357 s in all. More
-figures: the tool's docstring (tools/residual_sac_learning.py).
+training, 357 s in all. More figures: docs/learning.md.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 import pytest
+
+from tandem_testutil import two_proportion_z as _z
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
@@ -41,37 +41,29 @@ MARGIN = 0.2
 EPISODES = 600
 
 
-def _z(p1: float, p0: float, n: int) -> float:
-    """Two-proportion z statistic (pooled) of p1 vs p0, n episodes each."""
-    p = (p1 + p0) / 2
-    se = math.sqrt(max(2 * p * (1 - p) / n, 1e-12))
-    return (p1 - p0) / se
-
-
 def test_residual_sac_lifts_a_weak_oft(tmp_path: Path):
     import time
 
     import torch
 
-    from tools.noise_sac_learning import evaluate
+    from tools.experiments.sac_learning import ALGO_O, ENV_O, evaluate, make_weak_base, sac_policy, train, trained_policy
     from tools.record_demos import env_config, record_demos
-    from tools.residual_sac_learning import (ALGO_O, ENV_O, make_weak_base, residual_policy, train,
-                                             trained_policy)
 
     torch.set_num_threads(1)
     t0 = time.monotonic()
     demos = tmp_path / "demos"
     record_demos(env_config(ENV_O), demos, 10, seed=1000)
-    ckpt, init = make_weak_base(tmp_path, demos, 80)
-    fresh = residual_policy(ckpt, init, ALGO_O)
+    base = make_weak_base("residual", tmp_path, demos, 80)
+    fresh = sac_policy("residual", base, ALGO_O["residual"])
     before = evaluate(fresh.base, EVAL_EPISODES, deterministic=True)
     control = evaluate(fresh, EVAL_EPISODES, deterministic=True)
     setup_s = time.monotonic() - t0
 
-    res = train(tmp_path, ckpt, init, ALGO_O, "dense", episodes=EPISODES, max_s=900.0, poll_s=2.0, actors=2)
+    res = train("residual", tmp_path, base, ALGO_O["residual"], "dense", episodes=EPISODES, max_s=900.0, poll_s=2.0,
+                actors=2)
     run_dir = Path(res["run_dir"])
     assert "Traceback" not in (run_dir / "learner.log").read_text()
-    policy, _, path = trained_policy(ckpt, init, run_dir, ALGO_O)
+    policy, _, path = trained_policy("residual", base, run_dir, ALGO_O["residual"])
     after = evaluate(policy, EVAL_EPISODES, deterministic=True)
     st = res["status"]
     trace = sorted({(t["episodes"], t["success_window"]) for t in res["trace"]}, key=lambda x: x[0] or 0)

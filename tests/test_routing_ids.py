@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tools.fuzz_attacks import routing_ids
+from tools.bench.fuzz_attacks import routing_ids
 
 BARE_ROUTER = """
 import zmq

@@ -1,7 +1,7 @@
 """Rejection sampling through the real learner and actor processes on loopback (CPU), on
 ``env=point_reach_vl``: both targets drawn, the instruction says which, the state holds only
 the agent's position, reaching takes >= 8 steps. Policy, demos and cycle settings are those of
-the pre-registered runs (:mod:`tools.rs_vl_learning`: the MLP with a CNN and an instruction
+the pre-registered runs (:mod:`tools.experiments.rs_vl_learning`: the MLP with a CNN and an instruction
 encoder, 10 scripted demos, 150 pretraining BC steps, 800 env steps -> 300 BC steps per cycle),
 cut to two cycles to fit the suite.
 
@@ -24,9 +24,7 @@ in 4 steps, at a bar inside its own demos-only control's range.)
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,7 +33,8 @@ from pathlib import Path
 import pytest
 
 from tandem_testutil import ROOT, free_port
-from tools.rs_vl_learning import ALGO_O, ENV_O, POLICY_O
+from tools.experiments.learning_run import read_status, rs_history, stop_processes
+from tools.experiments.rs_vl_learning import ALGO_O, ENV_O, POLICY_O
 
 pytestmark = pytest.mark.slow
 
@@ -76,13 +75,10 @@ class RSRun:
                                      *extra], "actor.log")
 
     def status(self) -> dict:
-        try:
-            return json.loads((self.dir / "status.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
+        return read_status(self.dir)
 
     def history(self) -> list[dict]:
-        return self.status().get("replay", {}).get("rs", {}).get("history", [])
+        return rs_history(self.status())
 
     def wait_evals(self, n: int, timeout: float, done=lambda hist: False) -> list[dict]:
         """Wait for ``n`` evaluations (or ``timeout``), or until ``done(history)`` holds."""
@@ -95,15 +91,7 @@ class RSRun:
         return self.history()
 
     def stop(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, 60)
         self.wall_s = time.monotonic() - self.t0
 
     def report(self, label: str) -> str:
@@ -121,7 +109,7 @@ class RSRun:
 
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory):
-    from tools.rs_vl_learning import prepare
+    from tools.experiments.rs_vl_learning import prepare
 
     return prepare(tmp_path_factory.mktemp("rs"))
 

@@ -6,7 +6,7 @@ target also in the state; 0/1 outcome). Policy: a tiny, architecturally faithful
 (:func:`tools.make_tiny_checkpoints.make_pi0`, random weights, chunk 4, LoRA rank 4 plus the
 trained heads, 5 Euler steps per served chunk). Demos: 5 scripted expert episodes (15
 transitions); ``algo.pretrain_steps=100`` BC steps on them make the deliberately weak start
-(the baseline version). Settings: :data:`tools.rs_pi0_learning.ALGO_O` (100 BC steps per 300
+(the baseline version). Settings: :data:`tools.experiments.rs_pi0_learning.ALGO_O` (100 BC steps per 300
 online env steps, batch 64, lr 1e-3, 50% demos, 30 deterministic evaluation episodes per
 version on fixed init states). Both runs go at the same time and stop at a number of
 evaluated cycles, not at a time: under load the same learning takes longer (the time cap
@@ -26,7 +26,7 @@ runs together 22 min 41 s, 1,361 s):
   updates, 1,245 s;
   run 2: 0.07 -> 0.63, 0.80, 0.80, 0.83; 50 corrected episodes, 216 corrected steps, all 216
   in the success store; 774 online episodes, 1,161 s.
-Earlier tool runs (python -m tools.rs_pi0_learning, 20 evaluation episodes): plain 0.05 ->
+Earlier tool runs (python -m tools.experiments.rs_pi0_learning, 20 evaluation episodes): plain 0.05 ->
 0.20, 0.25, 0.65, 0.60, 0.55, 0.50 (10 Euler steps, load 1-10, 747 s, 457 episodes); 0.05 ->
 0.30, 0.50 (5 steps); with 25 corrected episodes (~105 steps) 0.05 -> 0.60, 0.60 (10 steps)
 and 0.10 -> 0.40, 0.30, 0.50, 0.45 (5 steps): 25 corrections were not always enough to show
@@ -72,7 +72,7 @@ def runs(tmp_path_factory):
     take on quiet cores, and less on a loaded machine."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tools.rs_pi0_learning import prepare, run
+    from tools.experiments.rs_pi0_learning import prepare, run
 
     out = tmp_path_factory.mktemp("rs_pi0")
     demos, ckpt = prepare(out, 5)

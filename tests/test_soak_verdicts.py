@@ -1,8 +1,8 @@
-"""tools/soak.py's verdicts: only growth beyond the tolerance fails a soak line."""
+"""tools/bench/soak.py's verdicts: only growth beyond the tolerance fails a soak line."""
 
 import numpy as np
 
-from tools.soak import LINES, verdicts
+from tools.bench.soak import LINES, verdicts
 
 
 def rows(series: dict[str, np.ndarray], t: np.ndarray) -> list[dict]:

@@ -4,7 +4,7 @@ not grow. No wall-clock speed assert: the burst is paced at 3x the capacity of t
 before the pool encoder (``encoder="lerobot"``), measured in the same test on this machine;
 a writer no faster than that one would fall behind by 2/3 of an episode's cost per episode
 (a lag growing by ~30 episode costs over the burst). The test asserts on the lag trend and
-counters; speed figures live in ``tools/bench_buffer.py`` (``writer_ratio``)."""
+counters; speed figures live in ``tools/bench/buffer.py`` (``writer_ratio``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 same 100 scripted demos and 1,000 BC steps, a policy that sees the state alone succeeds on
 the held-out episodes at most as often as chance allows (<= 0.25), one that also sees the
 image and reads the instruction at least 0.5 and at least 0.3 more often. One seed (0);
-``python -m tools.vl_control`` runs more."""
+``python -m tools.experiments.vl_control`` runs more."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ GAP = 0.3
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from tools.vl_control import bc_held_out, torch_threads
+    from tools.experiments.vl_control import bc_held_out, torch_threads
 
     torch_threads(1)
     out = tmp_path_factory.mktemp("vl_control")

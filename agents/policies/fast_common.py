@@ -100,10 +100,9 @@ SDPA_ORDER = ("efficient", "flash", "cudnn", "math")
 @contextlib.contextmanager
 def gpu_kernels(cuda: bool, order: tuple[str, ...] = SDPA_ORDER):
     """On a GPU: TF32 matmuls and convolutions (lerobot keeps SigLIP and the projector in
-    float32; plain fp32 GEMMs were 26 of 69 ms of a PI0 call on an H100, and TF32 keeps more
-    mantissa than the bf16 the rest of the model runs in), and SDPA's memory-efficient kernel
-    first (cuDNN's took 65 us per denoising-step attention of 51 queries), or ``order``. Restored
-    after."""
+    float32, a large share of a PI0 call in plain fp32 GEMMs; TF32 keeps more mantissa than the
+    bf16 the rest of the model runs in), and SDPA's memory-efficient kernel first (faster than
+    cuDNN's on a denoising step's few queries), or ``order``. Restored after."""
     if not cuda:
         yield
         return

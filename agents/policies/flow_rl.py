@@ -54,19 +54,10 @@ trained parameters, no second model.
 The weights sync to actors (``trainable_state_dict``) adds the noise head (``flow_rl.noise.*``);
 the value head stays on the learner.
 
-Measured (``python -m tools.flow_ppo_demo``: tiny PI0, chunk 4, K = 4, LoRA 4, point_reach with a
-camera + the target in the state, BC on 5 scripted demos, 2 actors; docs/learning.md). With
-lerobot's x_0 ~ N(0, I) start, ~30 updates of ~40 episodes stayed flat; with rounds of 16
-episodes, the episode-mean loss and ~100 updates the runs rose slowly (200-episode windows
-0.12-0.19 -> 0.25-0.32). With ``init_noise_scale: 0`` (above) and a per-step std held at 0.15,
-ten runs side by side on a 16-core box rose 0.03 -> 0.27 (lr 3e-4) and 0.11 -> 0.30
-(REINFORCE++) in ~65 updates, ~1,000 episodes; the learned std within [0.1, 0.5] rose 0.14 ->
-0.30 at lr 1e-4 and stayed at 0.04-0.10 at 3e-4 (why was not checked). At std 0.15 a weak
-policy's outcome hardly depends on its sampled chain (success 0.22 sampled vs 0.16 with no
-noise), so the advantages carry little about the action; held at 0.3, with LoRA 8, rounds of 32
-episodes and 10 demos, the 2-core learning test went 0.31 -> 0.66 in 45 updates (1,472 episodes;
-0.55 before chunks cut short trained on their executed actions) and 5 of 12 seeds on the box
-rose by >= 0.15 in 24-50 updates (before that change).
+The recipe that learns on a tiny PI0 (chains from x_0 = 0, a step std held at 0.3, LoRA 8) is
+``python -m tools.experiments.flow_ppo_demo``'s; with a small step std a weak policy's outcome
+hardly depends on its sampled chain, so the advantages say little about the action. Results:
+docs/learning.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 same modules and weights, one CUDA graph per served batch size.
 
 Why: one OFT act is a single parallel-decoding forward of Llama-2-7B over ~600 tokens plus two
-ViTs (a few TFLOP, a few ms of H100 arithmetic); eager PyTorch spends most of a batch-1 call
+ViTs (a few TFLOP, a few ms of GPU arithmetic); eager PyTorch spends most of a batch-1 call
 launching ~3000 kernels from Python, and the eager path syncs with the host (``int(mask.sum())``,
 boolean indexing of the action positions).
 
@@ -28,7 +28,7 @@ Llama decoder layers, heads), so loaded checkpoints and LoRA folding apply uncha
 With ``policy.fast_compile`` (``auto``: on a GPU) the LM layer stack runs through
 ``torch.compile`` inside the graphs, the batch (>= 2) and the token length symbolic
 (:mod:`agents.policies.fast_common`): one compile for batch 1 and one for every other bucket and
-prompt length (H100: act 25.8 -> 20.1 ms, 8 actors 53% -> 66% of the bf16 matmul peak).
+prompt length. What each path costs: docs/benchmarks.md, "VLA serving".
 ``OpenVLAOFTPolicy.warm_up`` compiles and captures ``fast_warmup_buckets`` before serving.
 
 The result equals the policy's eager ``act`` on the same inputs: to float32 round-off on a CPU

@@ -1,10 +1,11 @@
 """The fast serving path for lerobot's PI0 / PI0.5: the same modules and weights, run as one
 CUDA graph per served batch size.
 
-Why: lerobot's ``sample_actions`` is launch- and host-bound at batch 1 (about 4 TFLOP a call,
-5 ms of H100 arithmetic, 200+ ms measured). Each of its 10 denoising steps clones the prefix
-KV cache of every layer, builds masks from Python lists (a blocking host-to-device copy per
-step) and runs eager attention; the GPU idles between thousands of small launches.
+Why: lerobot's ``sample_actions`` is launch- and host-bound at batch 1 (a few TFLOP a call:
+milliseconds of GPU arithmetic in a call many times longer). Each of its 10 denoising steps
+clones the prefix KV cache of every layer, builds masks from Python lists (a blocking
+host-to-device copy per step) and runs eager attention; the GPU idles between thousands of small
+launches.
 
 What this does instead, with lerobot's own layer modules (attention, MLPs, AdaRMS norms,
 rotary embeddings, projections), so loaded checkpoints and LoRA folding apply unchanged:
@@ -17,8 +18,7 @@ rotary embeddings, projections), so loaded checkpoints and LoRA folding apply un
   dtype (a boolean mask would turn fully padded prompt rows into NaN), except where few queries
   meet many keys (a denoising step's 51 queries against the prefix): there :func:`mqa_attention`
   runs all heads that share a key/value head as one GEMM (Gemma's 8 query heads share 1), which
-  the memory-efficient kernel ran as 16 thread blocks on a 132-SM GPU (39 us a call, 7.7 of
-  30 ms of a compiled PI0 call on an H100);
+  the memory-efficient kernel runs as a few thread blocks, most of a large GPU's SMs idle;
 - the cameras go through SigLIP in one batch when their shapes match;
 - on a GPU the whole call (prefix + every Euler step) is captured once per batch size in
   ``buckets`` into a CUDA graph over static input buffers, after warm-up; a request is padded

@@ -22,24 +22,10 @@ sees the padded copies of the last action). A window is admitted by its first st
 window starting at a person's step of a failed episode may carry policy steps after the
 person let go.
 
-Measured (real learner + actor processes, one actor, shared 2-core CPU, ``env=point_reach``
-with one task and a random target, 5 scripted demos from tools/record_demos.py; success of
-the deterministic evaluation jobs, baseline = the pretrained version):
-
-- MLP 64x64, state-only, 30 pretrain steps, std bounds [e^-3, e^-1], lr 3e-3, 20% demos
-  (what tests/test_rs_learning.py ran before it moved to ``env=point_reach_vl``, where the
-  target is not in the state; the registered comparison there with its demos-only control is
-  tools/rs_vl_learning.py, figures in docs/learning.md): 0.00 -> 0.50 after 4 cycles (173 online episodes, 117 s);
-  demos-only control (an in-process replica of the cycle, online data unused, 4 seeds): best
-  0.15-0.35 where rejection sampling reached 0.25-0.50; with the scripted expert correcting
-  the first 25 episodes 0.00 -> 0.85 after two cycles. (With std bounds [e^-5, e^-1.5], lr
-  1e-3 and 50% demos it reached only the demos-only level, 0.25, on CI.)
-- tiny PI0 (tools/make_tiny_checkpoints.make_pi0, chunk 4, LoRA 4; camera + state), 100
-  pretrain steps, 100 BC steps per 300 env steps, 10 evaluation episodes: 0.0 -> 0.7 after
-  7 cycles (250 s, 477 online episodes); demos-only control stays at 0.0-0.1. The gated test
-  tests/test_rs_pi0_learning.py (python -m tools.rs_pi0_learning; 30 evaluation episodes, 5
-  Euler steps): 0.13 -> best 0.63 after 4 cycles (565 episodes); with the scripted expert
-  correcting the first 50 episodes 0.07 -> 0.63 after one cycle, 0.83 after 4 (load 8-13).
+What it has learned (the MLP and a tiny PI0 on ``env=point_reach``, with and without the
+scripted expert's corrections, and the pre-registered ``point_reach_vl`` runs against a
+demos-only control): docs/learning.md, with the commands (tools/experiments/rs_pi0_learning.py,
+tools/experiments/rs_vl_learning.py).
 """
 
 from __future__ import annotations

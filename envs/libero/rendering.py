@@ -6,11 +6,9 @@ with the image size instead, and with ``render_quality="fast"`` without multisam
 :func:`tune_renderer` then turns off floor reflections and shadows for ``fast``. ``faithful``
 keeps LIBERO's look (pixel-identical to LIBERO's own renders).
 
-Cost (2 cameras, Mesa llvmpipe on a shared 2-vCPU VM; ``python -m envs.libero`` measures
-it): ``faithful`` ~2.4 steps/s wall, ~5 steps per CPU-second at 128x128 with OSMesa;
-``fast`` ~8 wall / ~13 per CPU-second; physics alone ~20 wall / ~42 per CPU-second.
-256x256 is only 10-25% slower (software rendering cost here is mostly per triangle, not per
-pixel). OSMesa is faster than EGL (llvmpipe) here, so ``gl: auto`` prefers it.
+Software rendering cost is mostly per triangle, not per pixel, so ``fast`` gains more than a
+smaller image does; OSMesa is faster than EGL's llvmpipe, so ``gl: auto`` prefers it.
+``python -m envs.libero`` times the steps; current figures: docs/benchmarks.md, "Environments".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tandem's replay buffer and episode store side by side with lerobot's RL ReplayBuffer.
 
-    python tools/bench_buffer.py                  # figures and ratios
-    python tools/bench_buffer.py --json           # one JSON object (memory_ratio, sample_ratio, ...)
+    python -m tools.bench.buffer                  # figures and ratios
+    python -m tools.bench.buffer --json           # one JSON object (memory_ratio, sample_ratio, ...)
 
 Both are fed the same transitions: 2 cameras 128x128 + state (8) + action (4), episodes of
 ``--episode-len`` steps ending in truncation, camera-like images (smooth scene, moving

@@ -50,7 +50,7 @@ from pathlib import Path
 from tools.bench.common import ROOT, emit_json, quiet_logging
 from tools.bench.fleet_report import compare, plot, summarize, verdict
 from tools.bench.procstat import cpu_delta, label_cpu, task_cpu, thread_cpu
-from tools.learning_run import stop_processes
+from tools.experiments.learning_run import stop_processes
 
 STATE_DIM, ACTION_DIM = 8, 7
 CAMERAS = {"front": [224, 224, 3], "wrist": [224, 224, 3]}

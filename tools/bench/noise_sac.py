@@ -1,4 +1,4 @@
-"""``tools.bench_train --cases pi0_noise_sac``: one noise-space SAC update (DSRL,
+"""``tools.bench.train --cases pi0_noise_sac``: one noise-space SAC update (DSRL,
 :mod:`agents.sac.noise`) with PI0 frozen, at ``--batch`` chunk windows.
 
 Reported (p50 over ``--iters``):

@@ -34,9 +34,9 @@ then more (up to ``--max-iters`` / ``--max-seconds``) until the 95% interval of 
 GPU's clocks, power and the other processes on it, read before and after each policy
 (``nvidia-smi``; null on the CPU).
 
-    python -m tools.bench_policy                    # GPU, full size, human-readable
-    python -m tools.bench_policy --json out.json    # also write every figure as JSON
-    python -m tools.bench_policy --tiny --device cpu --actors 1,2 --seconds 2   # CPU smoke
+    python -m tools.bench.policy                    # GPU, full size, human-readable
+    python -m tools.bench.policy --json out.json    # also write every figure as JSON
+    python -m tools.bench.policy --tiny --device cpu --actors 1,2 --seconds 2   # CPU smoke
 
 Imports only torch, transformers, safetensors, tokenizers, timm, peft, lerobot (PI0 modules
 alone when lerobot's data stack is absent), pyzmq, msgpack, gymnasium.

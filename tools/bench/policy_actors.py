@@ -1,5 +1,5 @@
 """Actor processes of the VLA serving bench: each runs the real ``actor.client.LearnerClient``
-in a closed act loop (``python -m tools.bench_policy --client ...``), started together."""
+in a closed act loop (``python -m tools.bench.policy --client ...``), started together."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def run_actors(n: int, port: int, seconds: float, state_dim: int, cams: dict, co
     of the inference server gives the mean batch size over the timed window."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "tools.bench_policy", "--client", "--port", str(port), "--actor-id", f"bench{i}",
+        [sys.executable, "-m", "tools.bench.policy", "--client", "--port", str(port), "--actor-id", f"bench{i}",
          "--seconds", str(seconds), "--state-dim", str(state_dim), "--cams", json.dumps(cams), "--seed", str(i)],
         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(n)]
     for p in procs:

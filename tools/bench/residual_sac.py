@@ -1,4 +1,4 @@
-"""``tools.bench_train --cases oft_residual_sac``: one residual-SAC update (PLD style,
+"""``tools.bench.train --cases oft_residual_sac``: one residual-SAC update (PLD style,
 :mod:`agents.sac.residual`) with OpenVLA-OFT (L1 head) frozen, at ``--batch`` chunk windows.
 
 Reported (p50 over ``--iters``):

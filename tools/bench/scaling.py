@@ -1,4 +1,4 @@
-"""One run of the scaling benchmark (:mod:`tools.bench_scaling`), on every rank of a launch.
+"""One run of the scaling benchmark (:mod:`tools.bench.scaling_cli`), on every rank of a launch.
 
 Each rank builds the whole policy (random bf16 weights at full size, as
 :mod:`tools.bench.policy` does; the tiny test checkpoints with ``--tiny``), puts its BC loss

@@ -1,4 +1,4 @@
-"""The scaling benchmark's matrix (``python -m tools.bench_scaling --matrix``): one launch per
+"""The scaling benchmark's matrix (``python -m tools.bench.scaling_cli --matrix``): one launch per
 case x configuration, each a subprocess (``accelerate launch`` on GPUs; plain python or
 ``torchrun`` with gloo on the CPU), then a table with samples/s relative to the case's 1-GPU
 row and the scaling efficiency samples/s(N) / (N x samples/s(1)). Writes
@@ -34,7 +34,7 @@ def command(args, case: str, config: str, port: int, out_json: Path) -> list[str
     """The launch of one run (a list for subprocess)."""
     n, zero = CONFIGS[config]
     micro = args.micro_batch or default_micro(case, args.tiny)
-    bench = ["-m", "tools.bench_scaling", "--case", case, "--global-batch", str(args.global_batch),
+    bench = ["-m", "tools.bench.scaling_cli", "--case", case, "--global-batch", str(args.global_batch),
              "--micro-batch", str(micro), "--warmup", str(args.warmup), "--steps", str(args.steps),
              "--lr", str(args.lr), "--image-size", str(args.image_size), "--timeout-s", str(args.timeout_s),
              "--json", str(out_json), "--verbose"]

@@ -38,10 +38,10 @@ cProfile sees every thread; client process: its own profile).
 
 Usage::
 
-    python tools/bench_transport.py                 # human-readable report
-    python tools/bench_transport.py --json          # exactly one JSON object on stdout
-    python tools/bench_transport.py --profile --act-rounds 3 --ingest-rounds 3
-    python tools/bench_transport.py --quick --json  # a few seconds (smoke; rough figures)
+    python -m tools.bench.transport                 # human-readable report
+    python -m tools.bench.transport --json          # exactly one JSON object on stdout
+    python -m tools.bench.transport --profile --act-rounds 3 --ingest-rounds 3
+    python -m tools.bench.transport --quick --json  # a few seconds (smoke; rough figures)
 
 Intervals: ``act_*_p50_ci`` is the 95% interval of each p50 over every call (order statistics),
 ``act_overhead_ratio_ci95`` a bootstrap interval of the ratio; ingest's are over rounds (one

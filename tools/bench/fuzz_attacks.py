@@ -1,6 +1,6 @@
 """Attacks by class on a learner's wire, as a hostile client sends them (issue 24): each
 generator sends one class of crafted traffic to ``host:port`` over loopback and returns how
-many messages (or connections) it sent. :mod:`tools.fuzz_live` runs them for minutes against a
+many messages (or connections) it sent. :mod:`tools.bench.fuzz_live` runs them for minutes against a
 live learner with a real actor attached; the tests run each once.
 
 - :func:`routing_ids`: connections holding ZMQ routing ids of the form libzmq generates

@@ -23,7 +23,7 @@ a sender whose stream ends part way through a message (it was killed mid-send) c
 ZeroMQ socket drops such a message, and a test can assert that the cut really happened.
 :meth:`NetProxy.mid_message` tells whether a sender is part way through a message now.
 
-    python -m tools.netproxy --listen 6000 --to 5588 --delay-ms 50 --jitter-ms 20 --loss 0.05
+    python -m tools.bench.netproxy --listen 6000 --to 5588 --delay-ms 50 --jitter-ms 20 --loss 0.05
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """LeRobot's HIL-SERL and Tandem on the same gym-hil task, one after the other, on this machine.
 
-    python -m tools.compare_lerobot --out runs/cmp --seconds 420
+    python -m tools.bench.compare_lerobot --out runs/cmp --seconds 420
 
 Each system runs its own learner and one actor as separate processes on 127.0.0.1 (LeRobot:
-:mod:`tools.compare_lerobot.lerobot_entry` around ``lerobot.rl.learner`` / ``lerobot.rl.actor``
+:mod:`tools.bench.compare_lerobot.lerobot_entry` around ``lerobot.rl.learner`` / ``lerobot.rl.actor``
 over gRPC; Tandem: ``python -m learner`` / ``python -m actor`` over ZMQ, the actor in local mode
 with its own policy copy, as LeRobot's actor, and ``algo.critic_encoder=shared``), the same task
 (gym-hil PandaPickCube, front + wrist 128x128 cameras + 18-D state, 4-D action, 100-step
@@ -18,7 +18,7 @@ quality, LeRobot's default; OSMesa for both where installed). Each runs for
 then is stopped. ``uptime`` is recorded before each. Every child runs with OMP_NUM_THREADS=1.
 
 Writes ``<out>/compare.json`` (and prints it): per system the five rows (see
-:mod:`tools.compare_lerobot.analyze`), extra figures, load averages, and the ratios (> 1:
+:mod:`tools.bench.compare_lerobot.analyze`), extra figures, load averages, and the ratios (> 1:
 Tandem ahead). Logs: ``<out>/<system>/*.log``, each line prefixed with the time it was read.
 """
 
@@ -35,12 +35,12 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tools.compare_lerobot.analyze import lerobot_rows, parse_events, ratios, tandem_rows  # noqa: E402
-from tools.learning_run import free_port, stop_processes  # noqa: E402
+from tools.bench.compare_lerobot.analyze import lerobot_rows, parse_events, ratios, tandem_rows  # noqa: E402
+from tools.experiments.learning_run import free_port, stop_processes  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class Proc:
@@ -106,7 +106,7 @@ def run_lerobot(args, out: Path) -> dict:
               "--batch", str(args.batch), "--utd", str(args.utd), "--hidden", *map(str, args.hidden),
               "--latent-dim", str(args.latent_dim), "--channels", str(args.channels),
               "--freeze-vision-encoder", str(int(args.freeze_backbone)), "--render", args.render]
-    mod = [sys.executable, "-m", "tools.compare_lerobot.lerobot_entry"]
+    mod = [sys.executable, "-m", "tools.bench.compare_lerobot.lerobot_entry"]
     load = uptime()
     t_start = time.time()
     learner = Proc([*mod, "learner", *common], out / "learner.log", child_env())

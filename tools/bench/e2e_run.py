@@ -17,7 +17,7 @@ excluded) and ends with the run. Reported (``<out>/e2e.json``, also printed):
 - ``gpu_util_pct``: nvidia-smi's utilisation, mean and median over the window's samples;
 - per actor: steps/s and act p50 from the learner's view.
 
-    python -m tools.e2e_run --out runs/e2e --actors 14 --minutes 5 \\
+    python -m tools.bench.e2e_run --out runs/e2e --actors 14 --minutes 5 \\
         --common env=libero_spatial env.task_id=all \\
         --learner algo=grpo policy=openvla_oft_discrete device=cuda \\
         --actor env.gl=egl
@@ -38,11 +38,11 @@ from pathlib import Path
 import numpy as np
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.learning_run import free_port, stop_processes  # noqa: E402
+from tools.experiments.learning_run import free_port, stop_processes  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def gpu_sample() -> dict[str, float] | None:

@@ -12,8 +12,8 @@ through the real learner and actor processes on loopback, from a deliberately we
    BC policy, sampled with its initial noise head), from the run's LeRobot dataset; version 0
    is also run in process before the RL run (``--start-episodes``, 200) and pooled into "before".
 
-    python -m tools.flow_ppo_demo --out runs/flow_ppo --updates 45
-    python -m tools.flow_ppo_demo --out runs/flow_ppo --updates 45 -- algo.lr=1e-4 policy.noise_std_max=0.5
+    python -m tools.experiments.flow_ppo_demo --out runs/flow_ppo --updates 45
+    python -m tools.experiments.flow_ppo_demo --out runs/flow_ppo --updates 45 -- algo.lr=1e-4 policy.noise_std_max=0.5
 
 The recipe (:data:`FLOW_O`, :data:`PPO_O`) is tests/test_flow_ppo_learning.py's, which gives the
 measured figures: on the 2-core machine 0.31 (256 episodes) -> best window 0.66 in 45 updates;
@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tools.learning_run import rl_minutes, run, run_args, start_out
+from tools.experiments.learning_run import rl_minutes, run, run_args, start_out
 
 ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "env.state_has_target=true"]
 CHUNK = 4
@@ -122,7 +122,7 @@ def start_eval(common: Sequence[str], env_cfg, episodes: int, seed: int) -> list
     initial std), sampled as the actors sample it, over ``episodes`` fresh seeds."""
     from agents.registry import build_policy
     from envs.registry import env_spec
-    from tools.learning_run import evaluate_policy
+    from tools.experiments.learning_run import evaluate_policy
     from tools.sft import learner_config
 
     policy = build_policy(learner_config(list(common)).policy, env_spec(env_cfg)).eval()

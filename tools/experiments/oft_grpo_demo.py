@@ -14,7 +14,7 @@ loopback, from a deliberately weak SFT policy: SimpleVLA-RL's recipe at toy scal
 4. success of the stored episodes by the policy version that acted in them (version 0: the
    SFT policy sampled at the training temperature), from the run's LeRobot dataset.
 
-    python -m tools.oft_grpo_demo --out runs/oft_grpo --updates 60 --minutes 30
+    python -m tools.experiments.oft_grpo_demo --out runs/oft_grpo --updates 60 --minutes 30
 
 Prints a JSON summary and writes ``<out>/summary.json``. Extra learner overrides go after ``--``.
 """
@@ -51,7 +51,7 @@ def env_ranged_stats(ckpt: Path, action_dim: int, state_dim: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    from tools.learning_run import rl_minutes, run, run_args, start_out
+    from tools.experiments.learning_run import rl_minutes, run, run_args, start_out
 
     ap = run_args(__doc__, minutes=10.0, demos=10, target=0.95, window=64)
     ap.add_argument("--sft-steps", type=int, default=300)

@@ -4,7 +4,7 @@ passed within the success radius of the other target first or instead (``other``
 neither before the time limit (``neither``). A policy that reads the image but not the
 instruction reaches some target in most episodes and the right one in about half of them.
 
-    python -m tools.vl_outcomes /tmp/rs_vl/rs_seed0/checkpoints/step_0000001657 [...]
+    python -m tools.experiments.vl_outcomes /tmp/rs_vl/rs_seed0/checkpoints/step_0000001657 [...]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def outcomes(policy, env_cfg, episodes: int, *, seed: int) -> dict[str, float]:
 def main(argv=None) -> None:
     from agents.registry import build_policy
     from envs.registry import env_spec
-    from tools.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, checkpoint_weights
+    from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, checkpoint_weights
     from tools.sft import learner_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,7 +1,7 @@
 """The table of the pre-registered rejection-sampling runs (docs/preregistered.md, claim 2)
-from the ``results.jsonl`` that :mod:`tools.rs_vl_learning` appends to::
+from the ``results.jsonl`` that :mod:`tools.experiments.rs_vl_learning` appends to::
 
-    python -m tools.rs_vl_report /tmp/rs_vl/results.jsonl
+    python -m tools.experiments.rs_vl_report /tmp/rs_vl/results.jsonl
 
 A seed passes when its RS run's held-out success after the cycles is at least ``LIFT`` above
 its start and at least ``OVER_CONTROL`` above the same seed's demos-only control after; the

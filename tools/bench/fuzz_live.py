@@ -1,12 +1,12 @@
 """The wire fuzzer against a live learner with a real actor attached (``python -m
-tools.fuzz_wire --live --minutes 10 --out DIR``).
+tools.bench.fuzz_live --minutes 10 --out DIR``).
 
 It starts ``python -m learner`` and ``python -m actor`` (point_reach, SAC, MLP, a LeRobot
 dataset: durable acks; a replay ring of 5,000 records, full within the first minute, so that the
 learner's RSS is flat unless something leaks) on free loopback ports, waits until the actor acts, then runs in turn,
-until the time is up: the property-based message fuzzer of :mod:`tools.fuzz_wire` (a round of
+until the time is up: the property-based message fuzzer of :mod:`tools.bench.fuzz_wire` (a round of
 hypothesis examples, each on a fresh connection after a real handshake) and every attack class
-of :mod:`tools.fuzz_attacks` (routing ids, float extremes, id edges, huge frames and frame
+of :mod:`tools.bench.fuzz_attacks` (routing ids, float extremes, id edges, huge frames and frame
 counts, malformed shapes). Every 5 s it samples the learner's and the wire gate's RSS, whether
 the learner and the actor are alive, and the records the learner received from the actor.
 
@@ -33,9 +33,9 @@ import zmq
 
 from data.core.codec import decode, encode
 from data.core.spec import EnvSpec
-from tools import fuzz_attacks as A
+from tools.bench import fuzz_attacks as A
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 
 
@@ -71,7 +71,7 @@ def _gate_pid(parent: int) -> int | None:
 
 
 class RemoteTarget:
-    """:class:`tools.fuzz_wire.FuzzTarget`'s check, over TCP against a learner process."""
+    """:class:`tools.bench.fuzz_wire.FuzzTarget`'s check, over TCP against a learner process."""
 
     def __init__(self, ctx: zmq.Context, port: int, config_hash: str, timeout_s: float = 15.0):
         self.ctx, self.port, self.hash = ctx, port, config_hash
@@ -118,7 +118,7 @@ def run_live(out: Path, minutes: float, *, env: str = "point_reach", rss_slack_m
              max_message_mb: int = 64, round_examples: int = 100) -> dict:
     from hypothesis import HealthCheck, given, settings
 
-    from tools.fuzz_wire import messages
+    from tools.bench.fuzz_wire import messages
 
     out.mkdir(parents=True, exist_ok=True)
     port, pub = _free_port(), _free_port()
@@ -249,3 +249,19 @@ def run_live(out: Path, minutes: float, *, env: str = "point_reach", rss_slack_m
                 p.kill()
         ctx.destroy(0)
         (out / "fuzz_live.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Fuzz a learner process with a real actor attached.")
+    ap.add_argument("--minutes", type=float, default=10.0, help="how long")
+    ap.add_argument("--out", default="runs/fuzz_live", help="logs, run_dir, fuzz_live.json")
+    args = ap.parse_args()
+    res = run_live(Path(args.out), args.minutes)
+    print(json.dumps({k: v for k, v in res.items() if k != "samples"}, indent=1, default=str))
+    raise SystemExit(0 if res.get("ok") else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """LeRobot 0.6.1's own HIL-SERL learner or actor (``lerobot.rl.learner.train_cli`` /
 ``lerobot.rl.actor.actor_cli``), configured in Python and observed from outside.
 
-    python -m tools.compare_lerobot.lerobot_entry learner|actor --out DIR --port P [--seconds S] ...
+    python -m tools.bench.compare_lerobot.lerobot_entry learner|actor --out DIR --port P [--seconds S] ...
 
 Nothing of LeRobot's is edited on disk. At run time this process:
 

@@ -1,7 +1,7 @@
 """Action discontinuity at chunk boundaries with and without real-time chunking, under injected
 network delay (docs/rtc.md).
 
-For each delay of ``--delays`` (ms, :class:`tools.netproxy.NetProxy` between actor and learner,
+For each delay of ``--delays`` (ms, :class:`tools.bench.netproxy.NetProxy` between actor and learner,
 added to every chunk each way) and each of RTC off / on, a real learner (``learner.app``, in this
 process, ``transport.act_socket=false`` so that every act crosses the proxy) serves a PI0 to a
 real actor (``actor.app``) paced at ``--control-hz``, both on the fast path without graphs
@@ -19,8 +19,8 @@ new chunk takes over). Per run:
   ran out before the reply), ``delays`` (RTC: delay sent -> steps the reply took, counts) and
   ``success`` (the env's flag, per episode).
 
-    python -m tools.rtc_measure --json docs/rtc.json              # tiny PI0 (random), point_reach
-    python -m tools.rtc_measure --checkpoint /work/ckpt/pi0_small_sft --env libero_spatial \\
+    python -m tools.bench.rtc_measure --json docs/rtc.json              # tiny PI0 (random), point_reach
+    python -m tools.bench.rtc_measure --checkpoint /work/ckpt/pi0_small_sft --env libero_spatial \\
         --policy pi0_small --extra env.image_size=64 --init-states 0,1,2,3,4 --json docs/rtc_libero.json
 """
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def compose(name: str, overrides: list[str]):
@@ -95,7 +95,7 @@ def episodes_of(stored: list[dict]) -> tuple[list, list]:
 def run_one(args, delay_ms: float, rtc: bool, policy: list[str], tmp: Path) -> dict:
     from actor.app import Actor
     from learner.app import Learner
-    from tools.netproxy import NetProxy
+    from tools.bench.netproxy import NetProxy
 
     port, pub = free_port(), free_port()
     run_dir = tmp / f"d{int(delay_ms)}_{'rtc' if rtc else 'sync'}"

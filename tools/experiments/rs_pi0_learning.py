@@ -18,8 +18,8 @@ scripted person taking over when the policy drifts); evaluation jobs are never t
 Prints and writes ``<out>/summary.json``: success before (the pretrained version) and after
 (last and best evaluated version), online episodes, cycles, seconds, the success store::
 
-    python -m tools.rs_pi0_learning --out /tmp/rs_pi0 --cycles 4
-    python -m tools.rs_pi0_learning --out /tmp/rs_pi0_expert --cycles 4 --expert 50
+    python -m tools.experiments.rs_pi0_learning --out /tmp/rs_pi0 --cycles 4
+    python -m tools.experiments.rs_pi0_learning --out /tmp/rs_pi0_expert --cycles 4 --expert 50
 
 Measured (tests/test_rs_pi0_learning.py, both runs at once, 2 cores at load 8-13): 0.13 ->
 best 0.63 after 4 cycles (565 online episodes, 1,245 s); with 50 corrected episodes 0.07 ->
@@ -36,7 +36,7 @@ import signal
 import time
 from pathlib import Path
 
-from tools.learning_run import free_port, run_rs_cycles
+from tools.experiments.learning_run import free_port, run_rs_cycles
 
 ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "env.state_has_target=true"]
 CHUNK = 4

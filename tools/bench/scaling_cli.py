@@ -6,7 +6,7 @@ One run, on every rank of a launch (tools/bench/scaling.py says what each rank d
 
     python -m accelerate.commands.launch --num_processes 2 --num_machines 1 --mixed_precision no \\
         --dynamo_backend no --use_deepspeed --deepspeed_config_file config/deepspeed/zero3.json \\
-        -m tools.bench_scaling --case pi0_full --global-batch 32 --micro-batch 8 --json out.json
+        -m tools.bench.scaling_cli --case pi0_full --global-batch 32 --micro-batch 8 --json out.json
 
 (N=1 without DeepSpeed: ``--num_processes 1`` and nothing else; N>1 without DeepSpeed:
 ``--multi_gpu``.) Rank 0 writes the JSON: step time (p50 of ``--steps`` timed steps after
@@ -18,9 +18,9 @@ The matrix (tools/bench/scaling_matrix.py; every launch a subprocess with NCCL_N
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1) and its table, with the
 scaling efficiency samples/s(2 GPUs) / (2 x samples/s(1 GPU)):
 
-    python -m tools.bench_scaling --matrix --out-dir scaling_out           # GPU, full size
-    python -m tools.bench_scaling --matrix --cases pi0_full --configs 1gpu,2gpu_z3
-    python -m tools.bench_scaling --matrix --tiny --cpu --configs 1gpu,2gpu_ddp   # CPU smoke
+    python -m tools.bench.scaling_cli --matrix --out-dir scaling_out           # GPU, full size
+    python -m tools.bench.scaling_cli --matrix --cases pi0_full --configs 1gpu,2gpu_z3
+    python -m tools.bench.scaling_cli --matrix --tiny --cpu --configs 1gpu,2gpu_ddp   # CPU smoke
 
 Act latency while training: tools/bench/act_latency.py (a serving copy on rank 0 and actors acting).
 """

@@ -5,15 +5,15 @@ image and reads the instruction, each then run on the held-out episodes.
 - ``state``: the MLP on the agent's (x, y) alone (the env without its camera; the MLP has no
   instruction reader unless asked for one);
 - ``vl``: the MLP with its CNN image encoder and the instruction encoder
-  (``policy.task_embed_dim``), the policy of :mod:`tools.rs_vl_learning`;
+  (``policy.task_embed_dim``), the policy of :mod:`tools.experiments.rs_vl_learning`;
 - ``image`` (``--kinds``; not part of the registered claim): the same without the instruction
   encoder, so it sees both targets but not which one is meant.
 
 Both are fitted with :func:`tools.sft.sft` (the policy's own ``bc_loss``) on demos recorded from
 reset seeds ``DEMO_SEED + i`` and evaluated deterministically on the held-out reset seeds of
-:data:`tools.rs_vl_learning.HELD_OUT_SEED`::
+:data:`tools.experiments.rs_vl_learning.HELD_OUT_SEED`::
 
-    python -m tools.vl_control --out /tmp/vl_control --seeds 0 1 2
+    python -m tools.experiments.vl_control --out /tmp/vl_control --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 import time
 from pathlib import Path
 
-from tools.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O
+from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O
 
 STATE_ENV_O = [*ENV_O, "~env.cameras", "+env.cameras={}"]
 STATE_POLICY_O = ["policy=mlp", "policy.hidden_dims=[64,64]", "+policy.log_std_max=-1.0",
@@ -54,7 +54,7 @@ def bc_held_out(out: Path, kind: str, *, seed: int = 0, demos: int = DEMOS, step
     from agents.registry import build_policy
     from data.demos import load_demos
     from envs.registry import env_spec
-    from tools.learning_run import evaluate_policy
+    from tools.experiments.learning_run import evaluate_policy
     from tools.sft import learner_config, sft
 
     path = record(out, kind, demos)

@@ -13,7 +13,7 @@ actors' (unacknowledged records stay in their spools' memory cache).
 The learner's replay ring is ``buffer.capacity=5000`` unless an override says otherwise:
 its arrays are allocated up front but their pages are touched as it fills, so a ring still
 filling is RSS growth that stops when it is full; this one fills during the warm-up.
-``--memtrace S`` runs the learner and the first actor under :mod:`tools.memtrace`.
+``--memtrace S`` runs the learner and the first actor under :mod:`tools.bench.memtrace`.
 
 Writes ``soak.csv``, ``soak.json`` (samples + verdicts) and ``soak.png`` into ``--out``, and
 prints for each line whether it stayed flat: a least-squares slope over the samples after
@@ -21,7 +21,7 @@ the warm-up, projected over the measured span, within ``--tolerance`` of the lin
 (or within its absolute floor, for lines that sit near zero). Only growth fails the soak; a
 line that fell by more than that is reported as ``falling``.
 
-    .venv/bin/python -m tools.soak --minutes 30 --actors 2 --out runs/soak
+    .venv/bin/python -m tools.bench.soak --minutes 30 --actors 2 --out runs/soak
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import numpy as np
 import psutil
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: absolute floors under which a line counts as flat whatever its relative change
 FLOORS = {"learner_rss_mb": 32.0, "actors_rss_mb": 32.0, "learner_fds": 4, "actors_fds": 4,
           "learner_threads": 2, "actors_threads": 2, "act_p99_ms": 5.0, "ingest_lag": 256,
@@ -83,10 +83,10 @@ class Fleet:
                                             "spool.fsync=false", "log_every_s=5"], penv)
 
     def _module(self, module: str, traced: bool = True) -> list[str]:
-        """``-m module``, under :mod:`tools.memtrace` with ``--memtrace``."""
+        """``-m module``, under :mod:`tools.bench.memtrace` with ``--memtrace``."""
         if not (self.memtrace and traced):
             return ["-m", module]
-        return ["-m", "tools.memtrace", "--out", str(self.out / f"memtrace_{module}.txt"),
+        return ["-m", "tools.bench.memtrace", "--out", str(self.out / f"memtrace_{module}.txt"),
                 "--every", str(self.memtrace), "-m", module]
 
     def _start(self, name, args, env):
@@ -233,7 +233,7 @@ def plot(rows: list[dict], path: Path, warmup_s: float) -> None:
         ax.axis("off")
     for ax in axes[-1]:
         ax.set_xlabel("minutes")
-    fig.suptitle("tools/soak.py: learner + actors on loopback (dotted: end of warm-up)")
+    fig.suptitle("tools/bench/soak.py: learner + actors on loopback (dotted: end of warm-up)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="allowed change over the run, as a fraction of the line's mean")
     ap.add_argument("--out", default="runs/soak")
     ap.add_argument("--memtrace", type=float, default=0.0, metavar="S",
-                    help="run the learner and the first actor under tools.memtrace, a dump every S "
+                    help="run the learner and the first actor under tools.bench.memtrace, a dump every S "
                          "seconds (memtrace_*.txt in --out; slows them)")
     ap.add_argument("overrides", nargs="*", help="extra learner overrides (Hydra)")
     a = ap.parse_args(argv)

@@ -6,13 +6,13 @@ serving, and no message raises past the checks (``counters["internal_errors"]`` 
 i.e. every failure was named by an explicit check, not caught as a surprise). After the run
 a real client still completes hello, act and an acknowledged transitions batch.
 
-    python -m tools.fuzz_wire --examples 20000      # a long run (the suite runs a few hundred)
-    python -m tools.fuzz_wire --live --minutes 10 --out DIR   # + the attack classes, against a
-                                                    # learner process with a real actor attached
+    python -m tools.bench.fuzz_wire --examples 20000      # a long run (the suite runs a few hundred)
+    python -m tools.bench.fuzz_live --minutes 10 --out DIR   # + the attack classes, against a
+                                                 # learner process with a real actor attached
 
 The attack classes of issue 24 (routing ids, finite extremes in every float field, ids at range
-edges, huge frames and frame counts, malformed shapes) are in :mod:`tools.fuzz_attacks`; the
-live run in :mod:`tools.fuzz_live`.
+edges, huge frames and frame counts, malformed shapes) are in :mod:`tools.bench.fuzz_attacks`; the
+live run in :mod:`tools.bench.fuzz_live`.
 
 Each example is sent on a fresh DEALER, after a valid hello (with its own actor id) or
 without one; a ping follows it, and its answer marks the fuzzed message as processed (the
@@ -400,24 +400,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None, help="derandomize (repeatable run)")
     ap.add_argument("--store", action="store_true",
                     help="with a LeRobot episode store in a temporary folder (durable acks)")
-    ap.add_argument("--live", action="store_true",
-                    help="fuzz a learner process with a real actor attached (tools/fuzz_live.py)")
-    ap.add_argument("--minutes", type=float, default=10.0, help="--live: how long")
-    ap.add_argument("--out", default="runs/fuzz_live", help="--live: logs, run_dir, fuzz_live.json")
     args = ap.parse_args()
     import json
     import logging
     import tempfile
 
     logging.basicConfig(level=logging.ERROR)
-    if args.live:
-        from pathlib import Path
-
-        from tools.fuzz_live import run_live
-
-        res = run_live(Path(args.out), args.minutes)
-        print(json.dumps({k: v for k, v in res.items() if k != "samples"}, indent=1, default=str))
-        raise SystemExit(0 if res.get("ok") else 1)
     with tempfile.TemporaryDirectory() as tmp:
         store_dir = f"{tmp}/dataset" if args.store else None
         print(json.dumps(run(args.examples, seed=args.seed, store_dir=store_dir), indent=1))

@@ -4,8 +4,8 @@ dump (grouped by traceback, top ``--top``), with the traced total and the proces
 ``--out``. A heap
 that stays flat while RSS grows points at native memory (torch, pyarrow, glibc).
 
-    python -m tools.memtrace --out runs/mem/learner.txt --every 120 -- -m learner env=reacher
-    python -m tools.soak --minutes 8 --memtrace ...   # the learner and the first actor
+    python -m tools.bench.memtrace --out runs/mem/learner.txt --every 120 -- -m learner env=reacher
+    python -m tools.bench.soak --minutes 8 --memtrace ...   # the learner and the first actor
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Learning runs through the real system, for the tool runs that show an algorithm learning
-(tools/flow_ppo_demo.py, tools/oft_grpo_demo.py, the rejection-sampling tools): a learner and
+(tools/experiments/flow_ppo_demo.py, tools/experiments/oft_grpo_demo.py, the rejection-sampling tools): a learner and
 actor processes on loopback, and success by policy version read back from the run's LeRobot
 dataset or its status."""
 
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def version_success(dataset: Path) -> dict[int, list[bool]]:

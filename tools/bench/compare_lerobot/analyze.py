@@ -2,7 +2,7 @@
 
 Inputs are timestamped facts, never the systems' own summaries:
 
-- LeRobot: ``CMPEVENT`` lines of :mod:`tools.compare_lerobot.lerobot_entry` (``step`` with
+- LeRobot: ``CMPEVENT`` lines of :mod:`tools.bench.compare_lerobot.lerobot_entry` (``step`` with
   reward/done at the actor, ``load`` when the actor loads new weights, ``update`` and ``push``
   at the learner, ``ingest`` with the learner's replay size).
 - Tandem: ``status.json`` samples (learner: ``updates``, ``version``, ingested ``env_steps``,

@@ -18,7 +18,7 @@ takes at least 8 steps. The policy: the MLP with an image CNN and an instruction
    written right after pretraining (``start``) and of the final checkpoint (``after``, the
    learner's current weights: the last kept version, or the best after a roll-back) run
    deterministically in-process on the held-out episodes, reset seeds
-   ``HELD_OUT_SEED + i`` (:func:`tools.learning_run.evaluate_policy`), which neither the demos
+   ``HELD_OUT_SEED + i`` (:func:`tools.experiments.learning_run.evaluate_policy`), which neither the demos
    (seeds 1000+), the actor (its own seeded stream) nor the evaluation jobs (init states) use.
    ``untrained``: the same measurement of the policy as initialised (torch seed = run seed).
 
@@ -28,7 +28,7 @@ can use the cores in between); removing it resumes.
 ``--arm both`` runs each seed's RS run and its control one after the other; the summary of
 every run (with ``uptime`` at its end) is appended to ``<out>/results.jsonl`` as it ends::
 
-    python -m tools.rs_vl_learning --out /tmp/rs_vl --seeds 0 1 2 3 4 --arm both
+    python -m tools.experiments.rs_vl_learning --out /tmp/rs_vl --seeds 0 1 2 3 4 --arm both
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tools.learning_run import evaluate_policy, free_port, run_rs_cycles
+from tools.experiments.learning_run import evaluate_policy, free_port, run_rs_cycles
 
 ENV_O = ["env=point_reach_vl"]
 POLICY_O = ["policy=mlp", "policy.hidden_dims=[64,64]", "+policy.task_embed_dim=16",

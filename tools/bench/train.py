@@ -21,8 +21,8 @@ Per case, one update of ``--batch`` action chunks through the algorithm's own up
 
 each with the time per update (p50 over ``--iters``) and the peak GPU memory.
 
-    python -m tools.bench_train                                 # GPU, full size
-    python -m tools.bench_train --tiny --device cpu --batch 8 --minibatch 4 --iters 2
+    python -m tools.bench.train                                 # GPU, full size
+    python -m tools.bench.train --tiny --device cpu --batch 8 --minibatch 4 --iters 2
 """
 
 from __future__ import annotations
