@@ -190,6 +190,32 @@ def test_ppo_update_moves_chain_log_probs_with_the_advantages(ckpts):
     assert ((v1 - adv).abs().mean() < (v0 - adv).abs().mean()), (v0, v1)
 
 
+def test_chunks_cut_short_train_the_value_head_too(ckpts):
+    """``chunk.execute`` below the chunk size makes every chunk partial (``mask`` all False) but
+    the policy's own: the value head must still regress to the returns on them (its loss and
+    the explained variance over those chunks), not only the policy loss."""
+    from accelerate import Accelerator
+
+    from agents.ppo.agent import PPOAgent, PPOConfig
+
+    p = build(ckpts["pi0"], value_features="prefix").eval()
+    torch.manual_seed(0)
+    o = obs(4, seed=3)
+    o["task"] = ["reach the red target", "reach the blue target"] * 2
+    c = p.act(o)
+    ret = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    batch = dict(with_extras(o, c), action=c.actions, old_log_prob=c.log_prob, advantages=ret - 0.5,
+                 returns=ret.clone(), mask=torch.zeros(4, dtype=torch.bool),
+                 own_chunk=torch.ones(4, dtype=torch.bool), chunk_steps=torch.full((4,), 2, dtype=torch.long))
+    agent = PPOAgent(PPOConfig(epochs=4, minibatch_size=4, lr=1e-3, value_clip=None), p, p, Accelerator(cpu=True))
+    assert agent.has_trainable_chunks(batch)
+    v0 = p.value(o).detach()
+    m = agent.update(batch)
+    assert m["value_loss"] > 0 and m["explained_variance"] < 1.0, m
+    v1 = p.value(o).detach()
+    assert (v1 - ret).abs().mean() < (v0 - ret).abs().mean(), (v0, v1)
+
+
 def test_init_noise_scale_zero_starts_every_chain_at_zero(ckpts):
     """init_noise_scale=0: stochastic acts start at x_0 = 0 (the deterministic act's start) and
     still explore through the chain's Gaussians, whose log-prob the update recomputes."""

@@ -221,7 +221,7 @@ class PPOAgent:
                     return None if x is None else x[idx]
                 m = self._minibatch_step(take(obs, idx), actions[idx], old[idx], adv[idx],
                                          mask[idx], pick(is_w), pick(ref), pick(returns),
-                                         pick(old_values), pick(pmask))
+                                         pick(old_values), pick(pmask), own[idx])
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
@@ -232,9 +232,9 @@ class PPOAgent:
         if is_w is not None:
             out["is_weight_mean"] = float(masked_mean(is_w, mask))
         if self.has_critic:
-            var_r = masked_mean((returns - masked_mean(returns, mask)).pow(2), mask)
+            var_r = masked_mean((returns - masked_mean(returns, own)).pow(2), own)
             resid = returns - old_values
-            var_e = masked_mean((resid - masked_mean(resid, mask)).pow(2), mask)
+            var_e = masked_mean((resid - masked_mean(resid, own)).pow(2), own)
             out["explained_variance"] = float(1.0 - var_e / var_r.clamp_min(1e-8))
         self.num_updates += 1
         out["num_updates"] = float(self.num_updates)
@@ -270,8 +270,11 @@ class PPOAgent:
         return parallel.mean_over_ranks(self.accelerator, kl_sum / max(steps, 1), self.device) > self.cfg.target_kl
 
     def _minibatch_step(self, obs: Batch, actions, old, adv, mask, is_w, ref, returns,
-                        old_values, pmask=None) -> dict[str, torch.Tensor]:
-        """One optimizer step; ``pmask`` [B, T]: the policy loss's token mask (else ``mask``)."""
+                        old_values, pmask=None, own=None) -> dict[str, torch.Tensor]:
+        """One optimizer step; ``pmask`` [B, T]: the policy loss's token mask (else ``mask``);
+        ``own`` [B]: the chunks that train, the value loss's mask (else ``mask``): with token
+        ratios the policy's own chunks cut short train the value head too, not only full ones."""
+        own = mask if own is None else own
         cfg = self.cfg
         sample = cfg.entropy_coef > 0 and self._sampler
         whats = (self._lp_call,) + (("sample",) if sample else ()) + (("value",) if self.has_critic else ())
@@ -292,14 +295,14 @@ class PPOAgent:
             metrics["entropy"] = ent.detach()
         if self.has_critic:
             v = outs["value"].float().reshape(-1)
-            vl = value_loss(v, old_values, returns, cfg.value_clip, mask)
+            vl = value_loss(v, old_values, returns, cfg.value_clip, own)
             loss = loss + cfg.value_coef * vl
             metrics["value_loss"] = vl.detach()
-            metrics["value_mean"] = masked_mean(v.detach(), mask)
+            metrics["value_mean"] = masked_mean(v.detach(), own)
         self.opt.zero_grad(set_to_none=True)
         if self.value_opt is not None:
             self.value_opt.zero_grad(set_to_none=True)
-        norm = parallel.backward_step(self.accelerator, self._calls, loss * parallel.rank_scale(self.accelerator, mask),
+        norm = parallel.backward_step(self.accelerator, self._calls, loss * parallel.rank_scale(self.accelerator, own),
                                       self.policy.parameters(), self.cfg.max_grad_norm)
         if norm is not None:
             metrics["grad_norm"] = norm
