@@ -46,7 +46,7 @@ import zmq
 from data.core.codec import encode
 from agents.policies.rtc import RtcRows, RtcSettings
 from data.core.schema import RTC_DELAY, RTC_PENDING, RTC_PREFIX, TASK
-from data.transitions import extras_to_numpy
+from data.core.transitions import extras_to_numpy
 from learner.act_channel import ActChannel
 from learner.act_intake import ActRequest
 

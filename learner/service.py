@@ -66,7 +66,7 @@ import zmq
 from data.core.codec import encode, send_frames
 from data.core.jobs import Job
 from data.core.schema import MAX_BATCH
-from data.transitions import TransitionBatch, TransitionError
+from data.core.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
 from learner.handshake import on_hello
 from learner.peers import Peer
