@@ -16,9 +16,8 @@ import zmq
 from omegaconf import DictConfig, OmegaConf
 
 from actor.client import LearnerClient
-from data.live_view import LiveView
 from data.stops import StopSignals
-from actor.console import actor_status, render
+from actor.console import LiveView, actor_status, render
 from actor.loop import ActorLoop
 from actor.rtc import RtcChunker
 from actor.rerun_live import make_rerun

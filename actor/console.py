@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from data.stdio import TerminalTakeover
+
 HOTKEYS = {
     "keyboard": "[b]i[/] take over / hand back · w/s a/d r/f j/l u/o k/m move · [b]space[/] gripper · "
                 "[b]y[/] success · [b]n[/] failure · [b]x[/] reset · [b]q[/] quit",
@@ -100,3 +102,19 @@ def render(st: dict[str, Any]):
               f"{st['interventions']} human steps · {st['steps']} steps")
     return Panel(Group(who, keys, t), title=f"Tandem actor {st['actor_id']}", title_align="left",
                  border_style="red" if human else "green")
+
+
+class LiveView(TerminalTakeover):
+    """The actor's live panel (:func:`render` of :func:`actor_status`): a rich ``Live`` while
+    stdout is a terminal; a thin install without rich keeps the plain status lines."""
+
+    def __init__(self, get_renderable, *, enabled: bool = True, refresh_per_second: float = 2.0):
+        super().__init__(get_renderable, enabled=enabled, refresh_per_second=refresh_per_second)
+
+    def make_live(self, tty):
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        return Live(console=Console(), get_renderable=lambda: self.render(Text), redirect_stdout=True,
+                    redirect_stderr=True, refresh_per_second=self.refresh_per_second)

@@ -32,7 +32,7 @@ from data.core.codec import CodecError, Message, decode
 from data.core.schema import TASK
 from data.core.security import configure_client_socket
 from data.core.weights import SnapshotError, digest_hex, from_wire
-from data.transitions import extras_to_numpy
+from data.core.transitions import extras_to_numpy
 
 log = logging.getLogger("tandem.actor.local")
 

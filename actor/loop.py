@@ -51,7 +51,7 @@ from actor.client import ActError, LearnerClient
 from actor.rtc import RtcChunker
 from data.core.jobs import NO_GROUP, Job
 from data.core.schema import EXTRA_PREFIX, OBS_IMAGE_PREFIX, OBS_STATE, TASK
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 
 log = logging.getLogger("tandem.actor")
 

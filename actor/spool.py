@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from data.core.codec import CodecError, encode_to_bytes, frames_from_bytes
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 
 log = logging.getLogger("tandem.actor.spool")
 

@@ -31,7 +31,7 @@ class Sink(Protocol):
     """Where ingest puts accepted records (replay ring, rollout queue, ...)."""
 
     def add(self, batch) -> int:
-        """Store a validated :class:`data.transitions.TransitionBatch` of one actor."""
+        """Store a validated :class:`data.core.transitions.TransitionBatch` of one actor."""
         ...
 
     def abandon(self, actor_id: str, episode: int) -> None:

@@ -43,7 +43,7 @@ import numpy as np
 from data.store import DatasetEpisode, read_episode_table, read_episodes, read_info
 from data.replay import ReplayBuffer
 from data.core.schema import OBS_STATE
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from data.core.spec import EnvSpec
 
 log = logging.getLogger("tandem.data.demos")

@@ -62,7 +62,7 @@ import torch
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
 from data.image_store import IMAGE_CODECS, make_image_store, resolve_codec
 from data.replay_windows import draw, follow
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from data.core.spec import EnvSpec
 
 __all__ = ["IMAGE_CODECS", "ReplayBuffer", "SlotFilter", "resolve_codec"]

@@ -126,7 +126,7 @@ class RolloutQueue:
     # ---- the Sink side (ingest's thread) ------------------------------------------------------
 
     def add(self, batch) -> int:
-        """Take a validated :class:`data.transitions.TransitionBatch` of one actor."""
+        """Take a validated :class:`data.core.transitions.TransitionBatch` of one actor."""
         a, n = batch.arrays, len(batch)
         if n == 0:
             return 0

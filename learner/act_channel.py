@@ -5,8 +5,8 @@ Through the socket thread an act request takes two thread hand-offs (ROUTER -> s
 -> queue -> inference thread -> outbox -> socket thread -> ROUTER), each one a wake-up of a
 sleeping thread, which on a busy host costs more than the whole raw ZMQ round trip. On this
 socket the inference thread polls for requests itself, decodes and validates each one
-exactly as the socket thread does (the codec's limits and schema, ``check_obs_layout``,
-``check_obs``), serves the batch and sends the replies. The main ROUTER keeps the handshake,
+through the same :class:`learner.act_intake.ActIntake` as the socket thread, serves the batch
+and sends the replies. The main ROUTER keeps the handshake,
 ingest, heartbeats, weights and jobs, and a forward pass never blocks it: inference still
 never runs on the socket thread. While a forward runs, new requests wait in this socket's
 queue, as they waited in the inference queue before.
@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 import zmq
 
-from data.core.codec import CodecError, FieldRangeError, decode, encode, recv_frames
+from data.core.codec import encode, recv_frames
 from data.core.schema import ACT_TOKEN_BYTES
 from learner.wire_guard import RateLimitedLog
 
@@ -184,24 +183,12 @@ class ActChannel:
             self._error(identity, "identity_mismatch",
                         f"this CURVE key is not actor {peer.actor_id!r}'s", peer.actor_id)
             return
-        try:
-            msg = decode(frames, max_bytes=svc.max_message_bytes)
-        except CodecError as exc:
-            self._error(identity, "bad_request" if isinstance(exc, FieldRangeError) else "bad_message",
-                        str(exc), peer.actor_id)
-            return
-        if msg.type != "act":
-            self._error(identity, "unexpected_type",
-                        f"{msg.type!r} is not a request of the act socket (only 'act'; the rest "
-                        "go to the main socket)", peer.actor_id)
-            return
-        peer.last_seen = time.monotonic()
-        bad = svc.check_act(msg)
-        if bad is not None:
-            code, message = bad
+        req = svc.act_intake.read(identity, frames, peer.actor_id, touch=peer)
+        if type(req) is tuple:
+            code, message = req
             if code == "finished":
                 self.send(identity, encode("error", {"code": code, "message": message}))
             else:
                 self._error(identity, code, message, peer.actor_id)
             return
-        svc.submit_act(svc.act_request(identity, msg, peer.actor_id))
+        svc.submit_act(req)

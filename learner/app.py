@@ -40,9 +40,8 @@ from envs.registry import env_spec
 from learner.actor_stats import ActorStats
 from learner.checkpoint import (checkpoint_age_s, format_age, latest_checkpoint, load_checkpoint,
                                 save_checkpoint)
-from data.live_view import LiveView
 from data.stops import StopSignals
-from learner.console import RateMeter, Stages, render, view_status
+from learner.console import LiveView, RateMeter, Stages, render, view_status
 from learner.distributed import (RankError, Ranks, RootRoute, check_shared_run_dir, check_world,
                                  gathered_trainable, make_accelerator, needs_gather)
 from learner.engine_state import engines_of, ranks_meta, restore_algo, save_ranked

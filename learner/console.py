@@ -16,6 +16,8 @@ import time
 from collections import deque
 from typing import Any
 
+from data.stdio import TerminalTakeover
+
 log = logging.getLogger("tandem.learner")
 
 
@@ -169,3 +171,20 @@ def render(status: dict[str, Any], *, title: str = "Tandem learner"):
                                 f"far {_fmt(status.get('success'), '.2f')}"),
                            ProgressBar(total=total, completed=min(done, total), width=40)))
     return Group(*parts)
+
+
+class LiveView(TerminalTakeover):
+    """The learner's live view (:func:`render`): a rich ``Live`` while stdout is a terminal;
+    ``stray_output``: the file that native libraries' own writes to fds 1 and 2 go to meanwhile
+    (:class:`data.stdio.TerminalTakeover`)."""
+
+    def make_live(self, tty):
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        console = Console()
+        if tty is not None:  # fd 1 goes to the stray output file: draw on the terminal's copy
+            console = Console(file=tty, force_terminal=True, width=console.width, height=console.height)
+        return Live(console=console, get_renderable=lambda: self.render(Text), redirect_stdout=True,
+                    redirect_stderr=True, refresh_per_second=self.refresh_per_second)

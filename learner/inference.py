@@ -46,9 +46,9 @@ import zmq
 from data.core.codec import encode
 from agents.policies.rtc import RtcRows, RtcSettings
 from data.core.schema import RTC_DELAY, RTC_PENDING, RTC_PREFIX, TASK
-from data.transitions import extras_to_numpy
+from data.core.transitions import extras_to_numpy
 from learner.act_channel import ActChannel
-from learner.service import ActRequest
+from learner.act_intake import ActRequest
 
 log = logging.getLogger("tandem.learner.inference")
 

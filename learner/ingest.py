@@ -57,7 +57,7 @@ from typing import Callable
 
 import numpy as np
 
-from data.transitions import TransitionBatch, TransitionError
+from data.core.transitions import TransitionBatch, TransitionError
 from learner.episode_stats import EpisodeStats, Recent
 
 log = logging.getLogger("tandem.learner.ingest")

@@ -16,9 +16,9 @@ Per message from an actor (first frame: the peer's routing identity, as a ROUTER
 - ``act``: validates the observation and queues it for the inference thread. Actors that
   got an ``act_port`` in their welcome send acts to the act socket instead
   (:mod:`learner.act_channel`: the inference thread reads, validates and answers them itself,
-  with no hand-off through this thread); both paths run the same checks (:meth:`check_act`;
-  optional real-time-chunking arrays, ``rtc.*``: :func:`learner.wire_guard.check_rtc`, refused
-  with ``bad_request`` naming the problem);
+  with no hand-off through this thread); both paths decode and validate through one
+  :class:`learner.act_intake.ActIntake` (optional real-time-chunking arrays, ``rtc.*``,
+  refused with ``bad_request`` naming the problem);
 - ``transitions``: validates, drops duplicates by sequence number, hands new records to
   :class:`learner.ingest.Ingest` and replies ``ack`` with the durable sequence number; a batch
   refused as a whole (its layout, schema, value ranges or episode checks) is answered with
@@ -58,24 +58,23 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import zmq
 
-from data.core.codec import CodecError, FieldRangeError, Message, decode, encode, send_frames
+from data.core.codec import encode, send_frames
 from data.core.jobs import Job
-from data.core.schema import MAX_BATCH, OBS_STATE
-from data.transitions import TransitionBatch, TransitionError
+from data.core.schema import MAX_BATCH
+from data.core.transitions import TransitionBatch, TransitionError
 from data.core.spec import EnvSpec
 from learner.handshake import on_hello
 from learner.peers import Peer
 from learner.ingest import Ingest
+from learner.act_intake import ActIntake, ActRequest, decode_request
 from learner.act_channel import ActChannel, drain as _drain, is_act_token
 from learner.server_sockets import Outboxes, open_server_sockets, send_or_drop
-from learner.wire_guard import (RateLimitedLog, check_act_obs, check_obs, check_rtc, check_transitions_message,
-                                split_rtc)
+from learner.wire_guard import RateLimitedLog, check_obs, check_transitions_message
 from data.core.security import authorized_actor_ids
 
 log = logging.getLogger("tandem.learner.service")
@@ -84,24 +83,6 @@ OUTBOX_ADDR = "inproc://tandem-outbox"
 #: messages handled per wake-up between ack sends (acks of a burst of batches are coalesced)
 ACK_EVERY = 4
 __all__ = ["ActRequest", "LearnerService", "Peer", "check_obs"]
-
-
-@dataclass
-class ActRequest:
-    identity: bytes
-    req_id: int
-    deterministic: bool
-    arrays: dict[str, np.ndarray]
-    tasks: list[str]
-    t_recv: float = field(default_factory=time.perf_counter)
-    #: the session's actor id ("" when the submitter did not know it)
-    actor_id: str = ""
-    #: real-time chunking: the request's checked RTC arrays (data.core.schema.RTC_ARRAYS), or None
-    rtc: dict[str, np.ndarray] | None = None
-
-    @property
-    def n(self) -> int:
-        return int(self.arrays[OBS_STATE].shape[0])
 
 
 class LearnerService(threading.Thread):
@@ -186,6 +167,7 @@ class LearnerService(threading.Thread):
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(OUTBOX_ADDR + "-" + self.learner_id)
+        self.act_intake = ActIntake(self)  # both act paths decode and validate through it
         self.act_channel: ActChannel | None = None
         if self.sockets.act is not None:
             self.act_channel = ActChannel(self, self.sockets.act, self.sockets.act_port)
@@ -225,26 +207,6 @@ class LearnerService(threading.Thread):
             self.counters["internal_errors" if internal else "rejected"] += 1
             if not internal:
                 self.rejections[code] += 1
-
-    def check_act(self, msg) -> tuple[str, str] | None:
-        """(error code, message) for an ``act`` request that must not be served, else None."""
-        if self.finished:
-            return "finished", "evaluation is done"
-        obs, rtc = split_rtc(msg.arrays)
-        if rtc:  # real-time chunking: the observation alone through the usual checks, then these
-            msg = Message(msg.type, msg.fields, obs, None)
-        err = check_act_obs(msg, self.spec)
-        if err:
-            return "bad_observation", err
-        err = rtc and check_rtc(rtc, len(msg["tasks"]), self.rtc_chunk, self.spec.action_dim)
-        return ("bad_request", err) if err else None
-
-    def act_request(self, identity: bytes, msg, actor_id: str) -> ActRequest:  # counted
-        with self._count_lock:
-            self.counters["acts"] += 1
-        obs, rtc = split_rtc(msg.arrays)
-        return ActRequest(identity, msg["req_id"], bool(msg["deterministic"]) or self.mode == "eval",
-                          obs, msg["tasks"], actor_id=actor_id, rtc=rtc or None)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -333,11 +295,9 @@ class LearnerService(threading.Thread):
         if not frames:
             self._error(identity, "bad_message", "empty message")
             return
-        try:
-            msg = decode(frames, max_bytes=self.max_message_bytes)
-        except CodecError as exc:
-            self._error(identity, "bad_request" if isinstance(exc, FieldRangeError) else "bad_message",
-                        str(exc))
+        msg = decode_request(frames, self.max_message_bytes)
+        if type(msg) is tuple:
+            self._error(identity, *msg)
             return
         if msg.type == "hello":
             self._on_hello(identity, msg, user_id)
@@ -365,15 +325,15 @@ class LearnerService(threading.Thread):
         on_hello(self, identity, msg, user_id)
 
     def _on_act(self, identity: bytes, peer: Peer, msg) -> None:
-        bad = self.check_act(msg)
-        if bad is not None:
-            code, message = bad
+        req = self.act_intake.validate(identity, msg, peer.actor_id)
+        if type(req) is tuple:
+            code, message = req
             if code == "finished":
                 self._send(identity, encode("error", {"code": code, "message": message}))
             else:
                 self._error(identity, code, message)
             return
-        self.submit_act(self.act_request(identity, msg, peer.actor_id))
+        self.submit_act(req)
 
     def _on_transitions(self, identity: bytes, peer: Peer, msg) -> None:
         if msg["actor_id"] != peer.actor_id:

@@ -121,8 +121,7 @@ def _check_obs_values(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec,
 
 def check_obs(arrays: dict[str, np.ndarray], tasks: list, spec: EnvSpec) -> str | None:
     """Validate an act request's observation batch (after :func:`check_obs_layout`); return an
-    error message or None. Both act paths (the socket thread's ROUTER and the inference
-    thread's act socket, :mod:`learner.act_channel`) run it."""
+    error message or None. Both act paths run it, through :class:`learner.act_intake.ActIntake`."""
     state = arrays.get(OBS_STATE)
     if state is None:
         return f"missing {OBS_STATE!r}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from data.core.spec import EnvSpec
 
 SPEC = EnvSpec(state_dim=3, action_dim=2, cameras={"front": (32, 32, 3), "wrist": (32, 32, 3)})

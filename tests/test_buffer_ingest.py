@@ -9,7 +9,7 @@ import pytest
 
 from data.store import EpisodeStore, read_episodes
 from data.replay import ReplayBuffer
-from data.transitions import TransitionError
+from data.core.transitions import TransitionError
 from learner.ingest import EpisodeStats, Ingest
 from test_buffer_helpers import SPEC, batch, episode_batch, episode_records
 

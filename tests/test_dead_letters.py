@@ -9,7 +9,7 @@ import time
 
 from actor.client import LearnerClient
 from actor.spool import Spool
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from test_wire_hardening import HASH, learner, records  # noqa: F401  (fixture)
 
 

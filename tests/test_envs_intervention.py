@@ -12,7 +12,7 @@ import pytest
 
 from data.core.codec import decode
 from data.core.schema import OBS_STATE
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from envs import wrappers as W
 from envs.intervention import (
     DeviceUnavailable, GamepadIntervention, InterventionWrapper, KeyboardIntervention,

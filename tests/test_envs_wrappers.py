@@ -10,7 +10,7 @@ import pytest
 from gymnasium import spaces
 
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from envs import registry
 from envs import wrappers as W
 from envs.spec import spec_from_env

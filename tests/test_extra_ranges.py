@@ -1,5 +1,5 @@
 """Integer policy extras have value ranges that ingest enforces (data/core/spec.py
-``extra_ranges``, data/transitions.py ``validate``): an out-of-range action token or SDE step
+``extra_ranges``, data/core/transitions.py ``validate``): an out-of-range action token or SDE step
 from an actor is refused with a named error instead of reaching an update, which would index
 with it and take the learner down."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data.core.spec import EnvSpec, config_hash
-from data.transitions import TransitionBatch, TransitionError
+from data.core.transitions import TransitionBatch, TransitionError
 
 ENV = EnvSpec(state_dim=2, action_dim=2)
 SPEC = ENV.with_extras({"action_tokens": ("int64", (8,)), "log_prob": ("float32", ())},

@@ -326,7 +326,7 @@ def test_nan_or_inf_records_are_quarantined_counted_and_never_trained_on(tmp_pat
     from actor.spool import Spool
     from data.replay import ReplayBuffer
     from data.store import EpisodeStore, read_episodes
-    from data.transitions import TransitionBatch
+    from data.core.transitions import TransitionBatch
     from learner.ingest import Ingest
     from test_wire_hardening import HASH, SPEC, make_service
 

@@ -68,7 +68,7 @@ def test_episode_statistics_keep_a_bounded_number_of_tasks():
 def test_the_number_of_actor_ids_the_learner_keeps_state_for_is_bounded(ports):
     """Every actor id's sequence state is kept for good: hellos naming new ids are refused past
     ``max_actor_ids`` (too_many_actors); known ids still handshake."""
-    from data.transitions import TransitionBatch
+    from data.core.transitions import TransitionBatch
     from test_wire_hardening import dealer, hello, make_service, records, rpc
 
     svc, ingest, ctx, close = make_service(ports, max_actor_ids=3)

@@ -20,7 +20,7 @@ from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
 from agents.sac.agent import SACAgent, SACConfig
 from data.replay import ReplayBuffer
 from data.core.schema import OBS_STATE
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from envs.pendulum import PENDULUM_ID, make_inverted_pendulum_env  # registers the tandem/* ids
 from envs.reacher import REACHER_ID, make_reacher_env
 from data.core.spec import EnvSpec

@@ -59,7 +59,7 @@ def test_weights_that_are_not_finite_are_never_published():
 @pytest.mark.slow
 def test_extreme_rewards_in_training_leave_weights_finite_and_the_actor_acting(tmp_path):
     from actor.app import Actor
-    from data.transitions import TransitionBatch
+    from data.core.transitions import TransitionBatch
     from learner.app import Learner
     from learner.checkpoint import latest_checkpoint, load_checkpoint
     from test_extras_e2e import LearnerThread, actor_cfg, learner_cfg, tap_versions

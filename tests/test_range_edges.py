@@ -7,7 +7,7 @@ import numpy as np
 
 from data.core.codec import decode
 from data.core.schema import FIELD_BOUNDS, MAX_SEQ, STEP_BOUNDS
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from test_wire_hardening import dealer, hello, learner, records, rpc  # noqa: F401  (fixture)
 
 

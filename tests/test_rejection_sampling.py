@@ -19,7 +19,7 @@ from agents.rs.agent import (BCAgent, RejectionSamplingConfig, bc_inputs, cosine
                                        episode_outcome, keep_version, scheduled_lr)
 from agents.rs.jobs import EVAL_GROUP_BASE
 from data.core.spec import EnvSpec
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from tandem_testutil import ROOT
 
 SPEC = EnvSpec(state_dim=4, action_dim=2, max_episode_steps=10)

@@ -40,7 +40,7 @@ def records(episode, n, *, version=0, group=-1, H=1, success=False, truncated=Fa
 
 
 def batch(actor, seq, recs):
-    from data.transitions import TransitionBatch
+    from data.core.transitions import TransitionBatch
 
     return TransitionBatch.from_records(actor, seq, recs)
 

@@ -10,7 +10,7 @@ import zmq
 from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
 from data.core.codec import decode, encode
 from data.replay import ReplayBuffer
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from data.core.spec import EnvSpec
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
@@ -323,7 +323,7 @@ def xrecords(n):
 
 
 def test_transitions_must_carry_exactly_the_declared_extras():
-    from data.transitions import TransitionError
+    from data.core.transitions import TransitionError
 
     TransitionBatch.from_records("a0", 0, xrecords(4)).validate(XSPEC)
     b = TransitionBatch.from_records("a0", 0, xrecords(4))

@@ -7,7 +7,7 @@ import numpy as np
 
 from actor.spool import SPARE_SUFFIX, Spool
 from data.core.codec import decode
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from tools.bench.common import bench_spec, episode_flags, random_images
 
 

@@ -76,7 +76,7 @@ def test_thin_actor_mode_local_names_the_group_it_needs(thin, tmp_path):
 
 def test_live_view_without_rich_keeps_plain_lines(monkeypatch, caplog):
     """rich is only the live panel: without it (a thin install) a terminal gets the plain lines."""
-    from data.live_view import LiveView
+    from actor.console import LiveView
 
     class Terminal(io.StringIO):
         def isatty(self):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data.core.spec import DEFAULT_FLOAT_RANGE, EnvSpec, config_hash
-from data.transitions import TransitionBatch, TransitionError
+from data.core.transitions import TransitionBatch, TransitionError
 
 F32_MAX = float(np.finfo(np.float32).max)
 ENV = EnvSpec(state_dim=2, action_dim=2)

@@ -19,7 +19,7 @@ from data.core.codec import decode, encode
 from data.core.spec import EnvSpec
 from data.replay import ReplayBuffer
 from data.store import EpisodeStore
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
 from learner.service import LearnerService

@@ -142,7 +142,7 @@ def record_demos(env_cfg, out: str | Path, episodes: int, *, seed: int = 1000, n
     import multiprocessing as mp
 
     from data.store import Episode, EpisodeStore
-    from data.transitions import TransitionBatch
+    from data.core.transitions import TransitionBatch
     from envs.registry import env_spec
 
     out = Path(out)

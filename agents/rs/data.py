@@ -22,7 +22,7 @@ from typing import Any, Callable
 from agents.rs.agent import RejectionSamplingConfig, episode_outcome
 from agents.rs.jobs import EVAL_GROUP_BASE
 from data.sampler import Replay, SuccessView
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 
 
 class OutcomeSink:

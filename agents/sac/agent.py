@@ -34,6 +34,7 @@ from agents.base import Batch, FeaturePolicy, ReparamSampler, check_pair
 from agents.common.critics import EnsembleCritic, make_critic
 from agents.common.policy_calls import to_device
 from agents.sac.engines import prepare_sac_engines
+from agents.sac.phases import run_phase
 from data.core.spec import EnvSpec
 
 
@@ -256,22 +257,14 @@ class SACModel(nn.Module):
 
     def forward(self, batch: Batch, what: str, actions: torch.Tensor | None = None,
                 prefix: str = ""):
-        if what == "critic":
-            return self.critic(batch, actions, prefix)
-        if what == "next":
-            a, logp = self.sample(batch, prefix)
-            return a, logp, self.temperature()
         if what == "critic_features":
             feats = self.critic.encoder(batch, prefix)
             return self.critic.q(feats, actions), feats.detach()
         if what == "actor_features":  # ``batch`` is the detached features here
             a, logp = self.actor.sample_from_features(batch)
             return a, logp, self.critic.q(batch, a), self.temperature.log_alpha.view(())
-        if what == "actor":
-            a, logp = self.sample(batch)
-            # a view, not the leaf: DDP finds used parameters through the outputs' graph
-            return a, logp, self.critic(batch, a), self.temperature.log_alpha.view(())
-        raise ValueError(f"unknown SAC phase {what!r}")
+        return run_phase(what, batch, actions, prefix, sample=self.sample, critic=self.critic,
+                         temperature=self.temperature, score=self.critic, unknown="unknown SAC phase {!r}")
 
 
 class LocalSteps:

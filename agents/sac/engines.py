@@ -40,6 +40,7 @@ from torch import nn
 from agents import parallel
 from agents.base import Batch
 from agents.parallel import low_precision_autocast
+from agents.sac.phases import run_phase
 
 
 class ActorCalls(nn.Module):
@@ -81,17 +82,13 @@ class SACEngines:
         self.actor, self.critic, self.temperature, self.critic_raw = actor, critic, temperature, critic_raw
 
     def __call__(self, batch: Batch, what: str, actions: torch.Tensor | None = None, prefix: str = ""):
-        if what == "critic":
-            return self.critic(batch, actions, prefix)
-        if what == "next":
-            a, logp = self.actor(batch, prefix)
-            return a, logp, self.temperature()
-        if what == "actor":
-            a, logp = self.actor(batch)
-            with low_precision_autocast(self.critic_raw):
-                q = self.critic_raw(batch, a).float()
-            return a, logp, q, self.temperature.log_alpha.view(())
-        raise ValueError(f"SAC phase {what!r} is not available under DeepSpeed")
+        return run_phase(what, batch, actions, prefix, sample=self.actor, critic=self.critic,
+                         temperature=self.temperature, score=self._score,
+                         unknown="SAC phase {!r} is not available under DeepSpeed")
+
+    def _score(self, batch: Batch, a: torch.Tensor) -> torch.Tensor:
+        with low_precision_autocast(self.critic_raw):
+            return self.critic_raw(batch, a).float()
 
 
 def prepare_sac_engines(agent: Any, policy: nn.Module, actor_params: list, critic: nn.Module,

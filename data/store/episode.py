@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 
 
 @dataclass

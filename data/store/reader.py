@@ -13,7 +13,7 @@ import numpy as np
 
 from data.core.spec import EnvSpec
 from data.store.features import INFO_PATH, TASKS_PATH, record_arrays
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 
 
 @dataclass

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from data.replay import ReplayBuffer
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from tools.bench.common import bench_spec, emit_json, episode_flags, quiet_logging, rate
 
 CAMS = ("front", "wrist")

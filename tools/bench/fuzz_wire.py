@@ -327,7 +327,7 @@ class FuzzTarget:
 
     def served(self) -> None:
         """A real client still gets hello, act and an acknowledged batch through."""
-        from data.transitions import TransitionBatch
+        from data.core.transitions import TransitionBatch
 
         real = f"real-{next(self._ids)}"
         s = self._dealer()

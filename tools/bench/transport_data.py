@@ -7,7 +7,7 @@ import numpy as np
 
 from data.core.schema import OBS_STATE
 from data.core.spec import EnvSpec, config_hash
-from data.transitions import TransitionBatch
+from data.core.transitions import TransitionBatch
 from tools.bench.common import bench_spec, episode_flags, random_images, random_obs
 
 ACT_ACTOR = "bench-act"
