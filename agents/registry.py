@@ -17,16 +17,16 @@ from agents.base import check_pair
 # name -> (module, class, config dataclass)
 POLICIES: dict[str, tuple[str, str, str]] = {
     "mlp": ("agents.policies.mlp", "MLPPolicy", "MLPPolicyConfig"),
-    "pi0": ("agents.policies.pi0", "Pi0Policy", "Pi0PolicyConfig"),
-    "pi05": ("agents.policies.pi0", "Pi05Policy", "Pi05PolicyConfig"),
-    "openvla_oft": ("agents.policies.openvla_oft", "OpenVLAOFTPolicy", "OpenVLAOFTPolicyConfig"),
-    "openvla_oft_discrete": ("agents.policies.openvla_oft_discrete", "OpenVLAOFTDiscretePolicy",
+    "pi0": ("agents.policies.pi0.policy", "Pi0Policy", "Pi0PolicyConfig"),
+    "pi05": ("agents.policies.pi0.policy", "Pi05Policy", "Pi05PolicyConfig"),
+    "openvla_oft": ("agents.policies.openvla_oft.policy", "OpenVLAOFTPolicy", "OpenVLAOFTPolicyConfig"),
+    "openvla_oft_discrete": ("agents.policies.openvla_oft.discrete", "OpenVLAOFTDiscretePolicy",
                              "OpenVLAOFTDiscretePolicyConfig"),
 }
 # policy name -> (module, function): the function picks the class from the config section
 CLASS_FOR_CONFIG: dict[str, tuple[str, str]] = {
-    "pi0": ("agents.policies.flow_rl", "class_for_config"),
-    "pi05": ("agents.policies.flow_rl", "class_for_config"),
+    "pi0": ("agents.policies.pi0.flow_rl", "class_for_config"),
+    "pi05": ("agents.policies.pi0.flow_rl", "class_for_config"),
 }
 # name -> (builder module, builder class, config module, config dataclass); a variant of an
 # algorithm is a name of its own (its config a subclass of the algorithm's: ``sac_noise``)

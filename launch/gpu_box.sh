@@ -60,7 +60,7 @@ check() {
   "$PY" - <<'PY'
 import importlib, sys
 missing = []
-for m in ("learner.app", "actor.app", "agents.policies.pi0", "data.store", "data.demos", "envs.libero.env",
+for m in ("learner.app", "actor.app", "agents.policies.pi0.policy", "data.store", "data.demos", "envs.libero.env",
           "robosuite", "libero.libero.envs", "mujoco"):
     try:
         importlib.import_module(m)

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agents import registry
 from agents.base import extras_ranges
-from agents.policies.rtc import RtcSettings, check_rtc_pair
+from agents.policies.pi0.rtc import RtcSettings, check_rtc_pair
 from data.core.spec import EnvSpec, config_hash
 from envs.registry import env_spec
 from learner.actor_stats import ActorStats
@@ -94,7 +94,7 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"buffer.capacity ({cfg.buffer.capacity}) < algo.batch_size "
                          f"({cfg.algo.batch_size})")
     registry.check_algo_policy(cfg.algo, cfg.policy)
-    check_rtc_pair(RtcSettings.from_config(cfg.get("rtc")), cfg.algo, cfg.policy)  # agents/policies/rtc.py
+    check_rtc_pair(RtcSettings.from_config(cfg.get("rtc")), cfg.algo, cfg.policy)  # agents/policies/pi0/rtc.py
 
 
 class Learner:

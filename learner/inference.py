@@ -21,7 +21,7 @@ Real-time chunking (``rtc``: the learner's ``rtc`` settings, when enabled): a ba
 request carrying RTC arrays (its pending prefix and delay, checked by the service) calls
 ``policy.act(obs, rtc=RtcRows)`` with one row per observation; the rows of requests without
 RTC get ``pending`` 0 and are served as plain acts in the same forward
-(:mod:`agents.policies.rtc`). A batch without RTC rows calls ``policy.act`` as before.
+(:mod:`agents.policies.pi0.rtc`). A batch without RTC rows calls ``policy.act`` as before.
 
 A policy with a ``warm_up(max_batch=...)`` method (PI0 / PI0.5: compile and capture the CUDA
 graphs of the batch sizes it will serve) is warmed up when the server is built, with the serving
@@ -44,7 +44,7 @@ import torch
 import zmq
 
 from data.core.codec import encode
-from agents.policies.rtc import RtcRows, RtcSettings
+from agents.policies.pi0.rtc import RtcRows, RtcSettings
 from data.core.schema import RTC_DELAY, RTC_PENDING, RTC_PREFIX, TASK
 from data.core.transitions import extras_to_numpy
 from learner.act_channel import ActChannel

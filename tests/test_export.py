@@ -70,8 +70,8 @@ def test_pi0_and_pi05_export_to_lerobot(variant, tmp_path):
     from lerobot.policies.factory import make_pre_post_processors
     from safetensors.torch import load_file
 
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
-    from agents.policies.pi0_lerobot import lerobot_pi_module, lerobot_sizes
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
+    from agents.policies.pi0.lerobot_modules import lerobot_pi_module, lerobot_sizes
     from tools.make_tiny_checkpoints import make_pi0
 
     cls, cfg_cls = (Pi0Policy, Pi0PolicyConfig) if variant == "pi0" else (Pi05Policy, Pi05PolicyConfig)
@@ -117,7 +117,7 @@ def test_pi0_from_an_sft_file_and_from_an_exported_folder_through_the_command_li
     model), and an exported folder given back as --checkpoint (a policy checkpoint folder)."""
     from safetensors.torch import save_file
 
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
     from agents.registry import build_policy
     from envs.registry import env_spec
     from tools.make_tiny_checkpoints import make_pi0
@@ -237,7 +237,7 @@ def hf_openvla_class():
     (vision_backbone, projector, language_model), Tandem's rebuild of OFT's network inside."""
     from transformers import PretrainedConfig, PreTrainedModel
 
-    from agents.policies.prismatic import OpenVLA, PrismaticConfig
+    from agents.policies.openvla_oft.prismatic import OpenVLA, PrismaticConfig
 
     class OpenVLAConfig(PretrainedConfig):
         model_type = "openvla"
@@ -302,7 +302,7 @@ def test_openvla_oft_exports_to_oft_layout(tmp_path):
     """OFT's layout, loaded the OFT way (see the module docstring), gives Tandem's actions: the
     head's normalised chunk exactly, the actions once Tandem's clamps are applied (Tandem clamps
     the normalised chunk and the action to [-1, 1], OFT's predict_action does neither)."""
-    from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+    from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
     from tools.make_tiny_checkpoints import make_openvla_oft
 
     ckpt = make_openvla_oft(tmp_path / "ckpt", OFT_SPEC)
@@ -316,7 +316,7 @@ def test_openvla_oft_exports_to_oft_layout(tmp_path):
             "preprocessor_config.json", "tokenizer.json"} <= files
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "openvla" and cfg["auto_map"]["AutoModelForVision2Seq"].endswith("OpenVLAForActionPrediction")
-    from agents.policies.openvla_oft import read_weights
+    from agents.policies.openvla_oft.policy import read_weights
 
     w = "language_model.model.layers.0.self_attn.q_proj.weight"
     assert (read_weights(out)[w] - read_weights(ckpt)[w]).abs().max() > 1e-3  # the adapter is in the weight

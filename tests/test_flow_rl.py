@@ -1,4 +1,4 @@
-"""PI0 / PI0.5 with Flow-Noise and Flow-SDE (agents/policies/flow_rl.py) on tiny checkpoints:
+"""PI0 / PI0.5 with Flow-Noise and Flow-SDE (agents/policies/pi0/flow_rl.py) on tiny checkpoints:
 the act's log-prob and the update's recomputation agree, the deterministic act is plain PI0's
 ODE, the reference is the adapters-disabled model, bad configs fail at start-up, and a PPO
 update through PPOAgent moves the chain log-probs the way the advantages say."""
@@ -8,8 +8,8 @@ import torch
 
 from agents import registry
 from agents.base import (BCPolicy, LogProbPolicy, ReferencePolicy, ValuePolicy, capabilities_of)
-from agents.policies.flow_rl import Pi0FlowRLPolicy, Pi05FlowRLPolicy
-from agents.policies.pi0 import Pi0Policy
+from agents.policies.pi0.flow_rl import Pi0FlowRLPolicy, Pi05FlowRLPolicy
+from agents.policies.pi0.policy import Pi0Policy
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import make_pi0
 

@@ -17,7 +17,7 @@ SPEC = EnvSpec(state_dim=8, action_dim=7, cameras={"image": (32, 32, 3), "wrist_
 
 
 def _small(tmp_path, **kw):
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
 
     cfg = dict(tokenizer="builtin", image_size=32, arch=dict(TINY_PI0_ARCH, vision_patch=8), chunk_size=4,
                dtype="float32", device="cpu", lora_rank=0, train_full=True, seed=3)
@@ -61,7 +61,7 @@ def test_train_full_trains_every_parameter_including_vision(tmp_path):
 
 
 def test_checkpoint_of_a_model_trained_from_scratch_loads_back_exactly(tmp_path):
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
 
     p = _small(tmp_path)
     with torch.no_grad():   # weights unlike any fresh build's
@@ -100,7 +100,7 @@ def test_pi0_builds_where_lerobots_dataset_extra_is_missing(tmp_path):
 import lerobot.utils.import_utils as iu
 iu._require_package_cache["av"] = False          # as where av is not installed
 import torch
-from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import TINY_PI0_ARCH
 spec = EnvSpec(state_dim=8, action_dim=7, cameras={"image": (32, 32, 3)}, has_task=True)
@@ -116,8 +116,8 @@ print("built", type(p.inner).__name__)
 
 @pytest.mark.parametrize("head", ["l1", "discrete"])
 def test_oft_trained_from_scratch_saves_a_checkpoint_that_loads_back_exactly(tmp_path, head):
-    from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
-    from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
+    from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+    from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
     from tools.make_tiny_checkpoints import TINY_OFT_TEXT
 
     cls, cfg_cls = ((OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig) if head == "l1"

@@ -43,7 +43,7 @@ def make_agent(ckpt, **cfg):
     """An agent around the module's one frozen PI0 (LoRA 4: the adapters must stay frozen
     too); sharing it is safe because nothing may change it (the tests check that)."""
     from agents.sac.noise_builder import NoiseSACBuilder
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
     from agents.sac.noise import NoiseSACConfig
 
     path, spec = ckpt
@@ -261,7 +261,7 @@ def _compose(name, overrides):
 @pytest.mark.slow
 def test_served_noise_is_the_stored_extra_noise_and_drives_pi0(ckpt, tmp_path):
     from actor.app import Actor
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
     from data.core.weights import from_wire
     from data.store import read_episodes
     from learner.app import Learner

@@ -51,7 +51,7 @@ def test_noise_sac_lifts_a_weak_pi0(tmp_path: Path):
 
     import torch
 
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
     from envs.registry import env_spec
     from tools.experiments.sac_learning import ALGO_O, CHUNK, ENV_O, evaluate, make_weak_base, train, trained_policy
     from tools.record_demos import env_config, record_demos

@@ -1,4 +1,4 @@
-"""OpenVLA-OFT fast serving path (agents/policies/oft_fast.py) against the policies' eager path
+"""OpenVLA-OFT fast serving path (agents/policies/openvla_oft/fast.py) against the policies' eager path
 on the same inputs: on a CPU in float32 (the computation, both heads), on a GPU in bf16 with
 CUDA graphs (capture per bucket, padding, new weights without recapture, fold-state recapture)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agents.policies.oft_fast import FastOFT
-from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
-from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
+from agents.policies.openvla_oft.fast import FastOFT
+from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import make_openvla_oft
 

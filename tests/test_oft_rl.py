@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agents.base import ReferencePolicy, ValuePolicy, capabilities_of
-from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
+from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import make_openvla_oft
 

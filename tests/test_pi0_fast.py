@@ -1,4 +1,4 @@
-"""PI0 / PI0.5 fast serving path (agents/policies/pi0_fast.py) against lerobot's own
+"""PI0 / PI0.5 fast serving path (agents/policies/pi0/fast.py) against lerobot's own
 ``sample_actions`` on the same inputs and noise: on a CPU in float32 (the computation), on a GPU
 in bf16 with CUDA graphs (capture, padding to a bucket, new weights without recapture)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
+from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import make_pi0
 
@@ -200,8 +200,8 @@ def test_grouped_head_attention_equals_eager_attention(hkv, q):
 
     from transformers.models.gemma.modeling_gemma import eager_attention_forward
 
-    from agents.policies import pi0_fast
-    from agents.policies.pi0_fast import _additive, mqa_attention
+    from agents.policies.pi0 import fast as pi0_fast
+    from agents.policies.pi0.fast import _additive, mqa_attention
 
     g = torch.Generator().manual_seed(hkv * 100 + q)
     b, h, k, d = 2, 8, 23, 16

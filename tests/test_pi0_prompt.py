@@ -1,4 +1,4 @@
-"""PI0 / PI0.5 prompts padded only to the batch's longest (agents/policies/pi0_prompt.py): the
+"""PI0 / PI0.5 prompts padded only to the batch's longest (agents/policies/pi0/prompt.py): the
 actions and the training loss equal those of lerobot's full padding (48 / 200 tokens) on the
 same noise, on lerobot's path and on the fast path; the columns are what the setting says."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
-from agents.policies.pi0_prompt import padded_length
+from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
+from agents.policies.pi0.prompt import padded_length
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import make_pi0
 

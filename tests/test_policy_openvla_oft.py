@@ -11,8 +11,8 @@ from agents.base import BCPolicy, LogProbPolicy, capabilities_of
 from safetensors.torch import load_file
 
 from agents import registry
-from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
-from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
+from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
 from agents.policies.vla_common import CheckpointMismatch, state_nbytes
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import make_openvla_oft

@@ -11,7 +11,7 @@ from agents.base import BCPolicy, NoiseConditionedPolicy, capabilities_of
 from safetensors.torch import load_file, save_file
 
 from agents import registry
-from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
+from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
 from agents.policies.vla_common import CheckpointMismatch, state_nbytes
 from data.core.spec import EnvSpec
 from data.core.weights import from_wire, to_wire

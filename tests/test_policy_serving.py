@@ -8,8 +8,8 @@ import pytest
 import torch
 import zmq
 
-from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
-from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
 from agents.policies.vla_common import state_nbytes
 from data.core.codec import decode, encode
 from data.replay import ReplayBuffer

@@ -1,4 +1,4 @@
-"""Real-time chunking on the PI0 fast path (agents/policies/rtc.py, pi0_fast.py) and on the wire
+"""Real-time chunking on the PI0 fast path (agents/policies/pi0/rtc.py, pi0_fast.py) and on the wire
 (learner/wire_guard.py ``check_rtc``): a tiny PI0 on a CPU (the fast path without graphs).
 
 1. Through a real learner service and inference thread on loopback, four actors' requests in
@@ -17,8 +17,8 @@ import pytest
 import torch
 import zmq
 
-from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
-from agents.policies.rtc import RtcRows, RtcSettings, rtc_inputs
+from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
+from agents.policies.pi0.rtc import RtcRows, RtcSettings, rtc_inputs
 from data.core.codec import decode, encode
 from data.core.schema import RTC_DELAY, RTC_PENDING, RTC_PREFIX
 from data.core.spec import EnvSpec

@@ -1,4 +1,4 @@
-"""Real-time chunking in the PI0 fast path's CUDA graphs (agents/policies/pi0_fast.py): one
+"""Real-time chunking in the PI0 fast path's CUDA graphs (agents/policies/pi0/fast.py): one
 captured graph per bucket serves RTC batches of any delays and equals the eager fast path. Only
 the policy and the RTC module are imported (it runs on a bare GPU box with lerobot carried)."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
-from agents.policies.rtc import RtcRows, RtcSettings
+from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
+from agents.policies.pi0.rtc import RtcRows, RtcSettings
 from data.core.schema import RTC_PREFIX
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import make_pi0

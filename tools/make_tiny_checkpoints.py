@@ -34,7 +34,7 @@ TINY_PI0_ARCH = dict(width=64, depth=2, mlp_dim=128, num_heads=8, num_kv_heads=1
 def make_pi0(path: str | Path, spec: EnvSpec, *, variant: str = "pi0", arch: dict | None = None,
              chunk_size: int = 8, image_size: int = 56, seed: int = 0, stats: bool = True) -> Path:
     """A random PI0/PI0.5 in lerobot's checkpoint layout, with a tokenizer/ folder."""
-    from agents.policies.pi0 import Pi0Arch, build_lerobot_pi, lerobot_config, save_lerobot_checkpoint
+    from agents.policies.pi0.policy import Pi0Arch, build_lerobot_pi, lerobot_config, save_lerobot_checkpoint
 
     a = Pi0Arch.from_dict(TINY_PI0_ARCH if arch is None else arch)
     lr_cfg = lerobot_config(variant, spec, chunk_size=chunk_size, n_action_steps=chunk_size,
@@ -75,7 +75,7 @@ def make_openvla_oft(path: str | Path, spec: EnvSpec, *, chunk_size: int = 8, im
 
     from safetensors.torch import save_file
 
-    from agents.policies.prismatic import L1RegressionActionHead, OpenVLA, PrismaticConfig, ProprioProjector
+    from agents.policies.openvla_oft.prismatic import L1RegressionActionHead, OpenVLA, PrismaticConfig, ProprioProjector
 
     text = dict(TINY_OFT_TEXT if text_config is None else text_config)
     cfg = PrismaticConfig(image_sizes=(image_size, image_size), text_config=text,

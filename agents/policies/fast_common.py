@@ -1,4 +1,4 @@
-"""What the two fast serving paths (:mod:`agents.policies.pi0_fast`, :mod:`agents.policies.oft_fast`)
+"""What the two fast serving paths (:mod:`agents.policies.pi0.fast`, :mod:`agents.policies.openvla_oft.fast`)
 share: the ``fast_compile`` setting, the persistent inductor cache, marking dimensions dynamic
 for ``torch.compile``, the GPU kernel choices, and the warm-up a server runs before it serves.
 

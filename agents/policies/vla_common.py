@@ -1,5 +1,5 @@
-"""Pieces shared by the large VLA policies (:mod:`agents.policies.pi0`,
-:mod:`agents.policies.openvla_oft`): device/dtype choice, observation checks, local
+"""Pieces shared by the large VLA policies (:mod:`agents.policies.pi0.policy`,
+:mod:`agents.policies.openvla_oft.policy`): device/dtype choice, observation checks, local
 tokenizers, LoRA through peft (injected in place, no wrapper model), adapter-only state
 dicts, adapters folded into the weights for serving, strict checkpoint loading.
 

@@ -1,4 +1,4 @@
-"""OpenVLA-OFT serving speed: the fast path (agents/policies/oft_fast.py: CUDA graphs over the
+"""OpenVLA-OFT serving speed: the fast path (agents/policies/openvla_oft/fast.py: CUDA graphs over the
 policy's modules) against the eager path, and the achieved fraction of the GPU's bf16 matmul
 peak, in one run on one GPU. Full size (Llama-2-7B + fused DINOv2/SigLIP, 2 cameras at 224,
 chunk 8 x 7, LoRA rank 32 folded for serving), random bf16 weights, small local tokenizer.
@@ -51,8 +51,8 @@ def _timed(fn, sync, iters: int, max_iters: int, max_s: float, warmup: int = 3) 
 
 
 def build(head: str, args, tmp: Path, spec):
-    from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
-    from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
+    from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+    from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
     from tools.make_tiny_checkpoints import build_tokenizer, make_openvla_oft
 
     cls, cfg_cls = ((OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig) if head == "l1" else
@@ -75,7 +75,7 @@ def build(head: str, args, tmp: Path, spec):
 def bench_head(head: str, args, tmp: Path, spec, peak: float | None, errors: list) -> dict:
     import torch
 
-    from agents.policies.oft_fast import FastOFT
+    from agents.policies.openvla_oft.fast import FastOFT
     from tools.bench.common import gpu_state, random_obs
     from tools.bench.policy_actors import TASK
 
@@ -247,7 +247,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     import torch
 
-    from agents.policies import oft_fast
+    from agents.policies.openvla_oft import fast as oft_fast
 
     if args.sdpa:
         oft_fast.SDPA_ORDER = tuple(x.strip() for x in args.sdpa.split(","))

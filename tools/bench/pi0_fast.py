@@ -1,4 +1,4 @@
-"""PI0 / PI0.5 serving latency: the fast path (agents/policies/pi0_fast.py: CUDA graphs over
+"""PI0 / PI0.5 serving latency: the fast path (agents/policies/pi0/fast.py: CUDA graphs over
 lerobot's modules, torch.compile'd inside them by default on a GPU) against lerobot's own paths,
 in one run on one GPU, full size, random bf16 weights, 2 cameras at 224, 10 flow steps, LoRA
 rank 16 folded for serving.
@@ -15,7 +15,7 @@ Once per variant: ``eager_forward_ms`` (lerobot's ``PI0Pytorch.sample_actions``)
 the same inputs, built without LoRA) with ``speedup_vs_select_action`` per mode (its p50 / the
 mode's act p50).
 
-``--rtc``: also real-time chunking (agents/policies/rtc.py) on the same fast path, per mode:
+``--rtc``: also real-time chunking (agents/policies/pi0/rtc.py) on the same fast path, per mode:
 ``rtc_capture_s`` (the first RTC call: its graph's capture), ``rtc_act_ms`` (batch 1, delay 5 of
 a pending 25 or the chunk's half), ``rtc_forward_by_batch`` (4 and 8 rows of mixed delays, one
 row without RTC) and ``rtc_overhead`` (rtc act p50 / act p50).
@@ -57,7 +57,7 @@ def batch_of(obs: dict, b: int) -> dict:
 def bench_mode(policy, mode: str, obs, inputs, noise, args, sync) -> dict:
     import torch
 
-    from agents.policies.pi0_fast import FastPiSampler
+    from agents.policies.pi0.fast import FastPiSampler
 
     policy._fast = None
     torch.cuda.empty_cache() if policy.device.type == "cuda" else None
@@ -92,7 +92,7 @@ def rtc_rows(policy, b: int):
     """``b`` RTC rows: delays 0..5 cycling, half the chunk pending, the last row without RTC."""
     import numpy as np
 
-    from agents.policies.rtc import RtcRows, RtcSettings
+    from agents.policies.pi0.rtc import RtcRows, RtcSettings
 
     h, a = policy.chunk_size, policy.action_dim
     pending = np.full(b, max(1, h // 2), np.int64)
@@ -126,7 +126,7 @@ def bench_rtc(policy, obs, noise, sync, it: int, mx: int, act_ms: dict) -> dict:
 def bench_variant(variant: str, args, tmp: Path) -> dict:
     import torch
 
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
     from tools.bench.common import bench_spec, gpu_state, random_obs
     from tools.bench.policy import lerobot_baseline
     from tools.make_tiny_checkpoints import build_tokenizer, make_pi0

@@ -67,8 +67,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     import torch
 
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
-    from agents.policies.pi0_fast import FastPiSampler
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
+    from agents.policies.pi0.fast import FastPiSampler
     from tools.bench.common import bench_spec, gpu_state, p50_p99, random_obs, timed_ms
     from tools.make_tiny_checkpoints import build_tokenizer
 

@@ -59,8 +59,8 @@ from tools.bench.policy_actors import HASH, TASK, client_main, run_actors
 
 def build(name: str, tiny: bool, device: str, tmp: Path, spec):
     """(policy, config) for ``name`` at full size (random weights) or tiny (test checkpoint)."""
-    from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
+    from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
     from tools.make_tiny_checkpoints import build_tokenizer, make_openvla_oft, make_pi0
 
     if name in ("pi0", "pi05"):
@@ -194,8 +194,8 @@ def throughput(policy, obs_np: dict, args, sync, batch1_ms: dict) -> tuple[dict,
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from agents.policies.oft_fast import FastOFT
-    from agents.policies.pi0_fast import FastPiSampler
+    from agents.policies.openvla_oft.fast import FastOFT
+    from agents.policies.pi0.fast import FastPiSampler
 
     flops, by = {}, {}
     for b in args.batches:
@@ -250,7 +250,7 @@ def lerobot_baseline(policy, obs, args, sync) -> dict:
     same batch, its prompt padded as lerobot pads it."""
     import torch
 
-    from agents.policies.pi0 import build_lerobot_pi
+    from agents.policies.pi0.policy import build_lerobot_pi
 
     plain = build_lerobot_pi(policy.variant, policy.lr_cfg, policy.arch, seed=policy.cfg.seed)
     base = {k: v for k, v in policy.inner.state_dict().items() if ".lora_" not in k}

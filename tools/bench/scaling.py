@@ -74,8 +74,8 @@ def build_policy(case: str, tiny: bool, device: str, tmp: Path, spec, tiny_dir: 
 
 
 def _build_policy(case: str, tiny: bool, device: str, tmp: Path, spec, tiny_dir: Path | None = None):
-    from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig
+    from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
     from tools.make_tiny_checkpoints import build_tokenizer
 
     ckpt = str(tiny_checkpoint(case, spec, tiny_dir or tmp / "tiny")) if tiny else None

@@ -6,7 +6,7 @@ Per case, one update of ``--batch`` action chunks through the algorithm's own up
 - ``oft_grpo``: OpenVLA-OFT with the 256-bin token head, :class:`agents.grpo.agent.GRPOAgent`
   (clipped ratio over the 7 x 8 action tokens' log-probs, one epoch, minibatches of
   ``--minibatch``), log-probs of the behaviour policy recomputed (``is_truncation``);
-- ``pi0_ppo``: PI0 with Flow-Noise (``flow_rl=noise``, :mod:`agents.policies.flow_rl`),
+- ``pi0_ppo``: PI0 with Flow-Noise (``flow_rl=noise``, :mod:`agents.policies.pi0.flow_rl`),
   :class:`agents.ppo.agent.PPOAgent` with the policy's own value head (one epoch, minibatches of
   ``--minibatch``): the behaviour log-probs of the stored denoising chains and the values
   recomputed, then the clipped ratio over the chains' joint log-probs plus the value loss;
@@ -39,14 +39,14 @@ from tools.bench.common import bench_spec, emit_json, p50_p99, random_obs, timed
 
 
 def _build(name: str, tiny: bool, device: str, tmp: Path, spec):
-    from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicy
-    from agents.policies.openvla_oft_discrete import OpenVLAOFTDiscretePolicyConfig as OpenVLAOFTPolicyConfig
+    from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicy
+    from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicyConfig as OpenVLAOFTPolicyConfig
     from tools.bench.policy import build
     from tools.make_tiny_checkpoints import build_tokenizer, make_openvla_oft, make_pi0
 
     if name == "pi0_flow":
-        from agents.policies.flow_rl import Pi0FlowRLPolicy
-        from agents.policies.pi0 import Pi0PolicyConfig
+        from agents.policies.pi0.flow_rl import Pi0FlowRLPolicy
+        from agents.policies.pi0.policy import Pi0PolicyConfig
 
         if tiny:
             cfg = Pi0PolicyConfig(checkpoint=str(make_pi0(tmp / "pi0_flow", spec)), chunk_size=8, device=device,

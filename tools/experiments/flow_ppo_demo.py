@@ -87,7 +87,7 @@ def demo_windows(env_cfg, episodes: int, seed: int, horizon: int) -> dict:
 def bc_checkpoint(out: Path, env_cfg, *, demos: int, bc_steps: int, seed: int,
                   device: str = "cpu") -> tuple[Path, dict]:
     """The weak starting policy: a tiny PI0 whose heads saw ``bc_steps`` BC steps on the demos."""
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, save_lerobot_checkpoint
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, save_lerobot_checkpoint
     from envs.registry import env_spec
     from tools.make_tiny_checkpoints import make_pi0
 

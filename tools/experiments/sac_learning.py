@@ -98,7 +98,7 @@ def _weak_pi0(out: Path, demos: Path, steps: int, *, lr: float = 3e-4, batch: in
 
     import torch
 
-    from agents.policies.pi0 import Pi0Policy, Pi0PolicyConfig, save_lerobot_checkpoint
+    from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, save_lerobot_checkpoint
     from agents.rs.agent import bc_inputs
     from data.demos import load_demos
     from envs.registry import env_spec

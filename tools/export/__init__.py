@@ -21,8 +21,8 @@ from tools.export.source import ExportError, Source, load_source, resolve  # noq
 
 #: format -> (module, writer, the policy class it takes as "module:Class")
 FORMATS = {
-    "lerobot": ("tools.export.lerobot_pi", "export_lerobot", "agents.policies.pi0:Pi0Policy"),
-    "openvla_oft": ("tools.export.openvla_oft", "export_openvla_oft", "agents.policies.openvla_oft:OpenVLAOFTPolicy"),
+    "lerobot": ("tools.export.lerobot_pi", "export_lerobot", "agents.policies.pi0.policy:Pi0Policy"),
+    "openvla_oft": ("tools.export.openvla_oft", "export_openvla_oft", "agents.policies.openvla_oft.policy:OpenVLAOFTPolicy"),
     "mlp": ("tools.export.mlp", "export_mlp", "agents.policies.mlp:MLPPolicy"),
 }
 #: the format each policy class exports to (for error messages)

@@ -88,7 +88,7 @@ def processors(policy, tokenizer_name: str | None = None):
 
 def export_lerobot(policy, out: Path, *, tokenizer_name: str | None = None) -> dict:
     """Write ``policy`` (a Tandem PI0 / PI0.5) as a LeRobot policy folder at ``out``."""
-    from agents.policies.pi0 import Pi0Arch, Pi0Policy
+    from agents.policies.pi0.policy import Pi0Arch, Pi0Policy
 
     if not isinstance(policy, Pi0Policy):
         raise ExportError(f"--format lerobot writes PI0 / PI0.5 policies; this is {type(policy).__name__}")
@@ -110,7 +110,7 @@ def export_lerobot(policy, out: Path, *, tokenizer_name: str | None = None) -> d
     post.save_pretrained(out)
     policy.tokenizer.save_pretrained(str(out / "tokenizer"))
     if policy.arch != Pi0Arch():
-        from agents.policies.pi0_lerobot import ARCH_FILE
+        from agents.policies.pi0.lerobot_modules import ARCH_FILE
 
         (out / ARCH_FILE).write_text(json.dumps(dataclasses.asdict(policy.arch), indent=1))
     name = next(s.tokenizer_name for s in pre.steps if hasattr(s, "tokenizer_name"))

@@ -54,7 +54,7 @@ OFT_BACKBONES = {
 def unnorm_key(policy, given: str | None) -> str:
     """The dataset_statistics.json key: ``given``, else the policy's ``unnorm_key``, else the
     only key of its checkpoint's statistics, else Tandem's key for fitted statistics."""
-    from agents.policies.oft_scratch import STATS_KEY
+    from agents.policies.openvla_oft.scratch import STATS_KEY
 
     if given or policy.cfg.unnorm_key:
         return given or policy.cfg.unnorm_key
@@ -105,7 +105,7 @@ def export_openvla_oft(policy, out: Path, *, step: int = 0, key: str | None = No
     """Write ``policy`` (a Tandem OpenVLA-OFT, L1 or discrete head) in OFT's layout at ``out``."""
     from huggingface_hub import save_torch_state_dict
 
-    from agents.policies.openvla_oft import OpenVLAOFTPolicy
+    from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy
 
     if not isinstance(policy, OpenVLAOFTPolicy):
         raise ExportError(f"--format openvla_oft writes OpenVLA-OFT policies; this is {type(policy).__name__}")

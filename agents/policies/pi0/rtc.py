@@ -1,7 +1,7 @@
 """Real-time chunking (RTC, Black et al. 2025) for the flow policies: the settings, the
 per-row request (pending prefix and delay), and the guidance arithmetic of lerobot's
 ``RTCProcessor`` (``lerobot/policies/rtc/modeling_rtc.py``) in a form the batched fast path
-(:mod:`agents.policies.pi0_fast`) runs with one tensor per row, inside a CUDA graph too.
+(:mod:`agents.policies.pi0.fast`) runs with one tensor per row, inside a CUDA graph too.
 
 A request row carries the actions of the current chunk that have not run yet (``prefix``
 [H, A] in the env's action space, its first ``pending`` rows real) and the inference delay
@@ -167,7 +167,7 @@ def check_rtc_pair(rtc: RtcSettings, algo_cfg, policy_cfg) -> None:
 
 def rtc_inputs(rows: RtcRows, normalize, chunk: int, max_dim: int, num_steps: int,
                device: torch.device) -> dict:
-    """The keyword arguments of :meth:`agents.policies.pi0_fast.FastPiSampler.sample` for
+    """The keyword arguments of :meth:`agents.policies.pi0.fast.FastPiSampler.sample` for
     ``rows``: the prefix normalised (``normalize``, the policy's action normaliser) and padded to
     ``max_dim``, the prefix weights [B, H, 1], the frozen steps [B, H, 1] and the guidance
     weight of each of the ``num_steps`` Euler steps."""

@@ -1,4 +1,4 @@
-"""The fast serving path of OpenVLA-OFT (:mod:`agents.policies.openvla_oft`, both heads): the
+"""The fast serving path of OpenVLA-OFT (:mod:`agents.policies.openvla_oft.policy`, both heads): the
 same modules and weights, one CUDA graph per served batch size.
 
 Why: one OFT act is a single parallel-decoding forward of Llama-2-7B over ~600 tokens plus two

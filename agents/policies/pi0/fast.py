@@ -33,14 +33,14 @@ mode (the default) the batch dimension (for batches >= 2) and the prefix length 
 prompt length (batch 1 is always specialised by dynamo: a second compile), and each further
 bucket or prompt length costs only a capture; ``"static"`` compiles each shape on its own.
 Prompts are padded only to the batch's longest, rounded up (``policy.prompt_pad_multiple``,
-:mod:`agents.policies.pi0_prompt`), not to lerobot's 48 / 200 tokens. Compiled kernels go to a
+:mod:`agents.policies.pi0.prompt`), not to lerobot's 48 / 200 tokens. Compiled kernels go to a
 persistent inductor cache (``TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/tandem/inductor``),
 so a restart mostly reads them back. ``Pi0Policy.warm_up`` compiles and captures the buckets a
 server will use before it serves.
 
 The result equals lerobot's ``sample_actions`` on the same noise: to float32 round-off on a
 CPU (tests/test_pi0_fast.py), within bf16 tolerance on a GPU (the GPU test in the same file).
-RTC (real-time chunking, :mod:`agents.policies.rtc`): ``sample(..., rtc=...)`` with per-row
+RTC (real-time chunking, :mod:`agents.policies.pi0.rtc`): ``sample(..., rtc=...)`` with per-row
 tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
 Euler step as lerobot's ``RTCProcessor`` does and freezes the delayed steps; a batch of mixed
 delays (and rows without RTC, all-zero weights) runs one graph, captured once per bucket for
@@ -58,7 +58,7 @@ from torch import nn
 
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
-from agents.policies.rtc import freeze, guide
+from agents.policies.pi0.rtc import freeze, guide
 
 #: the per-row RTC tensors ``sample`` takes: prefix [B, H, D], weights [B, H, 1], frozen [B, H, 1]
 RTC_KEYS = ("rtc_prefix", "rtc_weights", "rtc_frozen")
@@ -320,7 +320,7 @@ class FastPiSampler:
                 if rtc is None:
                     x = x + dt * v
                     continue
-                # RTC (agents/policies/rtc.py): lerobot's guidance at its time 1 + step * dt,
+                # RTC (agents/policies/pi0/rtc.py): lerobot's guidance at its time 1 + step * dt,
                 # then the frozen steps set to the noisy prefix of the next time (0 at the end)
                 time_ = 1.0 + step * dt
                 x = x + dt * guide(v, x, time_, gws[step], rtc["rtc_prefix"], rtc["rtc_weights"])
@@ -341,7 +341,7 @@ class FastPiSampler:
         """Actions [B, chunk, max_action_dim]. ``key``: anything that changes which modules run
         (the adapter fold state): graphs are kept per (batch bucket, key). ``rtc``: the
         :data:`RTC_KEYS` tensors of every row, with ``guidance`` the guidance weight of each
-        Euler step (:func:`agents.policies.rtc.guidance_weights`)."""
+        Euler step (:func:`agents.policies.pi0.rtc.guidance_weights`)."""
         if rtc is not None and len(guidance) != num_steps:
             raise ValueError(f"RTC needs a guidance weight per Euler step ({num_steps}), got {len(guidance)}")
         gws = tuple(float(g) for g in guidance) if rtc is not None else ()

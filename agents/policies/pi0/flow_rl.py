@@ -71,9 +71,9 @@ from torch import nn
 
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
-from agents.policies.pi0 import Pi0Policy, Pi05Policy
-from agents.policies.flow_rl_config import FLOW_RL_MODES, VALUE_FEATURES, validate_flow_config  # noqa: F401
-from agents.policies.pi0_lerobot import lerobot_pi_module
+from agents.policies.pi0.policy import Pi0Policy, Pi05Policy
+from agents.policies.pi0.flow_rl_config import FLOW_RL_MODES, VALUE_FEATURES, validate_flow_config  # noqa: F401
+from agents.policies.pi0.lerobot_modules import lerobot_pi_module
 from data.core.schema import EXTRA_PREFIX
 
 _LOG_2PI = math.log(2 * math.pi)

@@ -20,7 +20,7 @@ The model is lerobot's own ``PI0Policy`` / ``PI05Policy`` (``lerobot.policies.pi
   (+ optional ``*normalizer_processor.safetensors`` statistics, + ``tandem_arch.json`` for
   the reduced sizes of test models, + ``tokenizer/``);
 - real-time chunking: ``act(obs, rtc=RtcRows)`` freezes each row's delayed steps to its pending
-  prefix and guides the rest toward it, always on the fast path (:mod:`agents.policies.rtc`);
+  prefix and guides the rest toward it, always on the fast path (:mod:`agents.policies.pi0.rtc`);
 - serving: in eval mode ``act`` runs with the adapters folded into the base weights
   (:class:`agents.policies.vla_common.LoRAServing`; the model is kernel-launch bound at small
   batches and the adapter path nearly doubles PI0's latency); training, ``bc_loss`` and
@@ -29,7 +29,7 @@ The model is lerobot's own ``PI0Policy`` / ``PI05Policy`` (``lerobot.policies.pi
 Plain PI0 cannot give a log-probability or a reparameterised sample (it is a flow-matching
 model), so it is a BCPolicy only (:mod:`agents.base`); pairing it with SAC fails at start-up.
 With ``flow_rl=noise|sde`` the config builds the flow-RL variant of
-:mod:`agents.policies.flow_rl` instead (log-probs of the denoising chain, a value head and a
+:mod:`agents.policies.pi0.flow_rl` instead (log-probs of the denoising chain, a value head and a
 reference: what PPO needs).
 Its extra is ``noise`` [B, chunk_size, max_action_dim]: the flow's starting sample, so a
 chunk can be replayed exactly (zeros when deterministic).
@@ -54,12 +54,12 @@ from torch import nn
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
 from agents.policies.fast_common import resolve_compile, warm_up
-from agents.policies.flow_rl_config import validate_flow_config
-from agents.policies.pi0_fast import FastPiSampler
-from agents.policies.pi0_norm import Normalizer, fit_stats, load_stats
-from agents.policies.pi0_prompt import PromptTokens, prompts
-from agents.policies.rtc import RtcRows, hold_frozen, rtc_inputs
-from agents.policies.pi0_lerobot import (ARCH_FILE, Pi0Arch, build_lerobot_pi, lerobot_config,  # noqa: F401
+from agents.policies.pi0.flow_rl_config import validate_flow_config
+from agents.policies.pi0.fast import FastPiSampler
+from agents.policies.pi0.norm import Normalizer, fit_stats, load_stats
+from agents.policies.pi0.prompt import PromptTokens, prompts
+from agents.policies.pi0.rtc import RtcRows, hold_frozen, rtc_inputs
+from agents.policies.pi0.lerobot_modules import (ARCH_FILE, Pi0Arch, build_lerobot_pi, lerobot_config,  # noqa: F401
                                          lerobot_pi_module, save_lerobot_checkpoint)
 from data.core.schema import OBS_STATE
 from data.core.spec import EnvSpec
@@ -98,7 +98,7 @@ class Pi0PolicyConfig:
     #: prompt tokens (None: lerobot's default, 48 for PI0 and 200 for PI0.5)
     tokenizer_max_length: int | None = None
     #: prompts padded to the batch's longest rounded up to this (0: to tokenizer_max_length,
-    #: lerobot's padding); the output does not depend on it (agents/policies/pi0_prompt.py)
+    #: lerobot's padding); the output does not depend on it (agents/policies/pi0/prompt.py)
     prompt_pad_multiple: int = 32
     #: square image resolution the model sees (fresh models; a checkpoint has its own)
     image_size: int = 224
@@ -129,7 +129,7 @@ class Pi0PolicyConfig:
     clip_actions: bool = True
     #: eval-mode acts with the adapters folded into the base weights (a copy kept on the device)
     fold_lora_for_serving: bool = True
-    #: the serving path of eval-mode ``act`` (agents/policies/pi0_fast.py): "auto" (CUDA graphs
+    #: the serving path of eval-mode ``act`` (agents/policies/pi0/fast.py): "auto" (CUDA graphs
     #: on a GPU, lerobot's sample_actions on a CPU) | "graphs" | "eager" (the fast path without
     #: graphs) | "off" (lerobot's sample_actions always)
     fast_serving: str = "auto"
@@ -141,7 +141,7 @@ class Pi0PolicyConfig:
     gradient_checkpointing: bool = False
     #: seed of the random initial weights (both learner copies must agree)
     seed: int = 0
-    # -- flow RL (πRL; agents/policies/flow_rl.py documents the maths) --
+    # -- flow RL (πRL; agents/policies/pi0/flow_rl.py documents the maths) --
     #: None: plain PI0; "noise": Flow-Noise (every Euler step Gaussian); "sde": Flow-SDE (one)
     flow_rl: str | None = None
     #: Flow-Noise: bounds of the noise head's per-step std (normalised action space)
@@ -359,7 +359,7 @@ class Pi0Policy(nn.Module):
     def forward_model(self, inputs: tuple, noise: torch.Tensor | None = None, rtc: RtcRows | None = None) -> torch.Tensor:
         """The bare model call: [B, chunk, max_action_dim]. Lerobot's PI0Pytorch.sample_actions,
         or in eval mode without gradients its fast equivalent (``fast_serving``; always with
-        ``rtc``, :mod:`agents.policies.rtc`: eager where no graphs are captured)."""
+        ``rtc``, :mod:`agents.policies.pi0.rtc`: eager where no graphs are captured)."""
         self._serving_weights()
         fast = self._fast_sampler(force=rtc is not None)
         if fast is None:
@@ -415,7 +415,7 @@ class Pi0Policy(nn.Module):
             rtc: RtcRows | None = None) -> ActionChunk:
         """Actions [B, chunk_size, A] float32; ``noise`` [B, chunk_size, max_action_dim] overrides
         the flow's starting sample (deterministic: zeros). ``rtc``: each row's pending prefix and
-        delay (:mod:`agents.policies.rtc`; its frozen steps are returned as sent)."""
+        delay (:mod:`agents.policies.pi0.rtc`; its frozen steps are returned as sent)."""
         inputs = self.model_inputs(obs)  # what lerobot's predict_action_chunk does, minus its eval()
         shape = (inputs[2].shape[0], self.chunk_size, self.lr_cfg.max_action_dim)
         if noise is None:

@@ -1,5 +1,5 @@
 """OpenVLA-OFT with the 256-bin action-token head: the policy on-policy RL trains
-(network and checkpoint layout: :mod:`agents.policies.openvla_oft`).
+(network and checkpoint layout: :mod:`agents.policies.openvla_oft.policy`).
 
 - ``act`` samples the K = chunk x A action tokens at ``temperature`` (the argmax when
   deterministic) and returns the chunk's log-probability and ``extras["action_tokens"]``
@@ -31,7 +31,7 @@ from torch import nn
 
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
-from agents.policies.openvla_oft import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
 from data.core.schema import EXTRA_PREFIX
 from data.core.spec import EnvSpec
 

@@ -1,5 +1,5 @@
-"""The flow-RL keys of :class:`agents.policies.pi0.Pi0PolicyConfig` and their check, apart from
-:mod:`agents.policies.flow_rl` (which builds on PI0) so that PI0's config checks them without
+"""The flow-RL keys of :class:`agents.policies.pi0.policy.Pi0PolicyConfig` and their check, apart from
+:mod:`agents.policies.pi0.flow_rl` (which builds on PI0) so that PI0's config checks them without
 importing it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ VALUE_FEATURES = ("expert", "prefix")
 
 
 def validate_flow_config(cfg) -> None:
-    """Check the flow-RL fields of a :class:`agents.policies.pi0.Pi0PolicyConfig`."""
+    """Check the flow-RL fields of a :class:`agents.policies.pi0.policy.Pi0PolicyConfig`."""
     who = f"policy={cfg.variant}"
     if cfg.flow_rl not in FLOW_RL_MODES:
         raise ValueError(f"{who}: flow_rl must be null (plain PI0), 'noise' (Flow-Noise) or 'sde' "

@@ -1,11 +1,11 @@
-"""OpenVLA-OFT as a Tandem policy (network: :mod:`agents.policies.prismatic`).
+"""OpenVLA-OFT as a Tandem policy (network: :mod:`agents.policies.openvla_oft.prismatic`).
 
 Two action heads over the same parallel-decoding VLA:
 
 - ``action_head="l1"`` (OFT's published recipe): the L1-regression MLP-ResNet head turns the
   K = chunk x A action-position hidden states into a continuous chunk [B, chunk, A];
   ``bc_loss`` is OFT's L1 loss. Capabilities ``{"bc_loss"}``.
-- ``action_head="discrete"`` (:class:`agents.policies.openvla_oft_discrete.OpenVLAOFTDiscretePolicy`, what RL needs): the language
+- ``action_head="discrete"`` (:class:`agents.policies.openvla_oft.discrete.OpenVLAOFTDiscretePolicy`, what RL needs): the language
   model head's logits over the 256 action tokens (the last 256 of the base vocabulary, as in
   OpenVLA) at each of the K positions, tempered by ``temperature``; ``act`` samples (or takes
   the argmax when deterministic) and returns the chunk's log-probability, ``log_prob(obs,
@@ -43,7 +43,7 @@ from torch import nn
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
 from agents.policies.fast_common import resolve_compile, warm_up
-from agents.policies.prismatic import (DEFAULT_TIMM_IDS, L1RegressionActionHead, OpenVLA, PrismaticConfig,
+from agents.policies.openvla_oft.prismatic import (DEFAULT_TIMM_IDS, L1RegressionActionHead, OpenVLA, PrismaticConfig,
                                        ProprioProjector)
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
 from data.core.spec import EnvSpec
@@ -102,7 +102,7 @@ class OpenVLAOFTPolicyConfig:
     #: in eval mode, act with the adapters folded into the base weights (no adapter code in
     #: the forward; keeps a copy of the adapted base weights on the device)
     fold_lora_for_serving: bool = True
-    #: the serving path of eval-mode ``act`` / ``forward_model`` (agents/policies/oft_fast.py):
+    #: the serving path of eval-mode ``act`` / ``forward_model`` (agents/policies/openvla_oft/fast.py):
     #: "auto" (CUDA graphs on a GPU, the eager path on a CPU) | "graphs" | "eager" (the fast
     #: computation without graphs) | "off"
     fast_serving: str = "auto"  # CUDA graphs on a GPU (H100: act 25.8 vs 37.0 ms eager), old path on a CPU
@@ -386,8 +386,8 @@ class OpenVLAOFTPolicy(nn.Module):
         return self.action_head.predict_action(h.to(self.action_head.model.fc1.weight.dtype))
 
     def fast_path(self):
-        """The fast serving path (agents/policies/oft_fast.py) when this call may use it, else None."""
-        from agents.policies.oft_fast import fast_path
+        """The fast serving path (agents/policies/openvla_oft/fast.py) when this call may use it, else None."""
+        from agents.policies.openvla_oft.fast import fast_path
 
         return fast_path(self)
 
@@ -444,18 +444,18 @@ class OpenVLAOFTPolicy(nn.Module):
             valid[:, :h] *= (~batch["action_is_pad"].to(self.device).bool()).float()
         return F.pad(act, (0, 0, 0, self.chunk_size - h)), valid
 
-    # -- from scratch (agents/policies/oft_scratch.py) ------------------------------------------------
+    # -- from scratch (agents/policies/openvla_oft/scratch.py) ------------------------------------------------
     def fit_normalization(self, state, action) -> None:
         """OFT's dataset statistics from data ([N, S], [N, A]): a model trained from scratch has
         none to load; :meth:`save_checkpoint` writes them."""
-        from agents.policies.oft_scratch import fit_stats
+        from agents.policies.openvla_oft.scratch import fit_stats
 
         self.stats = fit_stats(state, action)
         self.__dict__.pop("_bounds_cache", None)
 
     def save_checkpoint(self, path) -> Path:
         """This model in the published layout (``policy.checkpoint`` loads it)."""
-        from agents.policies.oft_scratch import write_checkpoint
+        from agents.policies.openvla_oft.scratch import write_checkpoint
 
         return write_checkpoint(self, path)
 

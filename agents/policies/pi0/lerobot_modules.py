@@ -1,4 +1,4 @@
-"""lerobot's PI0 / PI0.5 modules for :mod:`agents.policies.pi0`: importing them (alone when
+"""lerobot's PI0 / PI0.5 modules for :mod:`agents.policies.pi0.policy`: importing them (alone when
 lerobot's data stack is absent), building them at other sizes than the standard 3B, and writing
 checkpoints in lerobot's layout.
 
