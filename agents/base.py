@@ -172,7 +172,7 @@ def check_pair(algo_name: str, requires: Iterable[type], policy_name: str,
         )
 
 
-# algorithms: their contracts are in agents/core.py; DDP and DeepSpeed in agents/parallel.py
+# algorithms: their contracts are in agents/core.py; DDP and DeepSpeed in agents/parallel/__init__.py
 
 
 def extras_ranges(policy: Any) -> dict[str, tuple[int, int]]:

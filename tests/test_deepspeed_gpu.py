@@ -11,7 +11,7 @@ Per ZeRO stage (2 and 3), fp32 engines without gradient clipping, so that the co
 are exact up to reduction order:
 
 - **SAC equivalence**: each rank updates on its half of every global batch through the actor
-  and critic engines (agents/sac/engines.py); the weights after K updates equal a single
+  and critic engines (agents/parallel/sac_engines.py); the weights after K updates equal a single
   CPU process's (no DeepSpeed) on the whole batches. Without the engines' gradient averaging
   each rank would follow its own half-batch gradients and differ from it.
 - **Checkpoint + resume**: PPO (policy + value net in one engine) and SAC (two engines) train

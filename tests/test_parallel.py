@@ -1,4 +1,4 @@
-"""agents/parallel.py on one CPU process, and its engine branches against a stand-in engine
+"""agents/parallel/__init__.py on one CPU process, and its engine branches against a stand-in engine
 (the real DeepSpeed runs are tests/test_deepspeed_gpu.py's)."""
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ from data.core.schema import EXTRA_PREFIX, TASK
 class PolicyCalls(nn.Module):
     """The policy's training-time calls (and a separate value net's) behind one ``forward``,
     so that they run through the one module ``accelerator.prepare`` returns (DDP hooks,
-    DeepSpeed engine). ``what`` names one call or a tuple of calls made in that order in
+    sharded engine). ``what`` names one call or a tuple of calls made in that order in
     *one* forward (DDP reduces once per forward/backward pair):
     ``"log_prob"`` (obs, actions) -> [B]; ``"token_log_prob"`` -> [B, T]; ``"sample"`` -> (actions, log_prob);
     ``"value"`` -> value [B] (the value net's when there is one, else the policy's).
 
-    Why one wrapper for policy and value net: accelerate prepares one model per DeepSpeed
+    Why one wrapper for policy and value net: accelerate prepares one model per sharded
     engine, and under DDP one forward per backward keeps the reducer's bookkeeping simple."""
 
     def __init__(self, policy: nn.Module, value: nn.Module | None = None):
@@ -39,7 +39,7 @@ class PolicyCalls(nn.Module):
         raise ValueError(f"unknown call {what!r}")
 
     def forward(self, obs: Batch, actions: torch.Tensor | None = None, what="log_prob"):
-        # a DeepSpeed bf16 engine casts this module's weights to bf16 while the batch stays
+        # a sharded bf16 engine casts this module's weights to bf16 while the batch stays
         # float32: compute under autocast then (no-op for policies that hold bf16 already)
         with low_precision_autocast(self):
             if isinstance(what, str):

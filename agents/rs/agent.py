@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from agents import parallel
 from agents.base import Batch, BCPolicy, check_pair
 from agents.common.policy_calls import take, to_device
 
@@ -189,7 +190,7 @@ def bc_inputs(batch: Batch) -> Batch:
 class BCLoss(torch.nn.Module):
     """The policy's ``bc_loss`` as the ``forward`` of the module ``accelerator.prepare``
     returns, so the BC gradient is all-reduced across ranks (DDP) or goes through the
-    DeepSpeed engine; calling the unwrapped policy's ``bc_loss`` would skip both."""
+    sharded engine; calling the unwrapped policy's ``bc_loss`` would skip both."""
 
     def __init__(self, policy: torch.nn.Module):
         super().__init__()
@@ -265,10 +266,8 @@ class BCAgent:
         n = len(next(iter(batch.values())))
         if not m or m >= n:
             return [(batch, 1.0)]
-        from accelerate.utils import DistributedType
-
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError("algo.micro_batch_size: under DeepSpeed set gradient_accumulation_steps in its "
+        if parallel.uses_deepspeed(self.accelerator):
+            raise ValueError("algo.micro_batch_size: with sharded engines (ZeRO) set gradient_accumulation_steps in the "
                              "config instead (its engine steps inside every backward)")
         return [(take(batch, torch.arange(s, min(s + m, n), device=self.device)), min(m, n - s) / n)
                 for s in range(0, n, m)]

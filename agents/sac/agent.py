@@ -33,7 +33,7 @@ from agents import parallel
 from agents.base import Batch, FeaturePolicy, ReparamSampler, check_pair
 from agents.common.critics import EnsembleCritic, make_critic
 from agents.common.policy_calls import to_device
-from agents.sac.engines import prepare_sac_engines
+from agents.parallel.sac_engines import prepare_sac_engines
 from agents.sac.phases import run_phase
 from data.core.spec import EnvSpec
 
@@ -227,11 +227,11 @@ def utd_update(agent, batches: Iterator[Batch], prepare) -> dict[str, float]:
 class SACModel(nn.Module):
     """SAC's trained parts (actor, critic ensemble, temperature) behind one ``forward``, so
     that every forward that needs a gradient runs through the module ``accelerator.prepare``
-    returned (DDP's all-reduce hooks; a DeepSpeed engine) and one ``prepare`` gets one model.
+    returned (DDP's all-reduce hooks; a sharded engine) and one ``prepare`` gets one model.
 
     Under DDP it is exact (each part keeps its optimizer; a phase's backward all-reduces the
-    gradients of the parts it touched) and free on one process. Under DeepSpeed SAC uses one
-    engine per trained model instead (:mod:`agents.sac.engines`).
+    gradients of the parts it touched) and free on one process. Under a sharded engine SAC uses one
+    engine per trained model instead (:mod:`agents.parallel.sac_engines`).
 
     Phases (``what``), each one forward:
 
@@ -269,8 +269,8 @@ class SACModel(nn.Module):
 
 class LocalSteps:
     """SAC's optimizer steps and checkpoint state on one process or under DDP (one prepared
-    model, three optimizers); :class:`agents.sac.engines.EngineSteps` is the same over
-    DeepSpeed's two engines. :func:`prepare_sac` sets one as ``agent.steps``."""
+    model, three optimizers); :class:`agents.parallel.sac_engines.EngineSteps` is the same over
+    the two sharded engines. :func:`prepare_sac` sets one as ``agent.steps``."""
 
     def __init__(self, agent):
         self.agent = agent
@@ -316,7 +316,7 @@ class LocalSteps:
             a._temp_raw.log_alpha.copy_(state["log_alpha"])
         # torch optimizers adopt the given tensors (no copy): copy so that training this agent
         # never mutates the caller's state dict
-        for name in ("actor_opt", "critic_opt", "temp_opt"):  # a DeepSpeed run's engines hold
+        for name in ("actor_opt", "critic_opt", "temp_opt"):  # a sharded run's engines hold
             if name in state:  # its actor/critic optimizers: evaluating it reads the weights only
                 getattr(a, name).load_state_dict(copy.deepcopy(state[name]))
         a.num_updates = int(state["num_updates"])
@@ -325,17 +325,17 @@ class LocalSteps:
 def prepare_sac(agent, model: SACModel, actor_params, critic: nn.Module, temperature: nn.Module,
                 engines: bool = False):
     """Optimizers for the three parts, ``model`` through ``accelerator.prepare`` (one model,
-    three optimizers: DDP or one process; under DeepSpeed, with ``engines``, two engines:
-    :mod:`agents.sac.engines`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
-    ``critic_opt``/``temp_opt``, ``agent.engines`` (None without DeepSpeed), ``agent.steps``
-    (:class:`LocalSteps` or :class:`agents.sac.engines.EngineSteps`), the raw parts
+    three optimizers: DDP or one process; sharded, with ``engines``, two engines:
+    :mod:`agents.parallel.sac_engines`). Sets ``agent.model`` (prepared), ``agent.actor_opt``/
+    ``critic_opt``/``temp_opt``, ``agent.engines`` (None when not sharded), ``agent.steps``
+    (:class:`LocalSteps` or :class:`agents.parallel.sac_engines.EngineSteps`), the raw parts
     ``agent._actor_raw``/``_critic_raw``/``_temp_raw`` and the target critic."""
     acc, cfg = agent.accelerator, agent.cfg
     agent.engines = None
     if parallel.uses_engines(acc):
         if not engines:
-            parallel.refuse_engines(acc, f"{type(agent).__name__} does not run under DeepSpeed")
-        return prepare_sac_engines(agent, model.actor, actor_params, critic, temperature)
+            parallel.refuse_engines(acc, f"{type(agent).__name__} does not run on sharded engines (ZeRO)")
+        return prepare_sac_engines(agent, model.actor, actor_params, critic, temperature, run_phase)
     # fused Adam: one kernel per step instead of ~10 ops per tensor (2x faster on CPU)
     fused = acc.device.type in ("cpu", "cuda")
     model.to(acc.device)
@@ -475,7 +475,7 @@ class SACAgent:
 
     def state_dict(self) -> dict:
         """Policy, critics, target critics, log_alpha, the optimizers and the counter
-        (:class:`LocalSteps`; under DeepSpeed :class:`agents.sac.engines.EngineSteps`)."""
+        (:class:`LocalSteps`; sharded: :class:`agents.parallel.sac_engines.EngineSteps`)."""
         return self.steps.state_dict()
 
     def load_state_dict(self, state: dict) -> None:

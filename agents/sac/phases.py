@@ -1,6 +1,6 @@
 """SAC's phase dispatch, one place for its two callers: :class:`agents.sac.agent.SACModel`
-(one prepared module: DDP or one process) and :class:`agents.sac.engines.SACEngines` (two
-DeepSpeed engines). They differ only in how they sample the actor and score its actions."""
+(one prepared module: DDP or one process) and :class:`agents.parallel.sac_engines.SACEngines` (two
+sharded engines). They differ only in how they sample the actor and score its actions."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""SAC under DeepSpeed (ZeRO-2/3): one engine per trained model (:mod:`agents.parallel` does
-the preparing, stepping, reducing and gathering).
+"""SAC under DeepSpeed (ZeRO-2/3): one engine per trained model (the rest of :mod:`agents.parallel`
+does the preparing, stepping, reducing and gathering). SAC's own maths stays in :mod:`agents.sac`:
+its phase dispatch comes in as ``run_phase``.
 
 SAC steps its actor, critic ensemble and temperature separately, and one DeepSpeed engine
 steps one optimizer over all of its parameters (Adam moves parameters whose gradient is zero
@@ -32,7 +33,7 @@ bf16 engines hold bf16 weights while batches stay float32: forwards run under au
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -40,7 +41,6 @@ from torch import nn
 from agents import parallel
 from agents.base import Batch
 from agents.parallel import low_precision_autocast
-from agents.sac.phases import run_phase
 
 
 class ActorCalls(nn.Module):
@@ -78,11 +78,12 @@ class SACEngines:
     which for the frozen critic has nothing to reduce and fails. Under ZeRO-3 the critic's
     parameters are still gathered for that forward by the hooks ZeRO-3 puts on every submodule."""
 
-    def __init__(self, actor, critic, temperature: nn.Module, critic_raw: nn.Module):
+    def __init__(self, actor, critic, temperature: nn.Module, critic_raw: nn.Module, run_phase: Callable):
         self.actor, self.critic, self.temperature, self.critic_raw = actor, critic, temperature, critic_raw
+        self.run_phase = run_phase
 
     def __call__(self, batch: Batch, what: str, actions: torch.Tensor | None = None, prefix: str = ""):
-        return run_phase(what, batch, actions, prefix, sample=self.actor, critic=self.critic,
+        return self.run_phase(what, batch, actions, prefix, sample=self.actor, critic=self.critic,
                          temperature=self.temperature, score=self._score,
                          unknown="SAC phase {!r} is not available under DeepSpeed")
 
@@ -92,9 +93,10 @@ class SACEngines:
 
 
 def prepare_sac_engines(agent: Any, policy: nn.Module, actor_params: list, critic: nn.Module,
-                          temperature: nn.Module) -> None:
+                        temperature: nn.Module, run_phase: Callable) -> None:
     """Sets what :func:`agents.sac.agent.prepare_sac` sets, with two engines (module docstring);
-    ``agent.engines`` = (actor engine, critic engine)."""
+    ``agent.engines`` = (actor engine, critic engine); ``run_phase``: SAC's phase dispatch
+    (:func:`agents.sac.phases.run_phase`)."""
     acc, cfg = agent.accelerator, agent.cfg
     if cfg.critic_encoder == "shared":
         raise ValueError("critic_encoder=shared trains the policy's encoder from the critic: under "
@@ -111,7 +113,7 @@ def prepare_sac_engines(agent: Any, policy: nn.Module, actor_params: list, criti
     critic_engine, agent.critic_opt = parallel.prepare_engine(acc, CriticCalls(critic).to(dev), critic_opt)
     agent.temp_opt = torch.optim.Adam(temperature.parameters(), lr=cfg.temp_lr)
     agent.engines = (actor_engine, critic_engine)
-    agent.model = SACEngines(actor_engine, critic_engine, temperature, critic)
+    agent.model = SACEngines(actor_engine, critic_engine, temperature, critic, run_phase)
     agent._actor_raw, agent._critic_raw, agent._temp_raw = policy, critic, temperature
     agent.critic, agent.temperature = critic, temperature
     # prepare broadcast rank 0's weights into the engines: the target starts from them
