@@ -52,6 +52,7 @@ from gymnasium import spaces
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
 from data.core.spec import EnvSpec
 from envs.rendering import configure_rendering
+from envs.spec import camera_strip, checked_action
 from envs.reset_options import init_state_seed, single_task_init_state
 from envs.wrappers import TEXT_SPACE
 
@@ -235,10 +236,7 @@ class GymHilEnv(gym.Env):
     def step(self, action):
         if self._done:
             raise RuntimeError("step() after the episode ended; call reset()")
-        a = np.asarray(action, dtype=np.float64).reshape(ACTION_DIM)
-        if not np.all(np.isfinite(a)):
-            raise ValueError(f"non-finite action {a}")
-        a = np.clip(a, -1.0, 1.0)
+        a = checked_action(action, ACTION_DIM)
         raw_action = np.concatenate([a[:3] * self._step_size, np.zeros(3), a[3:4]])
         raw, rew, terminated, truncated, info = self._env.step(raw_action)
         success = bool(info.get("succeed", rew >= 1.0))
@@ -251,10 +249,8 @@ class GymHilEnv(gym.Env):
     def render(self):
         if self._last_obs is None:
             return None
-        imgs = [v for k, v in self._last_obs.items() if k.startswith(OBS_IMAGE_PREFIX)]
-        if imgs:
-            return np.concatenate(imgs, axis=1)
-        return self._env.render()[0]
+        strip = camera_strip(self._last_obs)
+        return strip if strip is not None else self._env.render()[0]
 
     def close(self):
         if getattr(self, "_env", None) is not None:

@@ -37,3 +37,19 @@ def spec_from_env(env: gym.Env) -> EnvSpec:
         has_task=TASK in space.spaces,
         max_episode_steps=int(steps),
     )
+
+
+def camera_strip(obs: dict | None) -> np.ndarray | None:
+    """The observation's camera images side by side (an env's ``render()``), None without any."""
+    if obs is None:
+        return None
+    imgs = [v for k, v in obs.items() if k.startswith(OBS_IMAGE_PREFIX)]
+    return np.concatenate(imgs, axis=1) if imgs else None
+
+
+def checked_action(action, shape, dtype=np.float64, low=-1.0, high=1.0) -> np.ndarray:
+    """``action`` as an array of ``shape``, refused when not finite, clipped to [low, high]."""
+    a = np.asarray(action, dtype=dtype).reshape(shape)
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"non-finite action {a}")
+    return np.clip(a, low, high)

@@ -26,38 +26,18 @@ import torch
 from torch import nn
 
 from agents.base import ActionChunk, Batch, ExtrasSpec
-from agents.common.encoders import ObsEncoder, activation
+from agents.common.encoders import EncoderConfig, ObsEncoder, activation
 from agents.common.squash import tanh_log_det
 from data.core.spec import EnvSpec
 
 
 @dataclass
-class MLPPolicyConfig:
-    """Architecture of :class:`MLPPolicy` (the encoder fields are :class:`agents.common.encoders.EncoderConfig`'s)."""
+class MLPPolicyConfig(EncoderConfig):
+    """Architecture of :class:`MLPPolicy`: the observation encoder's fields (inherited from
+    :class:`agents.common.encoders.EncoderConfig`) and the actor's."""
 
     #: widths of the actor's hidden layers (after the observation encoder)
     hidden_dims: tuple[int, ...] = (256, 256)
-    #: output channels of the conv layers of the per-camera CNN (3x3 kernels; the first
-    #: layer has stride 2, the others stride 1, DrQ-style); unused without cameras
-    cnn_channels: tuple[int, ...] = (32, 32, 32, 32)
-    #: size of each camera's embedding (linear + LayerNorm + tanh after the CNN)
-    image_embed_dim: int = 50
-    #: hidden width of the state MLP used when there are cameras (0: feed the raw state);
-    #: without cameras the raw state goes straight to the actor/critic MLP
-    state_embed_dim: int = 64
-    #: image encoder: "flatten" (per-camera CNN flattened into a linear layer) or "pool"
-    #: (one strided CNN for all cameras + learned spatial pooling; ~100x fewer parameters)
-    image_encoder: str = "flatten"
-    #: learned spatial features per channel of the "pool" encoder
-    pool_features: int = 8
-    #: "pool": conv backbone frozen at its seeded init (LeRobot HIL-SERL's default), memoised
-    freeze_backbone: bool = False
-    #: frozen backbone: outputs kept per distinct image (content digest), at most this many
-    backbone_cache: int = 50_000
-    #: size of the instruction's embedding (bag of hashed words); 0: the instruction is ignored
-    task_embed_dim: int = 0
-    #: hash buckets (learned word embeddings) of the instruction encoder
-    task_buckets: int = 256
     #: lower bound of the Gaussian's log standard deviation (pre-tanh)
     log_std_min: float = -5.0
     #: upper bound of the Gaussian's log standard deviation (pre-tanh)

@@ -27,6 +27,7 @@ from envs.libero.spec import (
 )
 from envs.libero.tasks import SUITE_MAX_STEPS, list_tasks, load_init_states, parse_task_ids
 from envs.reset_options import check_reset_options
+from envs.spec import camera_strip, checked_action
 from envs.wrappers import TEXT_SPACE
 
 DUMMY_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
@@ -257,10 +258,7 @@ class LiberoEnv(gym.Env):
     def step(self, action):
         if self._done:
             raise RuntimeError("step() after the episode ended; call reset()")
-        a = np.asarray(action, dtype=np.float64).reshape(ACTION_DIM)
-        if not np.all(np.isfinite(a)):
-            raise ValueError(f"non-finite action {a}")
-        a = np.clip(a, -1.0, 1.0)
+        a = checked_action(action, ACTION_DIM)
         raw, _, _, info = self._env.step(a)
         success = bool(self._env.check_success())
         obs = self._format(raw)
@@ -290,10 +288,7 @@ class LiberoEnv(gym.Env):
         return self._last_obs
 
     def render(self):
-        if self._last_obs is None:
-            return None
-        imgs = [v for k, v in self._last_obs.items() if k.startswith(OBS_IMAGE_PREFIX)]
-        return np.concatenate(imgs, axis=1) if imgs else None
+        return camera_strip(self._last_obs)
 
     def close(self):
         if self._env is not None:

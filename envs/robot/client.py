@@ -41,6 +41,7 @@ from envs.robot.protocol import (
     RobotLinkLost, RobotStopped, endpoint_is_loopback, jsonable, obs_from_message,
 )
 from envs.robot.heartbeat import Heartbeat
+from envs.spec import camera_strip, checked_action
 from envs.wrappers import TEXT_SPACE
 
 
@@ -247,10 +248,8 @@ class RobotEnv(gym.Env):
             raise RuntimeError("call reset() first: the client takes control of the robot on reset")
         if self.link_lost:
             raise self._lost("heartbeat lost")
-        a = np.asarray(action, dtype=np.float32).reshape(self.action_space.shape)
-        if not np.all(np.isfinite(a)):
-            raise ValueError(f"non-finite action {a}")
-        a = np.clip(a, self.action_space.low, self.action_space.high)
+        a = checked_action(action, self.action_space.shape, np.float32, self.action_space.low,
+                           self.action_space.high)
         self._seq += 1
         try:
             msg = self._request("act", {"seq": self._seq}, {"action": a})
@@ -290,10 +289,7 @@ class RobotEnv(gym.Env):
         return True
 
     def render(self):
-        if self._last_obs is None:
-            return None
-        imgs = [v for k, v in self._last_obs.items() if k.startswith(OBS_IMAGE_PREFIX)]
-        return np.concatenate(imgs, axis=1) if imgs else None
+        return camera_strip(self._last_obs)
 
     def close(self):
         if self._closed:
