@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from data.core.schema import EXTRA_PREFIX
+from data.with_store import WithStore
 
 log = logging.getLogger("tandem.data.rollouts")
 
@@ -285,7 +286,7 @@ class RolloutQueue:
 
 
 @dataclass
-class Rollouts:
+class Rollouts(WithStore):
     """An on-policy algorithm's data: ``queue`` (ingest's sink) and the episode ``store``
     (or None), which ingest writes every episode to."""
 
@@ -297,14 +298,10 @@ class Rollouts:
         return self.queue
 
     def status(self) -> dict:
-        st = self.queue.status()
-        if self.store is not None:
-            st.update(self.store.status())
-        return st
+        return self._status_with_store(self.queue.status())
 
     def close(self, timeout: float = 30.0) -> None:
-        if self.store is not None:
-            self.store.close(timeout)
+        self._close_store(timeout)
         self.queue.close()
 
 

@@ -30,6 +30,7 @@ import torch
 
 from data.replay import ReplayBuffer
 from data.core.spec import EnvSpec
+from data.with_store import WithStore
 
 log = logging.getLogger("tandem.data.sampler")
 
@@ -135,7 +136,7 @@ class PolicyVersionView:
 
 
 @dataclass
-class Replay:
+class Replay(WithStore):
     """The learner's replay pieces: ``buffer`` (ingest's sink: it adds records to it),
     ``store`` (or None), ``sampler`` (what the algorithm samples: the buffer, or demos
     mixed in)."""
@@ -153,13 +154,10 @@ class Replay:
         st: dict[str, Any] = {"transitions": len(self.buffer), "records": self.buffer.num_records}
         if self.demo is not None:
             st["demo_transitions"] = len(self.demo)
-        if self.store is not None:
-            st.update(self.store.status())
-        return st
+        return self._status_with_store(st)
 
     def close(self, timeout: float = 30.0) -> None:
-        if self.store is not None:
-            self.store.close(timeout)
+        self._close_store(timeout)
         self.buffer.close()
         if self.demo is not None:
             self.demo.close()
