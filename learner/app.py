@@ -402,7 +402,7 @@ class Learner:
                   pub_port=self.service.pub_port, received=dict(self.ingest.received),
                   stored=self.data.sink.total_added, rejections=dict(self.ingest.rejections),
                   dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status(),
-                  staged_mb=round(self.ingest.staged_bytes / 2**20, 3),
+                  staged_mb=round(self.ingest.episodes.staged_bytes / 2**20, 3),
                   rejected_by_code=dict(self.service.rejections), wire_gate={
                       "restarts": self.service.gate.restarts, "exits": list(self.service.gate.exits),
                       **self.service.gate.stats},
