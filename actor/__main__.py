@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 @hydra.main(version_base=None, config_path="../config", config_name="actor")
 def main(cfg: DictConfig) -> None:
     from actor.app import Actor
-    from actor.client import HandshakeError
+    from actor.session import HandshakeError
 
     log = logging.getLogger("tandem.actor")
     try:

@@ -140,7 +140,7 @@ class Actor:
         return self.client.act(arrays, tasks, deterministic=deterministic)
 
     def run(self) -> ActorLoop:
-        from actor.client import LearnerFinished
+        from actor.session import LearnerFinished
 
         cfg = self.cfg
         # SIGINT and SIGTERM alike, also when started in the background with SIGINT ignored

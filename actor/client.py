@@ -1,9 +1,7 @@
-"""The actor's connection to the learner: a DEALER socket (and an act DEALER), used from one
-thread.
-
-It handshakes, asks for actions, streams spooled transition batches and processes acks,
-with timeouts, retries and heartbeats. When the learner stops answering (restart, dropped
-link) it closes the socket, opens a new one and handshakes again ("lazy pirate"); the
+"""The actor's connection to the learner, used from one thread: over an
+:class:`actor.session.Session` (the sockets, the handshake and what the welcome said) it asks
+for actions, streams spooled transition batches and processes acks, with timeouts, retries
+and heartbeats. When the learner stops answering (restart, dropped link) it closes the socket, opens a new one and handshakes again ("lazy pirate"); the
 welcome says what the learner has acknowledged, and everything after that is resent from
 the spool. A config mismatch or an evaluation that is finished is final and raised; an act
 that gets no actions (the learner could not serve it, or did not answer) raises
@@ -25,30 +23,20 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 import numpy as np
 import zmq
 
+from actor.session import LearnerFinished, Session
 from actor.spool import Spool
-from data.core.codec import CodecError, Message, decode, encode, recv_frames, send_frames
+from data.core.codec import Message, encode, recv_frames, send_frames
 from data.core.jobs import Job
-from data.core.schema import ACT_TOKEN_BYTES, EXTRA_PREFIX
-from data.core.security import configure_client_socket
-from data.core.spec import EnvSpec
+from data.core.schema import EXTRA_PREFIX
 
 log = logging.getLogger("tandem.actor.client")
 # plain ints: pyzmq's enum members cost Python-level enum code in & and in setsockopt
 _POLLIN, _RCVTIMEO = int(zmq.POLLIN), int(zmq.RCVTIMEO)
-
-
-class HandshakeError(RuntimeError):
-    """The learner refused this actor (config mismatch, bad hello): not retried."""
-
-
-class LearnerFinished(RuntimeError):
-    """The learner said it is done (evaluation finished)."""
 
 
 class ActError(RuntimeError):
@@ -59,6 +47,10 @@ class ActError(RuntimeError):
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
         self.code, self.message = code, message
+
+
+def _from_session(name: str) -> property:
+    return property(lambda self: getattr(self.session, name), doc=f"the session's ``{name}`` (read-only)")
 
 
 class LearnerClient:
@@ -78,118 +70,60 @@ class LearnerClient:
         security: dict | None = None,
         max_message_bytes: int = 64 << 20,
     ):
-        self.ctx = ctx
-        self.host = host
-        self.endpoint = f"tcp://{host}:{port}"
-        self.actor_id = actor_id
-        self.config_hash = config_hash
         self.spool = spool
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.reconnect_after = reconnect_after
         self.max_in_flight = max_in_flight
-        self.security = security or {}
-        self.max_message_bytes = max_message_bytes
-        self.sock: zmq.Socket | None = None
-        #: the act socket (routing id = the session's act token), None: acts use ``sock``
-        self.act_sock: zmq.Socket | None = None
-        self.learner_id: str | None = None
-        self.mode = "train"
-        #: the learner's spec from the last welcome (env layout + policy extras), or None
-        self.spec: EnvSpec | None = None
-        #: the learner hands out jobs (ask with :meth:`get_job` before each reset)
-        self.jobs = False
+        #: the sockets, the handshake and what the last welcome said
+        self.session = Session(ctx=ctx, host=host, port=port, actor_id=actor_id, config_hash=config_hash,
+                               spool=spool, timeout_s=timeout_s, security=security or {},
+                               max_message_bytes=max_message_bytes)
         self._job_warned = False
         self._job_misses = 0
         self.policy_version = 0
-        self.connected = False
-        self.reconnects = 0
         self._req_id = 0
         self._in_flight: list[tuple[int, int]] = []  # sent, not yet received by the learner
         self._next_send = 0  # first sequence number not yet sent on this connection
         self._received = -1  # the learner has every record <= this
-        self._last_rx = 0.0
         self._last_ping = 0.0
         self._last_progress = 0.0
         self.weights_msg: Message | None = None
-        self._hello_at = 0.0
-        self._hello_attempts = 0
-        self._in_use_warned = False
-        #: random per-process token in every hello: the learner lets this process take over its
-        #: own live session (a retried handshake), never another process claiming the same id
-        self.instance = uuid.uuid4().hex
         self.last_act_ms, self.on_act_reply = 0.0, None
+
+    # the session's state, read here by the actor's loop, its policies and tools
+    sock = _from_session("sock")
+    act_sock = _from_session("act_sock")
+    connected = _from_session("connected")
+    learner_id = _from_session("learner_id")
+    endpoint = _from_session("endpoint")
+    instance = _from_session("instance")
+    reconnects = _from_session("reconnects")
+    mode = _from_session("mode")
+    #: the learner's spec from the last welcome (env layout + policy extras), or None
+    spec = _from_session("spec")
+    #: the learner hands out jobs (ask with :meth:`get_job` before each reset)
+    jobs = _from_session("jobs")
 
     # ---- connection ----------------------------------------------------------------------
 
-    def _new_socket(self) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RECONNECT_IVL, 100)
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # per frame, before it is buffered
-        configure_client_socket(s, self.security)
-        s.connect(self.endpoint)
-        self.sock = s
-
-    def _start_handshake(self) -> None:
-        self._new_socket()
-        self.connected = False
-        self._hello_at = time.monotonic()
-        self._hello_attempts += 1
-        self.sock.send_multipart(encode("hello", {
-            "actor_id": self.actor_id, "config_hash": self.config_hash,
-            "resend_from": self.spool.resend_from, "instance": self.instance,
-        }))
-        if self._hello_attempts == 2 or self._hello_attempts % 10 == 0:
-            log.warning("no answer from learner at %s (attempt %d); retrying", self.endpoint,
-                        self._hello_attempts - 1)
-
     def _pump_handshake(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for the welcome; restart the handshake when it is late."""
-        if self.sock is None:
-            self._start_handshake()
-        if self.sock.poll(int(timeout_s * 1000)):
-            msg = self._recv()
-            if msg is not None and msg.type == "welcome":
-                self._on_welcome(msg)
-            elif msg is not None and msg.type == "error":
-                if msg["code"] == "finished":
-                    raise LearnerFinished(msg["message"])
-                if msg["code"] == "actor_id_in_use":
-                    # our previous session (or an impostor) still holds the id: the learner
-                    # frees it once that session is silent; the hello is retried after timeout_s
-                    if not self._in_use_warned:
-                        log.warning("learner: %s (retrying)", msg["message"])
-                        self._in_use_warned = True
-                    return
-                raise HandshakeError(f"learner refused actor {self.actor_id!r}: {msg['code']}: {msg['message']}")
-        elif time.monotonic() - self._hello_at > self.timeout_s:
-            self._start_handshake()
+        welcome = self.session.pump(timeout_s)
+        if welcome is not None:
+            self._on_welcome(welcome)
 
     def connect(self, *, give_up_after_s: float | None = None) -> None:
         """Handshake, retrying until the learner answers (or ``give_up_after_s`` passes)."""
         start = time.monotonic()
-        self._start_handshake()
+        self.session.start()
         while not self.connected:
             self._pump_handshake(min(0.2, self.timeout_s))
             if give_up_after_s is not None and time.monotonic() - start > give_up_after_s:
                 raise TimeoutError(f"no learner answered at {self.endpoint} in {give_up_after_s:.0f}s")
 
     def _on_welcome(self, msg: Message) -> None:
-        if self.learner_id is not None and msg["learner_id"] != self.learner_id:
-            log.info("learner restarted (%s -> %s)", self.learner_id, msg["learner_id"])
-        self.reconnects += int(self.learner_id is not None)
-        try:
-            spec = EnvSpec.from_dict(msg["spec"])
-        except ValueError as exc:
-            raise HandshakeError(f"learner sent a bad spec: {exc}") from None
-        self.learner_id = msg["learner_id"]
-        self.spec = spec
-        self.jobs = bool(msg["jobs"])
-        self.mode = msg["mode"]
+        """Open the session, then continue the transition stream where the learner has it."""
+        self.session.accept(msg)
         self.policy_version = msg["policy_version"]
         acked = msg["acked_seq"]
         if acked >= self.spool.next_seq:
@@ -201,74 +135,23 @@ class LearnerClient:
         if msg["next_episode"] > self.spool.next_episode:
             self.spool.set_next_episode(msg["next_episode"])
         self._in_flight = []
-        self.connected = True
-        self._hello_attempts = 0
-        self._in_use_warned = False
-        now = time.monotonic()
-        self._last_rx = self._last_ping = self._last_progress = now
+        self._last_ping = self._last_progress = time.monotonic()
         log.info("connected to learner %s at %s: acked seq %d, %d records to resend, version %d, "
                  "mode %s, extras %s, jobs %s", self.learner_id, self.endpoint, acked, len(self.spool),
-                 self.policy_version, self.mode, sorted(spec.extras), self.jobs)
-        self._open_act_socket(msg["act_port"], msg["act_token"])
+                 self.policy_version, self.mode, sorted(self.spec.extras), self.jobs)
         self.flush()
-
-    def _open_act_socket(self, port: int, token: bytes) -> None:
-        """A fresh act DEALER for this session (the old one belonged to the last session)."""
-        if self.act_sock is not None:
-            self.act_sock.close(0)
-            self.act_sock = None
-        if port == 0:
-            return
-        if len(token) != ACT_TOKEN_BYTES or token[0] == 0:
-            raise HandshakeError(f"learner sent a bad act_token ({len(token)} bytes; expected "
-                                 f"{ACT_TOKEN_BYTES}, not starting with 0)")
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.ROUTING_ID, token)
-        s.setsockopt(zmq.RECONNECT_IVL, 100)
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        # observations up to this size are copied on send: cheaper than a zero-copy frame's
-        # hand-back through pyzmq's garbage-collector thread
-        s.copy_threshold = 1 << 20
-        s.setsockopt(_RCVTIMEO, max(1, int(self.timeout_s * 1000)))  # act()'s first wait
-        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        configure_client_socket(s, self.security)
-        s.connect(f"tcp://{self.host}:{port}")
-        self.act_sock = s
 
     def reconnect(self, *, block: bool = True) -> None:
         log.warning("learner at %s silent; reconnecting", self.endpoint)
         if block:
             self.connect()
         else:
-            self._start_handshake()
+            self.session.start()
 
     def close(self) -> None:
-        if self.act_sock is not None:
-            self.act_sock.close(0)
-            self.act_sock = None
-        if self.sock is not None:
-            try:
-                if self.connected:
-                    self.sock.send_multipart(encode("bye"), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self.sock.close(0)
-            self.sock = None
+        self.session.close()
 
     # ---- receiving -----------------------------------------------------------------------
-
-    def _recv(self, sock: zmq.Socket | None = None) -> Message | None:
-        sock = sock or self.sock
-        return self._decode(recv_frames(sock, copy=sock is not self.act_sock))
-
-    def _decode(self, frames: list) -> Message | None:
-        self._last_rx = time.monotonic()
-        try:
-            return decode(frames, max_bytes=self.max_message_bytes)
-        except CodecError as exc:
-            log.error("bad message from learner: %s", exc)
-            return None
 
     def _dispatch(self, msg: Message) -> None:
         if self.on_act_reply is not None and (msg.type == "act_reply" or msg.type == "error" and msg["code"] in (
@@ -290,7 +173,7 @@ class LearnerClient:
             if code == "finished":
                 raise LearnerFinished(msg["message"])
             if code == "handshake_required":
-                self._start_handshake()
+                self.session.start()
             elif code == "bad_transitions" and "sequence gap" in msg["message"]:
                 self._resend()
             else:
@@ -322,7 +205,7 @@ class LearnerClient:
             # without a timeout, ask the socket (Socket.poll builds a Poller per call)
             if (self.sock.getsockopt(zmq.EVENTS) & _POLLIN if remaining <= 0.0
                     else self.sock.poll(int(remaining * 1000))):
-                msg = self._recv()
+                msg = self.session.recv()
                 if msg is not None:
                     self._dispatch(msg)
                 continue
@@ -330,10 +213,10 @@ class LearnerClient:
         now = time.monotonic()
         if self._in_flight and now - self._last_progress > self.timeout_s:
             self._resend()  # nothing arrived for a while: resend what is pending
-        if now - self._last_rx > self.heartbeat_s and now - self._last_ping > self.heartbeat_s:
+        if now - self.session.last_rx > self.heartbeat_s and now - self._last_ping > self.heartbeat_s:
             self.sock.send_multipart(encode("ping", {"t": time.time()}))
             self._last_ping = now
-        if now - self._last_rx > self.heartbeat_s * self.reconnect_after + self.timeout_s:
+        if now - self.session.last_rx > self.heartbeat_s * self.reconnect_after + self.timeout_s:
             self.reconnect(block=False)
             return
         self.flush()
@@ -368,7 +251,7 @@ class LearnerClient:
         give_up = time.monotonic() + self.timeout_s * self.reconnect_after
         while True:
             if self.sock is None:
-                self._start_handshake()
+                self.session.start()
             while not self.connected:
                 if time.monotonic() > give_up:
                     raise ActError("not_connected", f"no welcome from the learner at {self.endpoint} "
@@ -394,7 +277,7 @@ class LearnerClient:
                     frames = recv_frames(sock, copy=False)
                 except zmq.Again:
                     break
-                msg = self._decode(frames)
+                msg = self.session.decode(frames)
                 if msg is None:
                     continue
                 if msg.type == "act_reply" and msg.fields["req_id"] == req:
@@ -455,7 +338,7 @@ class LearnerClient:
                 sent_on = (self.learner_id, id(self.sock))
             if not self.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                 break
-            msg = self._recv()
+            msg = self.session.recv()
             if msg is None:
                 continue
             if msg.type in ("job", "no_job") and msg["episode"] == episode:

@@ -97,7 +97,7 @@ class AsyncAct:
             left = deadline - time.monotonic()
             if not sock.poll(max(0, int(left * 1000))):
                 return None
-            msg = c._decode(recv_frames(sock, zmq.NOBLOCK, copy=sock is not c.act_sock))  # noqa: SLF001
+            msg = c.session.decode(recv_frames(sock, zmq.NOBLOCK, copy=sock is not c.act_sock))
             if msg is not None:
                 c._dispatch(msg)  # noqa: SLF001 - acks, pongs, a new handshake; this act's reply: the inbox
 

@@ -11,7 +11,8 @@ announced to and shared with ranks 1..N-1 (:class:`learner.distributed.Follower`
 
 Threads: the socket thread (:mod:`learner.service`), the inference thread
 (:mod:`learner.inference`) and this main thread, which steps the algorithm, publishes
-weight versions, checkpoints and logs.
+weight versions, checkpoints (:mod:`learner.checkpointing`) and logs (its figures:
+:mod:`learner.status`).
 
 The env spec comes from the env config (:func:`envs.registry.env_spec`): no simulator is
 built or imported here, so ``env=libero_spatial`` starts on a GPU box without LIBERO.
@@ -22,11 +23,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import zmq
@@ -38,13 +37,11 @@ from agents.policies.pi0.rtc import RtcSettings, check_rtc_pair
 from data.core.spec import EnvSpec, config_hash
 from envs.registry import env_spec
 from learner.actor_stats import ActorStats
-from learner.checkpoint import (checkpoint_age_s, format_age, latest_checkpoint, load_checkpoint,
-                                save_checkpoint)
+from learner.checkpointing import Checkpointer
 from data.stops import StopSignals
-from learner.console import LiveView, RateMeter, Stages, render, view_status
+from learner.console import LiveView, render
 from learner.distributed import (RankError, Ranks, RootRoute, check_shared_run_dir, check_world,
                                  gathered_trainable, make_accelerator, needs_gather)
-from learner.engine_state import engines_of, ranks_meta, restore_algo, save_ranked
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
 from learner.ingest import Ingest
@@ -53,9 +50,8 @@ from learner.jobs import JobQueue
 from learner.metrics import LoopClock, MetricsLogger
 from learner.rank_control import CTRL_GATHER, CTRL_IDLE, CTRL_STOP
 from learner.service import LearnerService
-from learner.finite_guard import nonfinite
+from learner.status import LearnerStatus
 from learner.weights import WeightPublisher
-from learner.wire_guard import RateLimitedLog
 
 log = logging.getLogger("tandem.learner")
 
@@ -142,7 +138,7 @@ class Learner:
         self.actor_stats = ActorStats(window=int(cfg.logging.stats_window))
         self.eval_videos = EvalVideos(self.spec) if cfg.mode == "eval" else None
         self.ingest.on_records = self._on_records
-        self._rates = {"status": RateMeter(), "view": RateMeter()}
+        self.status = LearnerStatus(self)  # the figures: logs, the live view, status.json
         self.serving_device, self.rtc = serving_device(cfg, self.device), RtcSettings.from_config(cfg.get("rtc"))
         # built with that GPU current: policies that say "cuda" (lerobot's PI0) land on it too
         with torch.cuda.device(self.serving_device) if self.serving_device.type == "cuda" else contextlib.nullcontext():
@@ -173,78 +169,18 @@ class Learner:
             rtc=self.rtc)
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
         self._stop = threading.Event()
-        self.checkpoints_refused = 0
-        self._skip_warn = RateLimitedLog(log, burst=3, window_s=60.0)
-        self._skipped_seen = 0
-        self._restore()
+        self.checkpoints = Checkpointer(
+            root=self.run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints, resume=cfg.resume, mode=cfg.mode,
+            algo=self.algo, ingest=self.ingest, weights=self.weights, ranks=self.ranks, trainable=self._trainable)
+        self.checkpoints.restore()
         self.metrics = MetricsLogger(
             run_dir=self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
             config=OmegaConf.to_container(cfg, resolve=True), name=f"{cfg.mode}-{cfg.env.name}",
         )
 
-    # ---- checkpoints ---------------------------------------------------------------------
-
-    def _restore(self) -> None:
-        ckpt_root = self.run_dir / "checkpoints"
-        path = latest_checkpoint(ckpt_root) if self.cfg.resume != "never" else None
-        self.ranks.share_text(str(path.resolve()) if path else "")  # every rank loads the same one
-        if path is None:
-            if self.cfg.resume == "must":
-                raise FileNotFoundError(f"resume=must but {ckpt_root} has no checkpoint")
-            if self.cfg.mode == "eval":
-                log.warning("evaluating an untrained policy: no checkpoint in %s", ckpt_root)
-            self.weights.publish(self._trainable(), version=0)
-            return
-        with Stages(f"checkpoint {path.name}", ["reading", "restoring", "publishing"]) as stage:
-            state = load_checkpoint(path)
-            if "algo" not in state:
-                raise ValueError(f"{path} is a checkpoint of an older Tandem (no 'algo' state); "
-                                 "start a new run_dir or pass resume=never")
-            stage()
-            restore_algo(self.algo, state, path, self.ranks.world, train=self.cfg.mode == "train")
-            if self.cfg.mode == "train":
-                self.ingest.load_state_dict(state["ingest"])
-            stage()
-            if self.weights.publish(self._trainable(), version=int(state["version"])) is None:
-                raise ValueError(f"{path}: its policy weights hold NaN or Inf "
-                                 f"({', '.join(self.weights.last_refused)}); resume from an earlier "
-                                 "checkpoint (delete this one) or start a new run_dir")
-        log.info("resumed from %s (written %s ago): %d updates, policy version %d", path,
-                 format_age(checkpoint_age_s(path)), self.algo.updates, self.weights.version)
-
     def save(self) -> Path | None:
-        """A checkpoint; with N ranks or DeepSpeed engines every rank writes its part
-        (:mod:`learner.engine_state`). None when it could not be written."""
-        engines, root, keep = engines_of(self.algo), self.run_dir / "checkpoints", self.cfg.trainer.keep_checkpoints
-
-        def state() -> dict[str, Any]:
-            return {"algo": self.algo.state_dict(), "ingest": self.ingest.state_dict(),
-                    "version": self.weights.version, "ranks": ranks_meta(self.ranks.world, engines)}
-
-        # never a checkpoint of weights that are not finite: the latest good one stays
-        if self._refuse_checkpoint(nonfinite(self.algo.policy.trainable_state_dict())):
-            return None
-        if self.ranks.world == 1 and not engines:
-            st = state()
-            if self._refuse_checkpoint(nonfinite(st["algo"])):
-                return None
-            return save_checkpoint(root, self.algo.updates, st, keep=keep)
-        if getattr(self, "_fatal_rank", None) is not None:  # the other ranks are gone
-            if engines:
-                log.error("no final checkpoint: the DeepSpeed state is split over the ranks and a rank "
-                          "died; the latest checkpoint stays %s", latest_checkpoint(root))
-                return None
-            return save_checkpoint(root, self.algo.updates, state(), keep=keep)  # DDP: rank 0's is whole
-        return save_ranked(self.ranks, root, self.algo.updates, state, engines, keep=keep)
-
-    def _refuse_checkpoint(self, bad: list[str]) -> bool:
-        if not bad:
-            return False
-        self.checkpoints_refused += 1
-        log.error("checkpoint not written: %d tensor(s) hold NaN or Inf (%s%s); the latest stays %s",
-                  len(bad), ", ".join(bad[:5]), ", ..." if len(bad) > 5 else "",
-                  latest_checkpoint(self.run_dir / "checkpoints"))
-        return True
+        """A checkpoint (:meth:`learner.checkpointing.Checkpointer.save`); None when it could not be written."""
+        return self.checkpoints.save(rank_died=getattr(self, "_fatal_rank", None) is not None)
 
     # ---- running -------------------------------------------------------------------------
 
@@ -270,7 +206,7 @@ class Learner:
         stops = StopSignals(on_stop=self._stop.set)
         stops.install()
         result: dict = {}
-        live = LiveView(lambda: render(self.full_status("view")), stray_output=str(self.run_dir / "native_output.log"),
+        live = LiveView(lambda: render(self.status.full("view")), stray_output=str(self.run_dir / "native_output.log"),
                         enabled=str(cfg.logging.get("live", "auto")) != "false").start()
         try:
             result = self._eval_loop() if cfg.mode == "eval" else self._train_loop()
@@ -288,7 +224,7 @@ class Learner:
                     log.error("%s: no final checkpoint", exc)
                     self._fatal_rank = exc
             self._stop_ranks()
-            self.write_status()
+            self.status.write()
             self.close()
             stops.restore()
             if self._fatal_rank is not None:
@@ -320,19 +256,6 @@ class Learner:
         if self.ranks.world > 1 and needs_gather(self.accelerator):
             self.ranks.send(CTRL_GATHER)
         return gathered_trainable(self.algo.policy, self.accelerator)
-
-    def _skipped_updates(self) -> dict[str, int]:
-        """Optimizer steps skipped for a non-finite loss or gradient, by reason."""
-        guard = getattr(self.accelerator, "finite_guard", None)
-        return dict(guard.skipped) if guard is not None else {}
-
-    def _note_skips(self) -> None:
-        total = sum(self._skipped_updates().values())
-        if total > self._skipped_seen:
-            self._skip_warn.warning("%d optimizer step(s) skipped for a non-finite loss or gradient "
-                                    "(%s in all); the weights stay finite", total - self._skipped_seen,
-                                    self._skipped_updates())
-            self._skipped_seen = total
 
     def _service_died(self, exc: BaseException) -> None:  # the dying socket thread
         """No half-alive learner: stop the main loop; :meth:`run` checkpoints and raises."""
@@ -370,52 +293,6 @@ class Learner:
         self.metrics.close()
         self.ctx.destroy(linger=0)
 
-    def _status(self) -> dict[str, float]:
-        s = self.ingest.stats.summary()
-        sizes = self.inference.batch_sizes[-200:]
-        return {
-            "updates": self.algo.updates, "version": self.weights.version,
-            "env_steps": self.ingest.steps, "episodes": int(s.get("episodes", 0)),
-            "return": s.get("return", float("nan")), "success": s.get("success", float("nan")),
-            "actors": self.service.active_actors(), "buffer": len(self.data.sink),
-            "infer_batch": float(sum(sizes) / len(sizes)) if sizes else 0.0,
-            "served": self.inference.served, "infer_batches": self.inference.batches,
-            "rejected": self.service.counters["rejected"],
-            "skipped_updates": sum(self._skipped_updates().values()),
-            "weights_refused": self.weights.refused,
-            "duplicates": self.service.counters["duplicates"],
-        }
-
-    def full_status(self, meter: str = "status") -> dict:
-        """:meth:`_status` plus the operator's view: per-actor rows, rates, phase, GPU."""
-        st: dict[str, Any] = self._status()
-        st["version"] = self.weights.version
-        st.update(view_status(self, st, self._rates[meter]))
-        if self.cfg.mode == "eval":
-            st["eval_target"] = self.sweep.total if self.sweep is not None else int(self.cfg.eval.episodes)
-        return st
-
-    def write_status(self) -> None:
-        """run_dir/status.json: counters for people and tests (atomic replace)."""
-        st = self.full_status()
-        st.update(learner_id=self.service.learner_id, port=self.service.port,
-                  pub_port=self.service.pub_port, received=dict(self.ingest.received),
-                  stored=self.data.sink.total_added, rejections=dict(self.ingest.rejections),
-                  dropped_episodes=dict(self.ingest.dropped_episodes), replay=self.data.status(),
-                  staged_mb=round(self.ingest.staged_bytes / 2**20, 3),
-                  rejected_by_code=dict(self.service.rejections), wire_gate={
-                      "restarts": self.service.gate.restarts, "exits": list(self.service.gate.exits),
-                      **self.service.gate.stats},
-                  skipped_updates_by_reason=self._skipped_updates(),
-                  checkpoints_refused=self.checkpoints_refused,
-                  internal_errors=self.service.counters["internal_errors"],
-                  rejection_logs_suppressed=self.service._warn.suppressed_total,
-                  stopped=self.stopped, pid=os.getpid(),  # threads: for per-thread CPU (/proc)
-                  threads={str(t.native_id): t.name for t in threading.enumerate() if t.native_id})
-        tmp = self.run_dir / ".status.json.tmp"
-        tmp.write_text(json.dumps(st, indent=1))
-        tmp.replace(self.run_dir / "status.json")
-
     def _train_loop(self) -> dict:
         cfg = self.cfg.trainer
         last_log, last_updates, last_ckpt = time.monotonic(), self.algo.updates, self.algo.updates
@@ -428,7 +305,7 @@ class Learner:
             if m:
                 clock.spent["busy"] += time.monotonic() - t0
                 metrics = m
-                self._note_skips()
+                self.status.note_skips()
                 if self.algo.should_publish():
                     with clock.timed("publish_s"):
                         self.weights.publish(self._trainable())
@@ -442,14 +319,14 @@ class Learner:
                 time.sleep(0.005)
             now = time.monotonic()
             if now - last_log >= self.cfg.logging.every_s:
-                status = {k: v for k, v in self.full_status().items() if isinstance(v, (int, float))}
+                status = {k: v for k, v in self.status.full().items() if isinstance(v, (int, float))}
                 status["updates_per_s"] = (self.algo.updates - last_updates) / (now - last_log)
                 status.update(clock.period(now - last_log, self.algo.updates - last_updates))
                 self.metrics.log({**status, **metrics}, step=self.algo.updates, console_keys=[
                     "updates", "updates_per_s", "version", "env_steps", "episodes", "return",
                     "success", "actors", "infer_batch"])
                 last_log, last_updates = now, self.algo.updates
-                self.write_status()
+                self.status.write()
             if cfg.max_updates and self.algo.updates >= cfg.max_updates:
                 break
             s = self.ingest.stats.summary()
@@ -463,7 +340,7 @@ class Learner:
                                 "episodes": int(s["episodes"]), "window": window,
                                 "updates": self.algo.updates}
                 break
-        return self._status()
+        return self.status.summary()
 
     def _eval_loop(self) -> dict:
         target, sweep = int(self.cfg.eval.episodes), self.sweep
@@ -473,9 +350,9 @@ class Learner:
             if sweep is not None:
                 sweep.reissue_timed_out()
             if time.monotonic() - last_log >= self.cfg.logging.every_s:
-                self.metrics.log(self._status(), step=self.ingest.stats.episodes,
+                self.metrics.log(self.status.summary(), step=self.ingest.stats.episodes,
                                  console_keys=["episodes", "return", "success", "actors"])
-                self.write_status()
+                self.status.write()
                 last_log = time.monotonic()
         if sweep is not None:
             report = {"version": self.weights.version, **sweep.report()}

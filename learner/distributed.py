@@ -359,7 +359,7 @@ class Follower:
         spec = env.with_extras(policy.extras_spec(), extras_ranges(policy))
         networks = builder.make_networks(spec, policy, self.accelerator.device)
         self.algo = builder.make_learner(networks, _NoData(), self.accelerator, env_steps=lambda: 0)
-        name = self.ranks.share_text(None)  # rank 0's pick (learner.app.Learner._restore)
+        name = self.ranks.share_text(None)  # rank 0's pick (learner.checkpointing.Checkpointer.restore)
         if name:
             path = Path(name)
             restore_algo(self.algo, load_checkpoint(path), path, self.ranks.world, train=True)

@@ -1,4 +1,4 @@
-"""Ingest: per-actor sequence numbers, episode checks, storage, durable acks, statistics.
+"""Ingest: per-actor sequence numbers, storage, durable acks, statistics.
 
 Each actor numbers its records 0, 1, 2, ... . ``received`` is the highest sequence number
 taken in (stored, or consumed as rejected) for an actor; a batch that overlaps it is trimmed
@@ -27,60 +27,28 @@ learner can push the ack without waiting for the actor's next batch. The commit 
 holds the acks, so a restarted learner starts from them (:meth:`Ingest.load_state_dict`
 never lowers them below what the dataset holds).
 
-Episode checks (each rejection counted in ``rejections`` under its reason and logged; the
-whole batch is consumed and nothing stored changes):
-
-- ``after_episode_end``: a record of an episode that already ended (after its ``is_last``
-  record, or a non-final record after its terminating or truncating step);
-- ``step_gap``: steps of an episode that do not follow one another;
-- ``is_last_without_end``: a final-observation record whose previous step neither
-  terminated nor truncated.
-
-An episode that lost records to a rejected batch, whose start is missing, that an actor
-left unfinished (a record of a newer episode arrives: an actor runs one episode at a time),
-that runs past ``max_episode_records`` without ending, or that is the oldest unfinished one
-when the records staged for the store by all actors together pass ``max_staged_bytes``
-(``evicted``: memory stays bounded however many actor ids hold never-ending episodes) is
-**dropped**: it never reaches the dataset (it is never half present), its records already in
-the replay buffer stay sampleable transitions, its further records are discarded, and
-``dropped_episodes`` counts it by reason. A dropped episode's records were never acknowledged
-(an open episode holds its actor's ack); the ack then moves past them.
+Each actor's episodes (checks, staging for the store, drops) are
+:class:`learner.episodes.ActorEpisodes`'s: a batch that breaks an episode is rejected (counted
+in ``rejections`` under its reason and logged; the whole batch is consumed and nothing stored
+changes), and an episode that cannot be completed is dropped (``dropped_episodes`` by reason):
+its records were never acknowledged (an open episode holds its actor's ack); the ack then
+moves past them.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Callable
 
 import numpy as np
 
 from data.core.transitions import TransitionBatch, TransitionError
-from learner.episode_stats import EpisodeStats, Recent
+from learner.episode_stats import EpisodeStats
+from learner.episodes import ActorEpisodes
 
 log = logging.getLogger("tandem.learner.ingest")
-
-@dataclass
-class _StagedEpisode:
-    """An actor's episode in progress: check state, and its records while a store needs them."""
-
-    episode: int
-    first_seq: int
-    records: int = 0
-    last_step: int = -1
-    ended: bool = False          # its terminating / truncating step has arrived
-    chunks: list = field(default_factory=list)  # (arrays, tasks, seqs) slices, when staging
-    nbytes: int = 0              # bytes of its staged records (counted in Ingest.staged_bytes)
-
-
-@dataclass
-class _Actor:
-    open: _StagedEpisode | None = None
-    pending: dict[int, int] = field(default_factory=dict)  # episode -> first seq, in the store
-    ended: Recent = field(default_factory=Recent)
-    dropped: Recent = field(default_factory=Recent)
 
 
 class Ingest:
@@ -92,14 +60,11 @@ class Ingest:
                  stats_window: int = 100, on_ack: Callable[[str, int], None] | None = None,
                  max_episode_records: int = 100_000, max_staged_bytes: int = 1 << 30):
         self.sink = sink
-        self.max_episode_records = int(max_episode_records)
-        #: bound on the records of unfinished episodes staged for the store, all actors together
-        self.max_staged_bytes = int(max_staged_bytes)
-        self.staged_bytes = 0
-        #: actor -> its open episode while it has staged records, oldest first (for eviction)
-        self._staged: OrderedDict[str, _StagedEpisode] = OrderedDict()
         self.store_transitions = store_transitions
         self.store = store if store_transitions else None
+        self.episodes = ActorEpisodes(store=self.store, max_episode_records=max_episode_records,
+                                      max_staged_bytes=max_staged_bytes, on_drop=self._on_drop)
+        self.dropped_episodes: Counter[str] = self.episodes.dropped  # by reason
         self.on_ack = on_ack
         self.stats = EpisodeStats(window=stats_window)
         self.received: dict[str, int] = {}
@@ -107,11 +72,8 @@ class Ingest:
         self._acked_here: set[str] = set()  # actors this process has acknowledged records of
         self.max_episode: dict[str, int] = {}
         self.rejections: Counter[str] = Counter()
-        self.dropped_episodes: Counter[str] = Counter()
-        self.discarded_records = 0
         self.steps = 0  # env steps stored (is_last records excluded)
         self._running: dict[tuple[str, int], list] = {}  # (actor, episode) -> [return, success, len]
-        self._actors: dict[str, _Actor] = defaultdict(_Actor)
         self._lock = threading.Lock()
         #: optional observer of new records, ``(batch, keep mask)``: the operator's view
         #: (learner/actor_stats.py) and evaluation videos; called under the lock
@@ -167,8 +129,8 @@ class Ingest:
                     "not in the restored state; continuing from %d",
                     actor_id, have + 1, resend_from - 1, resend_from,
                 )
-                self._drop_open(actor_id, "records_lost",
-                                f"records {have + 1}..{resend_from - 1} are gone")
+                self.episodes.drop_open(actor_id, "records_lost",
+                                        f"records {have + 1}..{resend_from - 1} are gone")
                 self.received[actor_id] = resend_from - 1
                 self._settle(actor_id)
 
@@ -219,7 +181,7 @@ class Ingest:
                 self._acked_here.add(actor)
                 self._track(new, np.ones(len(new), bool))
                 return new.last_seq, dup, None
-            problem = self._check(new)
+            problem = self.episodes.check(new)
             if problem is not None:
                 reason, detail = problem
                 self.rejections[reason] += 1
@@ -228,7 +190,7 @@ class Ingest:
                 self._consume_rejected(actor, new.first_seq, new.last_seq, new.arrays.get("episode"),
                                        f"a batch rejected for {reason}")
                 return self.acked.get(actor, -1), dup, f"{reason}: {detail}"
-            keep = self._route(new)
+            keep = self.episodes.route(new)
             if keep.all():
                 self.sink.add(new)
             elif keep.any():
@@ -239,166 +201,27 @@ class Ingest:
             self.received[actor] = new.last_seq
             self._settle(actor)
             self._track(new, keep)
-            if self.staged_bytes > self.max_staged_bytes:
-                self._bound_staged()
+            for evicted in self.episodes.evict():
+                self._settle(evicted)
             return self.acked.get(actor, -1), dup, None
 
-    def _check(self, b: TransitionBatch) -> tuple[str, str] | None:
-        """The first episode-level problem of a batch, simulated on a copy of the actor's
-        open episode; None if the batch is acceptable."""
-        st = self._actors[b.actor_id]
-        a = b.arrays
-        eps = a["episode"].tolist()
-        steps = a["step"].tolist()
-        last = a["is_last"].tolist()
-        ends = (a["terminated"] | a["truncated"]).tolist()
-        cur = None if st.open is None else [st.open.episode, st.open.last_step, st.open.ended]
-        for i, ep in enumerate(eps):
-            if ep in st.dropped:
-                continue  # discarded in _route, not a rejection
-            where = f"seq {b.first_seq + i}, episode {ep}, step {steps[i]}"
-            if ep in st.ended:
-                return "after_episode_end", f"{where}: that episode already ended"
-            if cur is not None and cur[0] == ep:
-                if cur[2] and not last[i]:
-                    return "after_episode_end", f"{where}: a step after the episode's last step"
-                if steps[i] != cur[1] + 1:
-                    return "step_gap", f"{where}: follows step {cur[1]}"
-            else:
-                cur = [ep, steps[i] - 1, False]  # a new episode (a missing start drops it)
-            if last[i]:
-                if not cur[2]:
-                    return "is_last_without_end", f"{where}: the previous step did not end it"
-                cur = None
-                continue
-            cur[1], cur[2] = steps[i], bool(ends[i])
-        return None
-
-    def _route(self, b: TransitionBatch) -> np.ndarray:
-        """Advance the actor's episode state over an accepted batch, stage records for the
-        store, hand finished episodes to it; returns the mask of records to keep."""
-        actor = b.actor_id
-        st = self._actors[actor]
-        a = b.arrays
-        n = len(b)
-        keep = np.ones(n, bool)
-        eps = a["episode"].tolist()
-        steps = a["step"].tolist()
-        last = a["is_last"].tolist()
-        ends = (a["terminated"] | a["truncated"]).tolist()
-        staging = self.store is not None
-        i = 0
-        while i < n:
-            ep = eps[i]
-            j = i + 1
-            while j < n and eps[j] == ep and not last[j - 1]:
-                j += 1  # [i, j): a run of records of one episode
-            self.max_episode[actor] = max(self.max_episode.get(actor, -1), ep)
-            if ep in st.dropped:
-                keep[i:j] = False
-                self.discarded_records += j - i
-                i = j
-                continue
-            op = st.open
-            if op is not None and op.episode != ep:
-                self._drop_open(actor, "unfinished",
-                                f"the actor moved on to episode {ep} without finishing it")
-                op = None
-            if op is None:
-                if steps[i] != 0:
-                    st.dropped.add(ep)
-                    self.dropped_episodes["start_missing"] += 1
-                    log.warning("actor %s: episode %d arrives from step %d (its start is missing): "
-                                "dropped", actor, ep, steps[i])
-                    keep[i:j] = False
-                    self.discarded_records += j - i
-                    i = j
-                    continue
-                op = st.open = _StagedEpisode(ep, b.first_seq + i)
-            op.records += j - i
-            if op.records > self.max_episode_records and not last[j - 1]:
-                # it would hold the actor's ack (and its staged records) forever
-                self._drop_open(actor, "too_long", f"more than {self.max_episode_records} records "
-                                "without an end")
-                i = j
-                continue
-            if staging:
-                chunk = {k: v[i:j] for k, v in a.items()}
-                op.chunks.append((chunk, b.tasks[i:j],
-                                  np.arange(b.first_seq + i, b.first_seq + j, dtype=np.int64)))
-                nb = sum([v.nbytes for v in chunk.values()])
-                op.nbytes += nb
-                self.staged_bytes += nb
-                self._staged.setdefault(actor, op)
-            op.last_step = steps[j - 1]
-            op.ended = bool(ends[j - 1])
-            if last[j - 1]:
-                st.open = None
-                self._release(actor, op)
-                st.ended.add(ep)
-                if staging:
-                    st.pending[ep] = op.first_seq
-                    self.store.submit(_episode(actor, op))
-            i = j
-        return keep
-
-    def _release(self, actor: str, op: _StagedEpisode) -> None:
-        """``op`` no longer counts as staged (finished: handed to the store; or dropped)."""
-        self.staged_bytes -= op.nbytes
-        op.nbytes = 0
-        if self._staged.get(actor) is op:
-            del self._staged[actor]
-
-    def _bound_staged(self) -> None:
-        """Over ``max_staged_bytes`` of unfinished episodes (all actors): drop the oldest open
-        episodes until under it. Each is counted (``dropped_episodes["evicted"]``) and logged;
-        its records were never acknowledged (an open episode holds its actor's ack), so its
-        actor's ack moves past them and they are never stored: nothing acknowledged is lost."""
-        while self.staged_bytes > self.max_staged_bytes and self._staged:
-            actor = next(iter(self._staged))
-            self._drop_open(actor, "evicted", f"{self.staged_bytes} bytes of unfinished episodes "
-                            f"staged, over the limit of {self.max_staged_bytes} (all actors): the "
-                            "oldest goes")
-            self._settle(actor)
-
-    def _drop_open(self, actor: str, reason: str, why: str) -> None:
-        st = self._actors[actor]
-        op = st.open
-        if op is None:
-            return
-        st.open = None
-        self._release(actor, op)
-        op.chunks = []
-        st.dropped.add(op.episode)
-        self.dropped_episodes[reason] += 1
-        self._running.pop((actor, op.episode), None)
+    def _on_drop(self, actor: str, episode: int) -> None:
+        self._running.pop((actor, episode), None)
         if hasattr(self.sink, "abandon"):
-            self.sink.abandon(actor, op.episode)
-        log.warning("actor %s: episode %d dropped (%s): %s; it is not written to the dataset",
-                    actor, op.episode, reason, why)
+            self.sink.abandon(actor, episode)
 
     def _consume_rejected(self, actor: str, first: int, last: int, ep_arr, what: str) -> None:
         """Sequence numbers ``first..last`` of a rejected batch are consumed; an open episode
         it touches (or, when its episode ids ``ep_arr`` are unreadable, any open episode of the
         actor) is dropped."""
-        st = self._actors[actor]
-        try:
-            flat = np.asarray(ep_arr).reshape(-1)
-            touched = set(flat.astype(np.int64).tolist()) if len(flat) == last - first + 1 else None
-        except (TypeError, ValueError):
-            touched = None
-        if st.open is not None and (touched is None or st.open.episode in touched):
-            self._drop_open(actor, "lost_records", f"records {first}..{last} went to {what}")
+        self.episodes.drop_touched(actor, first, last, ep_arr, what)
         self.received[actor] = max(self.received.get(actor, -1), last)
         self._settle(actor)
 
     def _acked_for(self, actor: str, settled: set[tuple[str, int]] = frozenset()) -> int:
-        st = self._actors[actor]
-        lows = [fs for ep, fs in st.pending.items() if (actor, ep) not in settled]
-        if st.open is not None and self.store is not None:
-            lows.append(st.open.first_seq)
+        held = self.episodes.holds(actor, settled)
         rec = self.received.get(actor, -1)
-        return min(min(lows) - 1, rec) if lows else rec
+        return rec if held is None else min(held - 1, rec)
 
     def _settle(self, actor: str) -> int:
         new = self._acked_for(actor)
@@ -418,8 +241,7 @@ class Ingest:
     def _on_durable(self, durable, dropped) -> None:
         advanced: list[tuple[str, int]] = []
         with self._lock:
-            for ep in list(durable) + list(dropped):
-                self._actors[ep.actor_id].pending.pop(ep.episode, None)
+            self.episodes.settled(list(durable) + list(dropped))
             self.dropped_episodes["store_refused"] += len(dropped)
             for actor in {ep.actor_id for ep in list(durable) + list(dropped)}:
                 before = self.acked.get(actor, -1)
@@ -485,13 +307,3 @@ class Ingest:
                 self.max_episode[k] = max(v, self.max_episode.get(k, -1))
             self.steps = int(state.get("steps", 0))
 
-
-def _episode(actor: str, op: _StagedEpisode):
-    from data.store import Episode
-
-    keys = op.chunks[0][0].keys()
-    arrays = {k: np.concatenate([c[0][k] for c in op.chunks]) for k in keys}
-    tasks = [t for c in op.chunks for t in c[1]]
-    seqs = np.concatenate([c[2] for c in op.chunks])
-    op.chunks = []
-    return Episode(actor, op.episode, arrays, tasks, seqs)

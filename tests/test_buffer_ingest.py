@@ -140,7 +140,7 @@ def test_an_episode_that_loses_records_is_dropped_never_half_written(learner):
     assert ingest.dropped_episodes["lost_records"] == 1
     assert ingest.acked["a0"] == 8  # nothing of episode 0 will ever be stored: settled
     service_receive(ingest, batch("a0", 9, recs[9:]))  # the rest is discarded
-    assert ingest.discarded_records == 4
+    assert ingest.episodes.discarded_records == 4
     service_receive(ingest, episode_batch("a0", 13, 1, 3))
     assert store.flush(60)
     assert [e.columns["actor_episode"][0] for e in read_episodes(store.root)] == [1]
@@ -168,7 +168,7 @@ def test_an_episode_without_end_cannot_hold_the_ack_forever(tmp_path):
         for i in range(0, 30, 6):
             service_receive(ingest, batch("a0", i, recs[i:i + 6]))
         assert ingest.dropped_episodes["too_long"] == 1
-        assert ingest.acked["a0"] == 29 and ingest.discarded_records == 18
+        assert ingest.acked["a0"] == 29 and ingest.episodes.discarded_records == 18
     finally:
         store.close()
 

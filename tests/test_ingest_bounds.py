@@ -41,7 +41,7 @@ def test_never_ending_episodes_of_many_ids_stay_within_the_staged_budget(tmp_pat
         streamed = 40 * 12 * 32 * one_record  # ~9.8 MB of never-ending episodes
         # what stays: the staged budget, the replay ring (64 records), the store's queue
         assert retained < BUDGET + (3 << 20), (retained, streamed)
-        assert ingest.staged_bytes <= BUDGET
+        assert ingest.episodes.staged_bytes <= BUDGET
         assert ingest.dropped_episodes["evicted"] >= 20
         assert store.flush(60)
         # the ordinary actor: every episode durable and acknowledged, in the dataset once

@@ -115,7 +115,7 @@ def test_extreme_rewards_in_training_leave_weights_finite_and_the_actor_acting(t
         time.sleep(2.0)
         assert actor.client.spool.next_seq > steps0 + 20, "the actor stopped acting"
         assert not errors and at.is_alive()
-        assert learner._skipped_updates(), "no update met the extreme rewards"  # (30 did, ~1 in 6)
+        assert learner.status.skipped_updates(), "no update met the extreme rewards"  # (30 did, ~1 in 6)
         assert learner.save() is not None  # finite: the checkpoint is written
         from learner.finite_guard import nonfinite
 
