@@ -25,7 +25,9 @@ Rows (each over the steady window: from the first env step to the end of the run
   ``window`` finished episodes reaches ``threshold`` (None: not reached).
 
 Besides the rows, ``success_curve``: [seconds from the first env step, success rate over the
-last ``window`` finished episodes (fewer at the start), episodes so far] at each episode end.
+last ``window`` finished episodes (fewer at the start), episodes so far] at each episode end;
+``updates_curve``: [seconds from the first env step, learner updates so far] (at most
+``CURVE_POINTS`` points).
 :func:`summarize` reduces repeated runs of one side to median, min and max per figure.
 """
 
@@ -40,6 +42,14 @@ from typing import Iterable
 EVENT = re.compile(r"CMPEVENT (\{.*\})")
 TANDEM_ACTOR_STEPS = re.compile(r"steps (\d+) \| [\d.]+ steps/s \| episodes (\d+)")
 TANDEM_ACTOR_VERSION = re.compile(r"\| version (-?\d+)")
+CURVE_POINTS = 200
+
+
+def _thin(points: list[tuple[float, int]], t0: float) -> list[list]:
+    """(time, count) -> at most CURVE_POINTS [seconds from t0, count], the last one kept."""
+    step = max(1, len(points) // CURVE_POINTS)
+    keep = points[::step] + ([points[-1]] if points and (len(points) - 1) % step else [])
+    return [[round(t - t0, 1), n] for t, n in keep]
 
 
 def parse_events(lines: Iterable[str]) -> list[dict]:
@@ -135,6 +145,7 @@ def lerobot_rows(events: list[dict], t_end: float, *, threshold: float, window: 
         "first_trained_weights_acted_s": round(trained_loads[0] - t0, 1) if trained_loads else None,
         "steady_s": round(t_end - t0, 1),
         "success_curve": curve,
+        "updates_curve": _thin([(t0, 0)] + up_pts, t0),
     }
 
 
@@ -215,6 +226,7 @@ def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end
         "first_trained_weights_acted_s": round(first_trained - t0, 1) if first_trained else None,
         "steady_s": round(t_end - t0, 1),
         "success_curve": curve,
+        "updates_curve": _thin([(t0, 0)] + [(t, n) for t, n in ups if t <= t_end], t0),
     }
 
 
