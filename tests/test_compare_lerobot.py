@@ -68,6 +68,7 @@ def test_lerobot_rows_from_captured_events():
     assert rows["first_trained_weights_acted_s"] == pytest.approx(6.1)
     # success over the last 2 episodes (fewer at first) at each episode end
     assert rows["success_curve"] == [[1.0, 1.0, 1], [6.0, 0.5, 2], [9.5, 0.0, 3]]
+    assert rows["updates_curve"] == [[0.0, 0], [3.0, 1], [5.0, 2], [7.0, 3], [9.0, 4], [10.0, 4]]
 
 
 def test_windowed_success_needs_a_full_window():
