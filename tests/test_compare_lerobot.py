@@ -195,6 +195,38 @@ def test_lerobot_config_builds_and_validates_with_no_dataset(tmp_path):
     assert feats["action"].shape == (4,) and feats["observation.images.front"].shape == (3, 128, 128)
 
 
+
+@bench
+def test_lerobot_learner_buffer_is_built_without_drq(tmp_path, capsys):
+    """``--drq 0``: the learner's own ``initialize_replay_buffer`` (optimize_memory=True, use_drq
+    at its default True) returns a buffer that samples without the random shift."""
+    pytest.importorskip("lerobot.rl.train_rl")
+    import lerobot.rl.learner as L
+
+    from tools.bench.compare_lerobot.lerobot_entry import build_config, instrument_learner, patch_validation
+
+    patch_validation()
+    args = argparse.Namespace(latent_dim=64, channels=8, pool_features=4, freeze_vision_encoder=1,
+                              buffer=100, learning_starts=10, hidden=[32, 32], port=50000, push_s=0.0,
+                              utd=2, out=str(tmp_path), role="learner", batch=16, seed=0)
+    cfg = build_config(args)
+    saved = {k: getattr(L, k) for k in ("initialize_replay_buffer", "push_actor_policy_to_queue",
+                                         "process_transitions")}
+    from lerobot.rl.trainer import RLTrainer
+
+    step = RLTrainer.training_step
+    try:
+        assert saved["initialize_replay_buffer"](cfg, "cpu", "cpu").use_drq is True  # LeRobot's own
+        instrument_learner(drq=False)
+        buf = L.initialize_replay_buffer(cfg, "cpu", "cpu")
+    finally:
+        for k, v in saved.items():
+            setattr(L, k, v)
+        RLTrainer.training_step = step
+    assert buf.use_drq is False and buf.optimize_memory is True
+    assert '"ev": "buffer"' in capsys.readouterr().out
+
+
 FAST_RENDER_SCRIPT = """
 import argparse, sys
 import lerobot.rl.actor as A

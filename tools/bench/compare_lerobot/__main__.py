@@ -1,6 +1,6 @@
 """LeRobot's HIL-SERL and Tandem on the same gym-hil task, interleaved, on this machine.
 
-    python -m tools.bench.compare_lerobot --out runs/cmp --setting both --repeats 3 --seconds 150
+    python -m tools.bench.compare_lerobot --out runs/cmp --setting both --repeats 3 --seconds 240
 
 Each system runs its own learner and one actor as separate processes on 127.0.0.1 (LeRobot:
 :mod:`tools.bench.compare_lerobot.lerobot_entry` around ``lerobot.rl.learner`` / ``lerobot.rl.actor``
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--setting", default="defaults", choices=(*SETTINGS, "both"),
                     help="each side's runtime options (SETTINGS); both: defaults then best")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of --order per setting")
-    ap.add_argument("--seconds", type=float, default=150.0, help="steady run per system")
+    ap.add_argument("--seconds", type=float, default=240.0, help="steady run per system")
     ap.add_argument("--startup-timeout-s", type=float, default=400.0)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--utd", type=int, default=2)
