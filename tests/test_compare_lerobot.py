@@ -170,16 +170,21 @@ bench = pytest.mark.skipif(not os.environ.get("TANDEM_BENCH_TESTS"),
                            reason="LeRobot comparison tool checks (~1 min): set TANDEM_BENCH_TESTS=1")
 
 
+def lerobot_args(tmp_path, **kw) -> argparse.Namespace:
+    """lerobot_entry's arguments for a small learner."""
+    return argparse.Namespace(**{"latent_dim": 64, "channels": 8, "pool_features": 4, "freeze_vision_encoder": 1,
+                                 "buffer": 100, "learning_starts": 10, "hidden": [32, 32], "port": 50000,
+                                 "push_s": 4.0, "utd": 2, "out": str(tmp_path), "role": "learner", "batch": 16,
+                                 "seed": 0, **kw})
+
+
 @bench
 def test_lerobot_config_builds_and_validates_with_no_dataset(tmp_path):
     pytest.importorskip("lerobot.rl.train_rl")
     from tools.bench.compare_lerobot.lerobot_entry import build_config, patch_validation
 
     patch_validation()
-    args = argparse.Namespace(latent_dim=64, channels=8, pool_features=4, freeze_vision_encoder=1,
-                              buffer=100, learning_starts=10, hidden=[32, 32], port=50000, push_s=4.0,
-                              utd=2, out=str(tmp_path), role="learner", batch=16, seed=0)
-    cfg = build_config(args)
+    cfg = build_config(lerobot_args(tmp_path))
     cfg.validate()
     assert cfg.dataset is None
     assert cfg.policy.actor_learner_config.learner_host == "127.0.0.1"
@@ -206,10 +211,7 @@ def test_lerobot_learner_buffer_is_built_without_drq(tmp_path, capsys):
     from tools.bench.compare_lerobot.lerobot_entry import build_config, instrument_learner, patch_validation
 
     patch_validation()
-    args = argparse.Namespace(latent_dim=64, channels=8, pool_features=4, freeze_vision_encoder=1,
-                              buffer=100, learning_starts=10, hidden=[32, 32], port=50000, push_s=0.0,
-                              utd=2, out=str(tmp_path), role="learner", batch=16, seed=0)
-    cfg = build_config(args)
+    cfg = build_config(lerobot_args(tmp_path, push_s=0.0))
     saved = {k: getattr(L, k) for k in ("initialize_replay_buffer", "push_actor_policy_to_queue",
                                          "process_transitions")}
     from lerobot.rl.trainer import RLTrainer
