@@ -1,6 +1,7 @@
 """tools/bench/compare_lerobot: the rows computed from captured LeRobot event lines and Tandem status
-samples, the ratios' orientation, and LeRobot's pipeline config built and validated with the
-``dataset: null`` patch (no process is started)."""
+samples, the summaries over repeats, the ratios' orientation, each setting's options, and
+LeRobot's pipeline config built and validated with the ``dataset: null`` patch (no process is
+started)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench.compare_lerobot.analyze import (lerobot_rows, parse_events, ratios, tandem_rows,
-                                           windowed_success_time)
+from tools.bench.compare_lerobot.__main__ import SETTINGS, tandem_overrides, tandem_publish_every
+from tools.bench.compare_lerobot.analyze import (lerobot_rows, parse_events, ratios, summarize, tandem_rows,
+                                                 windowed_success_time)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,6 +66,9 @@ def test_lerobot_rows_from_captured_events():
     assert rows["episodes"] == 3 and rows["successes"] == 1
     assert rows["time_to_success_s"] == 6.0
     assert rows["first_trained_weights_acted_s"] == pytest.approx(6.1)
+    # success over the last 2 episodes (fewer at first) at each episode end
+    assert rows["success_curve"] == [[1.0, 1.0, 1], [6.0, 0.5, 2], [9.5, 0.0, 3]]
+    assert rows["updates_curve"] == [[0.0, 0], [3.0, 1], [5.0, 2], [7.0, 3], [9.0, 4], [10.0, 4]]
 
 
 def test_windowed_success_needs_a_full_window():
@@ -95,15 +100,58 @@ def test_tandem_rows_from_status_samples_and_actor_log():
     assert rows["env_steps_per_s"] == pytest.approx(40 / 8.0)
     assert rows["transitions_per_s"] == pytest.approx(50 / 10.0)
     assert rows["updates_per_s"] == pytest.approx(16 / 8.0)  # from the first sample with updates
-    # versions first seen 103 (v2), 104 (v4), 106 (v8), 111 (v18); the actor's log shows v2 at
-    # 104.5, v8 at 106: 1.5, 2.0 (v4 acted first as v8), 0.0; v18 never acted on
-    assert rows["update_to_act_s"] == {"median": 1.5, "mean": 1.17, "n": 3, "censored": 1}
+    # updates first counted: 1-2 at 103, 3-4 at 104, 5-8 at 106, 9-18 at 111 (publish_every 1:
+    # version k holds update k); the actor's log shows v2 at 104.5 and v8 at 106: 1.5, 1.5,
+    # 2.0, 2.0, then 0.0 four times; 9-18 never acted on
+    assert rows["update_to_act_s"] == {"median": 0.75, "mean": 0.88, "n": 8, "censored": 10}
     assert rows["time_to_success_s"] == 5.0
     assert rows["first_trained_weights_acted_s"] == 3.5
-    # without versions in the actor's lines: the status samples' per-actor versions
+    assert rows["success_curve"] == [[5.0, 0.67, 3], [10.0, 0.4, 5]]
+    # without versions in the actor's lines: the status samples' per-actor versions (v2 at 104,
+    # v8 at 106, v18 at 111): 1.0, 1.0, 2.0, 2.0 and fourteen 0.0
     bare = [(t, line.split(" | version")[0]) for t, line in lines]
     rows = tandem_rows(samples, bare, 111.0, threshold=0.5, window=3)
-    assert rows["update_to_act_s"] == {"median": 0.5, "mean": 0.75, "n": 4, "censored": 0}
+    assert rows["update_to_act_s"] == {"median": 0.0, "mean": 0.33, "n": 18, "censored": 0}
+
+
+def test_tandem_latency_waits_for_the_version_that_holds_the_update():
+    """publish_every 4: version k holds updates up to 4k, so updates 1-3 wait for version 1."""
+    samples = [{"t": 100.0, "status": status(5, 0, 0, 0)}, {"t": 102.0, "status": status(8, 3, 0, 0)},
+               {"t": 104.0, "status": status(10, 4, 1, 0)}, {"t": 108.0, "status": status(20, 8, 2, 1)}]
+    lines = [(101.0, "INFO steps 6 | 5 steps/s | episodes 0 | return nan | version 0"),
+             (105.0, "INFO steps 12 | 5 steps/s | episodes 0 | return nan | version 1"),
+             (109.0, "INFO steps 22 | 5 steps/s | episodes 0 | return nan | version 2")]
+    rows = tandem_rows(samples, lines, 110.0, threshold=0.5, window=3, publish_every=4)
+    # updates 1-3 (102) -> v1 at 105: 3.0 each; 4 (104) -> 105: 1.0; 5-8 (108) -> v2 at 109: 1.0
+    assert rows["update_to_act_s"] == {"median": 1.0, "mean": 1.75, "n": 8, "censored": 0}
+
+
+def test_summarize_reports_median_and_range_over_runs():
+    runs = [{"updates_per_s": 1.0, "update_to_act_s": {"median": 2.0}, "time_to_success_s": None},
+            {"updates_per_s": 3.0, "update_to_act_s": {"median": 4.0}, "time_to_success_s": None},
+            {"updates_per_s": 2.0, "update_to_act_s": None, "time_to_success_s": 50.0},
+            {"error": "RuntimeError: no env step within 400 s"}]
+    s = summarize(runs)
+    assert s["runs"] == 4 and s["errors"] == 1
+    assert s["updates_per_s"] == {"median": 2.0, "min": 1.0, "max": 3.0, "values": [1.0, 3.0, 2.0]}
+    assert s["update_to_act_s"] == {"median": 3.0, "min": 2.0, "max": 4.0, "values": [2.0, 4.0, None]}
+    assert s["time_to_success_s"]["median"] == 50.0 and s["time_to_success_s"]["values"] == [None, None, 50.0]
+
+
+def test_settings_set_each_sides_runtime_options_and_keep_the_setup(tmp_path):
+    args = argparse.Namespace(hidden=[256, 256], channels=32, latent_dim=256, render="fast", freeze_backbone=1,
+                              batch=128, utd=2, success_window=10)
+    d_common, d_learner, _ = tandem_overrides(args, tmp_path, "defaults")
+    b_common, b_learner, _ = tandem_overrides(args, tmp_path, "best")
+    # defaults: Tandem's own cadence (publish every 25 updates, config/algo/sac.yaml)
+    assert not any(o.startswith(("algo.publish_every", "algo.max_update_ratio")) for o in d_learner)
+    assert tandem_publish_every(d_learner) == 25
+    assert "algo.publish_every=1" in b_learner and "algo.max_update_ratio=0" in b_learner
+    assert tandem_publish_every(b_learner) == 1
+    # the setup is the same in both: only the setting's options differ
+    assert d_common == b_common
+    assert [o for o in b_learner if o not in SETTINGS["best"]["tandem"]] == d_learner
+    assert SETTINGS["defaults"]["lerobot_push_s"] == 4.0 and SETTINGS["best"]["lerobot_push_s"] == 0.0
 
 
 def test_ratios_are_oriented_so_that_above_one_means_tandem_ahead():
@@ -122,16 +170,21 @@ bench = pytest.mark.skipif(not os.environ.get("TANDEM_BENCH_TESTS"),
                            reason="LeRobot comparison tool checks (~1 min): set TANDEM_BENCH_TESTS=1")
 
 
+def lerobot_args(tmp_path, **kw) -> argparse.Namespace:
+    """lerobot_entry's arguments for a small learner."""
+    return argparse.Namespace(**{"latent_dim": 64, "channels": 8, "pool_features": 4, "freeze_vision_encoder": 1,
+                                 "buffer": 100, "learning_starts": 10, "hidden": [32, 32], "port": 50000,
+                                 "push_s": 4.0, "utd": 2, "out": str(tmp_path), "role": "learner", "batch": 16,
+                                 "seed": 0, **kw})
+
+
 @bench
 def test_lerobot_config_builds_and_validates_with_no_dataset(tmp_path):
     pytest.importorskip("lerobot.rl.train_rl")
     from tools.bench.compare_lerobot.lerobot_entry import build_config, patch_validation
 
     patch_validation()
-    args = argparse.Namespace(latent_dim=64, channels=8, pool_features=4, freeze_vision_encoder=1,
-                              buffer=100, learning_starts=10, hidden=[32, 32], port=50000, push_s=4.0,
-                              utd=2, out=str(tmp_path), role="learner", batch=16, seed=0)
-    cfg = build_config(args)
+    cfg = build_config(lerobot_args(tmp_path))
     cfg.validate()
     assert cfg.dataset is None
     assert cfg.policy.actor_learner_config.learner_host == "127.0.0.1"
@@ -145,6 +198,35 @@ def test_lerobot_config_builds_and_validates_with_no_dataset(tmp_path):
 
     feats = env_to_policy_features(cfg.env)
     assert feats["action"].shape == (4,) and feats["observation.images.front"].shape == (3, 128, 128)
+
+
+
+@bench
+def test_lerobot_learner_buffer_is_built_without_drq(tmp_path, capsys):
+    """``--drq 0``: the learner's own ``initialize_replay_buffer`` (optimize_memory=True, use_drq
+    at its default True) returns a buffer that samples without the random shift."""
+    pytest.importorskip("lerobot.rl.train_rl")
+    import lerobot.rl.learner as L
+
+    from tools.bench.compare_lerobot.lerobot_entry import build_config, instrument_learner, patch_validation
+
+    patch_validation()
+    cfg = build_config(lerobot_args(tmp_path, push_s=0.0))
+    saved = {k: getattr(L, k) for k in ("initialize_replay_buffer", "push_actor_policy_to_queue",
+                                         "process_transitions")}
+    from lerobot.rl.trainer import RLTrainer
+
+    step = RLTrainer.training_step
+    try:
+        assert saved["initialize_replay_buffer"](cfg, "cpu", "cpu").use_drq is True  # LeRobot's own
+        instrument_learner(drq=False)
+        buf = L.initialize_replay_buffer(cfg, "cpu", "cpu")
+    finally:
+        for k, v in saved.items():
+            setattr(L, k, v)
+        RLTrainer.training_step = step
+    assert buf.use_drq is False and buf.optimize_memory is True
+    assert '"ev": "buffer"' in capsys.readouterr().out
 
 
 FAST_RENDER_SCRIPT = """

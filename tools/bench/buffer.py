@@ -9,8 +9,9 @@ objects, a little sensor noise). Measured, for each:
 
 - memory per transition (bytes): the storage each buffer holds for its transitions, divided
   by the number of sampleable transitions (Tandem: uint8 images, each observation stored
-  once, plus one final observation per episode; lerobot: float32 images, state and next
-  state stored apart);
+  once, plus one final observation per episode; lerobot: float32 images, built as its learner
+  builds it, ``optimize_memory=True``: each state stored once, next state read from the next
+  row);
 - add rate (transitions/s): Tandem adds wire batches of ``--add-batch`` records; lerobot
   adds one transition per call (its API), with inputs prepared beforehand for both;
 - sample(256) rate (batches/s): lerobot without its DrQ augmentation (``--drq`` adds it),
@@ -204,8 +205,11 @@ def lerobot_buffer(n: int, drq: bool):
     from lerobot.rl.buffer import ReplayBuffer as LeRobotReplayBuffer
 
     keys = ["observation.state"] + [f"observation.images.{c}" for c in CAMS]
+    # optimize_memory=True as lerobot.rl.learner.initialize_replay_buffer builds it: next_state
+    # is read back from the following row instead of stored apart
     return LeRobotReplayBuffer(n, device="cpu", storage_device="cpu", state_keys=keys, use_drq=drq,
-                               image_augmentation_function=None if drq else (lambda x: x))
+                               image_augmentation_function=None if drq else (lambda x: x),
+                               optimize_memory=True)
 
 
 def lerobot_nbytes(rb) -> int:

@@ -1,25 +1,37 @@
-"""LeRobot's HIL-SERL and Tandem on the same gym-hil task, one after the other, on this machine.
+"""LeRobot's HIL-SERL and Tandem on the same gym-hil task, interleaved, on this machine.
 
-    python -m tools.bench.compare_lerobot --out runs/cmp --seconds 420
+    python -m tools.bench.compare_lerobot --out runs/cmp --setting both --repeats 3 --seconds 240
 
 Each system runs its own learner and one actor as separate processes on 127.0.0.1 (LeRobot:
 :mod:`tools.bench.compare_lerobot.lerobot_entry` around ``lerobot.rl.learner`` / ``lerobot.rl.actor``
 over gRPC; Tandem: ``python -m learner`` / ``python -m actor`` over ZMQ, the actor in local mode
-with its own policy copy, as LeRobot's actor, and ``algo.critic_encoder=shared``), the same task
-(gym-hil PandaPickCube, front + wrist 128x128 cameras + 18-D state, 4-D action, 100-step
-episodes), the same sizes (a 4-layer stride-2 conv encoder with ``--channels`` channels
-and learned spatial pooling, frozen at its random init or trained: ``--freeze-backbone``;
-``--latent-dim`` embeddings, actor and critic MLPs ``--hidden``,
-2 critics), batch ``--batch``, UTD ``--utd``, the same SAC hyperparameters (lr 3e-4, tau 0.005,
-initial temperature 1, gradient clip 40), 100 env steps before learning and the same rendering
-(``--render``: gym-hil's scene without shadow map and multisampling, or gym-hil's own full
-quality, LeRobot's default; OSMesa for both where installed). Each runs for
-``--seconds`` after its first env step (start-up excluded, capped by ``--startup-timeout-s``),
-then is stopped. ``uptime`` is recorded before each. Every child runs with OMP_NUM_THREADS=1.
+with its own policy copy, as LeRobot's actor, and ``algo.critic_encoder=shared``).
 
-Writes ``<out>/compare.json`` (and prints it): per system the five rows (see
-:mod:`tools.bench.compare_lerobot.analyze`), extra figures, load averages, and the ratios (> 1:
-Tandem ahead). Logs: ``<out>/<system>/*.log``, each line prefixed with the time it was read.
+The setup, the same on both sides and in both settings: gym-hil PandaPickCube (front + wrist
+128x128 cameras + 18-D state, 4-D action, 100-step episodes); the same network (LeRobot's
+default: a 4-layer stride-2 conv encoder with ``--channels`` channels and learned spatial
+pooling, frozen at its random init or trained: ``--freeze-backbone``; ``--latent-dim``
+embeddings, actor and critic MLPs ``--hidden``, 2 critics); batch ``--batch``, UTD ``--utd``;
+LeRobot's SAC hyperparameters (lr 3e-4, tau 0.005, initial temperature 1, gradient clip 40);
+100 env steps before learning; no image augmentation (Tandem has none, so LeRobot's DrQ
+random shift is turned off: ``lerobot_entry --drq 0``); the same rendering (``--render``:
+gym-hil's scene without shadow map and multisampling, or gym-hil's own full quality; OSMesa
+for both where installed). Every child runs with OMP_NUM_THREADS=1.
+
+``--setting`` picks each side's runtime options (``SETTINGS``): ``defaults``: each side's own
+(LeRobot pushes weights every 4 s; Tandem publishes every 25 updates, at most one update per
+stored env step, frozen-backbone outputs cached); ``best``: LeRobot pushes after every update
+(push frequency 0 s), Tandem publishes every update with no cap on updates per env step;
+``both`` runs ``defaults`` then ``best``. Each setting runs ``--repeats`` rounds of
+``--order`` (A B A B ...). Each run lasts ``--seconds`` after its first env step (start-up
+excluded, capped by ``--startup-timeout-s``). The 1-minute load average is sampled every 5 s
+throughout.
+
+Writes ``<out>/compare.json`` (per setting: each run's rows, see
+:mod:`tools.bench.compare_lerobot.analyze`; per side median, min and max; the ratios of the
+medians, > 1: Tandem ahead; load averages) and ``<out>/success.png`` (success against wall
+time, :mod:`tools.bench.compare_lerobot.plot`). Logs: ``<out>/<setting>/r<i>/<system>/*.log``,
+each line prefixed with the time it was read.
 """
 
 from __future__ import annotations
@@ -37,10 +49,54 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tools.bench.compare_lerobot.analyze import lerobot_rows, parse_events, ratios, tandem_rows  # noqa: E402
+from tools.bench.compare_lerobot.analyze import (lerobot_rows, parse_events, ratios, summarize,  # noqa: E402
+                                                 tandem_rows)
+from tools.bench.compare_lerobot.plot import success_plot  # noqa: E402
 from tools.experiments.learning_run import free_port, stop_processes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
+
+#: each side's runtime options per setting (the setup above is the same in all of them)
+SETTINGS = {
+    "defaults": {"lerobot_push_s": 4.0, "tandem": []},
+    "best": {"lerobot_push_s": 0.0, "tandem": ["algo.publish_every=1", "algo.max_update_ratio=0"]},
+}
+
+
+def tandem_publish_every(overrides: list[str]) -> int:
+    """The learner's updates per weight version: an override, else config/algo/sac.yaml's."""
+    for o in overrides:
+        if o.startswith("algo.publish_every="):
+            return int(o.split("=", 1)[1])
+    import yaml
+
+    return int(yaml.safe_load((ROOT / "config" / "algo" / "sac.yaml").read_text())["publish_every"])
+
+
+class LoadSampler:
+    """The 1-minute load average every ``every_s`` seconds, in a thread, for the whole protocol."""
+
+    def __init__(self, every_s: float = 5.0):
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._every = every_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), os.getloadavg()[0]))
+            self._stop.wait(self._every)
+
+    def between(self, t0: float, t1: float) -> dict | None:
+        vals = sorted(v for t, v in self.samples if t0 <= t <= t1)
+        if not vals:
+            return None
+        return {"min": round(vals[0], 2), "median": round(vals[len(vals) // 2], 2),
+                "max": round(vals[-1], 2), "n": len(vals)}
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class Proc:
@@ -99,13 +155,14 @@ def wait_first_step(started: float, timeout_s: float, has_step, procs: list[Proc
     return time.time()
 
 
-def run_lerobot(args, out: Path) -> dict:
+def run_lerobot(args, out: Path, setting: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     common = ["--out", str(out), "--port", str(port), "--seconds", str(args.seconds + args.startup_timeout_s + 120),
               "--batch", str(args.batch), "--utd", str(args.utd), "--hidden", *map(str, args.hidden),
               "--latent-dim", str(args.latent_dim), "--channels", str(args.channels),
-              "--freeze-vision-encoder", str(int(args.freeze_backbone)), "--render", args.render]
+              "--freeze-vision-encoder", str(int(args.freeze_backbone)), "--render", args.render,
+              "--push-s", str(SETTINGS[setting]["lerobot_push_s"]), "--drq", "0"]
     mod = [sys.executable, "-m", "tools.bench.compare_lerobot.lerobot_entry"]
     load = uptime()
     t_start = time.time()
@@ -126,10 +183,11 @@ def run_lerobot(args, out: Path) -> dict:
     events = sorted(parse_events(ln for _, ln in learner.lines + actor.lines), key=lambda e: e["t"])
     events = [e for e in events if e["t"] <= t_end]
     rows = lerobot_rows(events, t_end, threshold=args.success_threshold, window=args.success_window)
-    return {**rows, "startup_s": round(t0 - t_start, 1), "uptime_before": load}
+    return {**rows, "startup_s": round(t0 - t_start, 1), "uptime_before": load, "t0": t0, "t_end": t_end,
+            "push_s": SETTINGS[setting]["lerobot_push_s"], "drq": False}
 
 
-def tandem_overrides(args, out: Path) -> tuple[list[str], list[str], list[str]]:
+def tandem_overrides(args, out: Path, setting: str = "defaults") -> tuple[list[str], list[str], list[str]]:
     h = "[" + ",".join(map(str, args.hidden)) + "]"
     ch = "[" + ",".join([str(args.channels)] * 4) + "]"
     # ++: set whether or not config/policy/mlp.yaml lists the key (MLPPolicyConfig has them all)
@@ -140,8 +198,7 @@ def tandem_overrides(args, out: Path) -> tuple[list[str], list[str], list[str]]:
               f"policy.freeze_backbone={str(bool(args.freeze_backbone)).lower()}", f"run_dir={out / 'run'}"]
     learner = ["algo=sac", "algo.critic_encoder=shared", f"algo.critic_hidden_dims={h}",
                f"algo.batch_size={args.batch}", f"algo.utd_ratio={args.utd}", "algo.learning_starts=100",
-               "algo.max_update_ratio=0", f"algo.publish_every={args.tandem_publish_every}",
-               "algo.actor_lr=3e-4", "algo.critic_lr=3e-4", "algo.temp_lr=3e-4", "algo.tau=0.005",
+               *SETTINGS[setting]["tandem"], "algo.actor_lr=3e-4", "algo.critic_lr=3e-4", "algo.temp_lr=3e-4", "algo.tau=0.005",
                "algo.init_temperature=1.0", "algo.max_grad_norm=40", "device=cpu",
                "trainer.num_threads=1", "logging.every_s=1", "logging.wandb=disabled", "logging.live=false",
                "buffer.video=false", "trainer.checkpoint_every=0", "trainer.checkpoint_every_s=0",
@@ -150,10 +207,10 @@ def tandem_overrides(args, out: Path) -> tuple[list[str], list[str], list[str]]:
     return common, learner, actor
 
 
-def run_tandem(args, out: Path) -> dict:
+def run_tandem(args, out: Path, setting: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     port, pub, act = free_port(), free_port(), free_port()
-    common, lo, ao = tandem_overrides(args, out)
+    common, lo, ao = tandem_overrides(args, out, setting)
     common += [f"transport.port={port}", f"transport.pub_port={pub}", f"transport.act_port={act}"]
     load = uptime()
     t_start = time.time()
@@ -186,10 +243,11 @@ def run_tandem(args, out: Path) -> dict:
         actor.close()
         learner.close()
     (out / "status_samples.jsonl").write_text("\n".join(json.dumps(s) for s in samples))
+    pe = tandem_publish_every(lo)
     rows = tandem_rows([s for s in samples if s["t"] <= t_end], actor.lines, t_end,
-                       threshold=args.success_threshold, window=args.success_window)
-    return {**rows, "startup_s": round(t0 - t_start, 1), "uptime_before": load,
-            "overrides": {"common": common, "learner": lo, "actor": ao}}
+                       threshold=args.success_threshold, window=args.success_window, publish_every=pe)
+    return {**rows, "startup_s": round(t0 - t_start, 1), "uptime_before": load, "t0": t0, "t_end": t_end,
+            "publish_every": pe, "overrides": {"common": common, "learner": lo, "actor": ao}}
 
 
 def _logged_lines(path: Path) -> list[tuple[float, str]]:
@@ -204,35 +262,53 @@ def _logged_lines(path: Path) -> list[tuple[float, str]]:
     return out
 
 
+def reanalyze_run(run: dict, args) -> dict:
+    """One run's rows again from its logs (and Tandem's status samples)."""
+    d = Path(run["dir"])
+    if run.get("system") == "lerobot":
+        lines = _logged_lines(d / "learner.log") + _logged_lines(d / "actor.log")
+        events = sorted(parse_events(ln for _, ln in lines), key=lambda e: e["t"])
+        rows = lerobot_rows([e for e in events if e["t"] <= run["t_end"]], run["t_end"],
+                            threshold=args.success_threshold, window=args.success_window)
+    else:
+        samples = [json.loads(x) for x in (d / "status_samples.jsonl").read_text().splitlines() if x]
+        rows = tandem_rows([s for s in samples if s["t"] <= run["t_end"]], _logged_lines(d / "actor.log"),
+                           run["t_end"], threshold=args.success_threshold, window=args.success_window,
+                           publish_every=run.get("publish_every", 1))
+    return {**run, **rows}
+
+
+def finish(res: dict, out: Path) -> None:
+    """Per-side summaries, the ratios of the medians, the JSON and the plot."""
+    for st in res["settings"].values():
+        st["summary"] = {side: summarize(runs) for side, runs in st["runs"].items()}
+        if {"lerobot", "tandem"} <= set(st["summary"]):
+            st["ratios_of_medians_tandem_ahead_if_gt_1"] = ratios(st["summary"]["tandem"], st["summary"]["lerobot"])
+    (out / "compare.json").write_text(json.dumps(res, indent=1))
+    try:
+        success_plot(res, out / "success.png")
+    except Exception as e:  # noqa: BLE001 - the JSON stands without the plot
+        print(f"no plot: {type(e).__name__}: {e}", flush=True)
+
+
 def reanalyze(out: Path) -> dict:
     """The rows again from a finished run's logs and status samples (``--reanalyze``)."""
     res = json.loads((out / "compare.json").read_text())
     a = argparse.Namespace(**res["args"])
-    lr = res.get("lerobot", {})
-    if "steady_s" in lr:
-        lines = _logged_lines(out / "lerobot" / "learner.log") + _logged_lines(out / "lerobot" / "actor.log")
-        events = sorted(parse_events(ln for _, ln in lines), key=lambda e: e["t"])
-        t0 = next(e["t"] for e in events if e["ev"] == "step")
-        t_end = t0 + lr["steady_s"]
-        lr.update(lerobot_rows([e for e in events if e["t"] <= t_end], t_end,
-                               threshold=a.success_threshold, window=a.success_window))
-    td = res.get("tandem", {})
-    if "steady_s" in td:
-        samples = [json.loads(x) for x in (out / "tandem" / "status_samples.jsonl").read_text().splitlines() if x]
-        t0 = next(s["t"] for s in samples if s["status"].get("env_steps", 0) > 0)
-        t_end = t0 + td["steady_s"]
-        td.update(tandem_rows([s for s in samples if s["t"] <= t_end], _logged_lines(out / "tandem" / "actor.log"),
-                              t_end, threshold=a.success_threshold, window=a.success_window))
-    if "lerobot" in res and "tandem" in res:
-        res["ratios_tandem_ahead_if_gt_1"] = ratios(td, lr)
-    (out / "compare.json").write_text(json.dumps(res, indent=1))
+    for st in res["settings"].values():
+        for side, runs in st["runs"].items():
+            st["runs"][side] = [reanalyze_run(r, a) if "t_end" in r else r for r in runs]
+    finish(res, out)
     return res
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="a new folder")
-    ap.add_argument("--seconds", type=float, default=420.0, help="steady run per system")
+    ap.add_argument("--setting", default="defaults", choices=(*SETTINGS, "both"),
+                    help="each side's runtime options (SETTINGS); both: defaults then best")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of --order per setting")
+    ap.add_argument("--seconds", type=float, default=240.0, help="steady run per system")
     ap.add_argument("--startup-timeout-s", type=float, default=400.0)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--utd", type=int, default=2)
@@ -245,33 +321,48 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--render", default="fast", choices=("fast", "faithful"),
                     help="both systems: fast (no shadow map / multisampling) or faithful (gym-hil's "
                          "own, LeRobot's default; ~10x slower on a software renderer)")
-    ap.add_argument("--tandem-publish-every", type=int, default=1)
     ap.add_argument("--success-threshold", type=float, default=0.5)
     ap.add_argument("--success-window", type=int, default=10)
     ap.add_argument("--order", default="lerobot,tandem")
     ap.add_argument("--reanalyze", action="store_true",
-                    help="recompute <out>/compare.json from its logs instead of running")
+                    help="recompute <out>/compare.json and the plot from its logs instead of running")
     args = ap.parse_args(argv)
     if args.reanalyze:
         res = reanalyze(Path(args.out))
-        print(json.dumps(res.get("ratios_tandem_ahead_if_gt_1"), indent=1))
+        print(json.dumps({k: v.get("ratios_of_medians_tandem_ahead_if_gt_1") for k, v in res["settings"].items()},
+                         indent=1))
         return res
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=False)
+    settings = list(SETTINGS) if args.setting == "both" else [args.setting]
+    sides = args.order.split(",")
     res: dict = {"task": "gym_hil PandaPickCube, front+wrist 128x128 + 18-D state, 4-D action",
-                 "args": vars(args), "nproc": os.cpu_count()}
-    for name in args.order.split(","):
-        print(f"== {name} ({uptime()})", flush=True)
-        try:
-            res[name] = (run_lerobot if name == "lerobot" else run_tandem)(args, out / name)
-        except Exception as e:  # noqa: BLE001 - reported, the other system still runs
-            res[name] = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(res[name], indent=1), flush=True)
-        (out / "compare.json").write_text(json.dumps(res, indent=1))
-    if "lerobot" in res and "tandem" in res:
-        res["ratios_tandem_ahead_if_gt_1"] = ratios(res["tandem"], res["lerobot"])
-    (out / "compare.json").write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: res.get(k) for k in ("ratios_tandem_ahead_if_gt_1",)}, indent=1))
+                 "args": vars(args), "nproc": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                 "settings": {s: {"options": SETTINGS[s], "runs": {n: [] for n in sides}} for s in settings}}
+    load = LoadSampler()
+    t_protocol = time.time()
+    try:
+        for setting in settings:
+            for r in range(args.repeats):
+                for name in sides:
+                    d = out / setting / f"r{r + 1}" / name
+                    print(f"== {setting} round {r + 1} {name} ({uptime()})", flush=True)
+                    t_run = time.time()
+                    try:
+                        row = (run_lerobot if name == "lerobot" else run_tandem)(args, d, setting)
+                    except Exception as e:  # noqa: BLE001 - reported, the protocol goes on
+                        row = {"error": f"{type(e).__name__}: {e}"}
+                    row.update(system=name, round=r + 1, dir=str(d), load_1min=load.between(t_run, time.time()))
+                    res["settings"][setting]["runs"][name].append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "success_curve"}), flush=True)
+                    (out / "compare.json").write_text(json.dumps(res, indent=1))
+    finally:
+        load.stop()
+        res["load_1min_protocol"] = load.between(t_protocol, time.time())
+        res["wall_s"] = round(time.time() - t_protocol, 1)
+        finish(res, out)
+    print(json.dumps({k: v.get("ratios_of_medians_tandem_ahead_if_gt_1") for k, v in res["settings"].items()},
+                     indent=1))
     return res
 
 

@@ -18,23 +18,38 @@ Rows (each over the steady window: from the first env step to the end of the run
 - ``update_to_act_s``: for every learner update, seconds until the actor first acts with
   weights that include it (median over updates). LeRobot: the update's time to the actor's
   first ``load`` of a push made at or after it (pushes every 4 s; the actor loads at episode
-  ends); Tandem: the first status sample showing the update's version (publish_every=1) to the
-  actor's first log line (every second) showing that version or a newer one; resolution about
-  one second;
+  ends); Tandem: the first status sample showing the update (its ``updates`` count) to the
+  actor's first log line (every second) showing a version that includes it (version k holds
+  updates up to ``k * publish_every``) or a newer one; resolution about one second;
 - ``time_to_success_s``: seconds from the first env step until the success rate over the last
   ``window`` finished episodes reaches ``threshold`` (None: not reached).
+
+Besides the rows, ``success_curve``: [seconds from the first env step, success rate over the
+last ``window`` finished episodes (fewer at the start), episodes so far] at each episode end;
+``updates_curve``: [seconds from the first env step, learner updates so far] (at most
+``CURVE_POINTS`` points).
+:func:`summarize` reduces repeated runs of one side to median, min and max per figure.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import math
 from statistics import median
 from typing import Iterable
 
 EVENT = re.compile(r"CMPEVENT (\{.*\})")
 TANDEM_ACTOR_STEPS = re.compile(r"steps (\d+) \| [\d.]+ steps/s \| episodes (\d+)")
 TANDEM_ACTOR_VERSION = re.compile(r"\| version (-?\d+)")
+CURVE_POINTS = 200
+
+
+def _thin(points: list[tuple[float, int]], t0: float) -> list[list]:
+    """(time, count) -> at most CURVE_POINTS [seconds from t0, count], the last one kept."""
+    step = max(1, len(points) // CURVE_POINTS)
+    keep = points[::step] + ([points[-1]] if points and (len(points) - 1) % step else [])
+    return [[round(t - t0, 1), n] for t, n in keep]
 
 
 def parse_events(lines: Iterable[str]) -> list[dict]:
@@ -87,15 +102,6 @@ def _latency(updates: list[float], publish: list[tuple[float, int]],
             "censored": censored}
 
 
-def _first_seen(publish: list[tuple[float, int]]) -> list[tuple[float, int]]:
-    out, last = [], None
-    for t, v in publish:
-        if v != last:
-            out.append((t, v))
-            last = v
-    return out
-
-
 def lerobot_rows(events: list[dict], t_end: float, *, threshold: float, window: int) -> dict:
     steps = [e for e in events if e["ev"] == "step"]
     if not steps:
@@ -121,6 +127,10 @@ def lerobot_rows(events: list[dict], t_end: float, *, threshold: float, window: 
             outcomes.append((e["t"], ok))
             ok = False
     trained_loads = [t for t, k in acted if pushes[k].get("step", 0) > 0]
+    curve = []
+    for i, (t, _) in enumerate(outcomes):
+        last = outcomes[max(0, i + 1 - window):i + 1]
+        curve.append([round(t - t0, 1), round(sum(ok for _, ok in last) / len(last), 3), i + 1])
     return {
         "env_steps": len(steps),
         "env_steps_per_s": _rate([(t0, 0)] + step_pts),
@@ -134,12 +144,41 @@ def lerobot_rows(events: list[dict], t_end: float, *, threshold: float, window: 
         "time_to_success_s": windowed_success_time(outcomes, t0, threshold=threshold, window=window),
         "first_trained_weights_acted_s": round(trained_loads[0] - t0, 1) if trained_loads else None,
         "steady_s": round(t_end - t0, 1),
+        "success_curve": curve,
+        "updates_curve": _thin([(t0, 0)] + up_pts, t0),
     }
 
 
+def _update_times(counts: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """(time, cumulative updates) samples -> (time first seen, update number) per update."""
+    out, done = [], 0
+    for t, n in counts:
+        out += [(t, u) for u in range(done + 1, n + 1)]
+        done = max(done, n)
+    return out
+
+
+def _tandem_latency(updates: list[tuple[float, int]], acted: list[tuple[float, int]],
+                    publish_every: int) -> dict | None:
+    """Seconds from each update to the actor's first log of a version holding it."""
+    lat, censored = [], 0
+    for tu, u in updates:
+        need = math.ceil(u / publish_every)
+        ta = next((t for t, w in acted if w >= need and t >= tu), None)
+        if ta is None:
+            censored += 1
+            continue
+        lat.append(ta - tu)
+    if not lat:
+        return None
+    return {"median": round(median(lat), 2), "mean": round(sum(lat) / len(lat), 2), "n": len(lat),
+            "censored": censored}
+
+
 def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end: float, *,
-                threshold: float, window: int) -> dict:
-    """``samples``: {"t", "status"} in time order; ``actor_lines``: (time read, line)."""
+                threshold: float, window: int, publish_every: int = 1) -> dict:
+    """``samples``: {"t", "status"} in time order; ``actor_lines``: (time read, line);
+    ``publish_every``: the learner's updates per weight version."""
     steps = [(t, int(m.group(1)), int(m.group(2))) for t, line in actor_lines
              if (m := TANDEM_ACTOR_STEPS.search(line))]
     ingested = [(s["t"], s["status"].get("env_steps", 0)) for s in samples]
@@ -149,7 +188,6 @@ def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end
     win = [s for s in samples if s["t"] >= t0]
     ups = [(s["t"], s["status"].get("updates", 0)) for s in win]
     up_start = next(((t, n) for t, n in ups if n > 0), None)
-    publish = [(s["t"], int(s["status"].get("version", 0))) for s in win]
     # acted: the version in the actor's own log lines (the learner writes status.json between
     # updates, so its per-actor versions are as old as one update); status as a fallback
     acted = [(t, int(m.group(1))) for t, line in actor_lines if (m := TANDEM_ACTOR_VERSION.search(line))]
@@ -158,7 +196,12 @@ def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end
             vs = [r["version"] for r in s["status"].get("actors_table", []) if r.get("version") is not None]
             if vs and max(vs) >= 0:
                 acted.append((s["t"], max(vs)))
-    success_t = None
+    success_t, curve, seen = None, [], 0
+    for s in win:
+        st = s["status"]
+        if st.get("episodes", 0) > seen and st.get("success") is not None and st["success"] == st["success"]:
+            seen = st["episodes"]
+            curve.append([round(s["t"] - t0, 1), round(float(st["success"]), 3), seen])
     for s in win:
         st = s["status"]
         if (st.get("episodes", 0) >= window and st.get("success") is not None
@@ -175,13 +218,15 @@ def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end
         "updates_per_s": _rate([up_start] + [p for p in ups if p[0] > up_start[0]]) if up_start else 0.0,
         "transitions": last.get("env_steps", 0),
         "transitions_per_s": _rate([(t, n) for t, n in ingested if t >= t0]),
-        # an update is dated by the first status sample showing its version (publish_every=1)
-        "update_to_act_s": _latency([t for t, v in _first_seen(publish) if v > 0], publish, acted),
+        # an update is dated by the first status sample counting it
+        "update_to_act_s": _tandem_latency(_update_times(ups), acted, publish_every),
         "episodes": last.get("episodes", 0),
         "success_window": last.get("success"),
         "time_to_success_s": success_t,
         "first_trained_weights_acted_s": round(first_trained - t0, 1) if first_trained else None,
         "steady_s": round(t_end - t0, 1),
+        "success_curve": curve,
+        "updates_curve": _thin([(t0, 0)] + [(t, n) for t, n in ups if t <= t_end], t0),
     }
 
 
@@ -191,6 +236,20 @@ LOWER_IS_BETTER = ("update_to_act_s", "time_to_success_s")
 
 def _num(v):
     return v["median"] if isinstance(v, dict) else v
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per row (and episodes, successes, first trained weights): median, min, max and the
+    values over the runs that have it (runs with an error are left out; None: not reached)."""
+    ok = [r for r in runs if "error" not in r]
+    out: dict = {"runs": len(runs), "errors": len(runs) - len(ok)}
+    for row in (*ROWS, "episodes", "successes", "first_trained_weights_acted_s", "startup_s"):
+        vals = [_num(r.get(row)) for r in ok]
+        got = [v for v in vals if v is not None]
+        out[row] = {"median": round(median(got), 3) if got else None,
+                    "min": round(min(got), 3) if got else None, "max": round(max(got), 3) if got else None,
+                    "values": [round(v, 3) if v is not None else None for v in vals]}
+    return out
 
 
 def ratios(tandem: dict, lerobot: dict) -> dict:

@@ -14,6 +14,11 @@ Nothing of LeRobot's is edited on disk. At run time this process:
   weights handed to the gRPC server), ``process_transitions`` (``ingest``, the replay size
   when it grew); the actor's ``step_env_and_process_transition`` (``step``, reward, done)
   and ``bytes_to_state_dict`` (``load``: new weights loaded, acted with from the next step);
+- with ``--drq 0`` (the comparison's choice: Tandem has no image augmentation), turns off the
+  DrQ random shift (pad 4) that LeRobot's replay buffer applies to every sampled batch: no SAC
+  or policy config field controls it; ``lerobot.rl.learner.initialize_replay_buffer`` builds
+  ``ReplayBuffer(..., optimize_memory=True)`` with ``use_drq`` at its default, True, so the
+  built buffer's ``use_drq`` is set to False;
 - with ``--render fast``, renders gym-hil without shadow map and multisampling, as Tandem's
   ``env.render_quality=fast`` does (LeRobot's default is gym-hil's full quality);
 - stops itself after ``--seconds``.
@@ -106,11 +111,18 @@ def build_config(args):
     )
 
 
-def instrument_learner() -> None:
+def instrument_learner(drq: bool = True) -> None:
     import lerobot.rl.learner as L
     from lerobot.rl.trainer import RLTrainer
 
     step, push, ingest = RLTrainer.training_step, L.push_actor_policy_to_queue, L.process_transitions
+    init_buffer = L.initialize_replay_buffer
+
+    def initialize_replay_buffer(*a, **k):
+        buf = init_buffer(*a, **k)
+        buf.use_drq = drq
+        emit("buffer", drq=bool(buf.use_drq), optimize_memory=bool(buf.optimize_memory))
+        return buf
 
     def training_step(self, *a, **k):
         out = step(self, *a, **k)
@@ -132,6 +144,7 @@ def instrument_learner() -> None:
     RLTrainer.training_step = training_step
     L.push_actor_policy_to_queue = push_policy
     L.process_transitions = process_transitions
+    L.initialize_replay_buffer = initialize_replay_buffer
 
 
 def instrument_actor() -> None:
@@ -204,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--learning-starts", type=int, default=100)
     ap.add_argument("--buffer", type=int, default=100_000)
     ap.add_argument("--push-s", type=float, default=4.0)
+    ap.add_argument("--drq", type=int, default=1, help="1: LeRobot's DrQ random shift on sampled "
+                    "images (its default); 0: off")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--render", choices=("faithful", "fast"), default="faithful",
                     help="faithful: gym-hil's own rendering (LeRobot's); fast: as Tandem's fast")
@@ -213,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = build_config(args)
     emit("start", role=args.role)
     if args.role == "learner":
-        instrument_learner()
+        instrument_learner(drq=bool(args.drq))
         import lerobot.rl.learner as L
 
         L.train_cli(cfg)
