@@ -28,13 +28,25 @@ def _wall(run_dir) -> list[float]:
     return [json.loads(line)["wall_s"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train_and_stop(run: Run, episodes: int, actor_id: str, log: str):
+def _stored(run_dir) -> int:
+    """Episodes in the run's dataset, -1 while it has none (or its info is being rewritten)."""
+    try:
+        return _episodes(run_dir)
+    except (OSError, ValueError):
+        return -1
+
+
+def _train_and_stop(run: Run, episodes: int, actor_id: str, log: str, *, total: int, updates: int = 0):
+    """A learner and an actor until the actor's ``episodes`` are done, the dataset holds
+    ``total`` episodes and the learner made updates past ``updates``; then SIGTERM. (A carried
+    run brings its old status.json: the wait reads the dataset and the counts, not the lag alone.)"""
     learner = run.learner("buffer.video=false", "buffer.commit_interval_s=0.3", log=log)
     actor = run.actor(actor_id, f"max_episodes={episodes}", "seed=7")
     run.wait(lambda: actor.poll() is not None, 240, f"{actor_id} to finish")
     assert actor.returncode == 0, actor.log.read_text()[-3000:]
-    run.wait(lambda: run.status().get("store_lag_records", 1) == 0 and run.status().get("updates", 0) > 0,
-             120, "every record durable and an update made")
+    run.wait(lambda: (_stored(run.dir) >= total and run.status().get("store_lag_records", 1) == 0
+                      and run.status().get("updates", 0) > updates),
+             120, f"{total} episodes stored and an update past {updates} made")
     learner.send_signal(signal.SIGTERM)
     learner.wait(120)
     assert learner.returncode == 0, learner.log.read_text()[-3000:]
@@ -44,7 +56,7 @@ def _train_and_stop(run: Run, episodes: int, actor_id: str, log: str):
 def test_pack_unpack_resume_elsewhere(tmp_path):
     first = Run(tmp_path / "box1")
     try:
-        _train_and_stop(first, 4, "a0", "learner.log")
+        _train_and_stop(first, 4, "a0", "learner.log", total=4)
     finally:
         first.stop_all()
     st = json.loads((first.dir / "status.json").read_text())
@@ -79,7 +91,7 @@ def test_pack_unpack_resume_elsewhere(tmp_path):
     assert not (second.dir / "spool").exists()
     wall_before = _wall(second.dir)
     try:
-        learner2 = _train_and_stop(second, 2, "a1", "learner2.log")
+        learner2 = _train_and_stop(second, 2, "a1", "learner2.log", total=4 + 2, updates=updates)
     finally:
         second.stop_all()
     text2 = learner2.log.read_text()

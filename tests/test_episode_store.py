@@ -311,7 +311,7 @@ def test_bench_buffer_json(tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for k in ("memory_ratio", "sample_ratio", "add_ratio"):
         assert res[k] > 0
-    assert res["memory_ratio"] < 0.14  # uint8 and no next-observation copy: ~1/8 or less
+    assert res["memory_ratio"] < 0.3  # uint8 against lerobot's float32 images (both keep one copy): ~1/4
     assert res["tandem"]["write_episodes_per_s"] > 0
     assert res["writer_ratio"] > 0 and res["writer"]["pool"]["episodes"] == 4
 

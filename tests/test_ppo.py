@@ -15,6 +15,7 @@ from agents.grpo.agent import GRPOAgent, GRPOConfig, group_advantages
 from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
 from agents.ppo.agent import (PPOAgent, PPOConfig, entropy_bonus, policy_loss, truncated_is_weights,
                         value_loss)
+from data.core.spec import DEFAULT_FLOAT_RANGE
 from data.core.schema import OBS_STATE
 from data.core.spec import EnvSpec
 
@@ -210,6 +211,12 @@ def test_act_log_prob_equals_recomputed_log_prob():
         chunk = policy.act(obs)
         assert bool((chunk.actions.abs() == 1.0).all())
         torch.testing.assert_close(policy.log_prob(obs, chunk.actions), chunk.log_prob)
+        # farther out (mean 40 at the smallest std) the recomputed log-prob leaves the wire's
+        # float range (ingest would refuse the record and drop its episode): stored at the floor
+        policy.head.bias[:4] = 40.0
+        chunk = policy.act(obs)
+        assert bool((policy.log_prob(obs, chunk.actions) < DEFAULT_FLOAT_RANGE[0]).all())
+        assert bool((chunk.log_prob == DEFAULT_FLOAT_RANGE[0]).all())
 
 
 @pytest.mark.parametrize("with_value", [False, True])

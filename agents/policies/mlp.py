@@ -28,7 +28,7 @@ from torch import nn
 from agents.base import ActionChunk, Batch, ExtrasSpec
 from agents.common.encoders import EncoderConfig, ObsEncoder, activation
 from agents.common.squash import tanh_log_det
-from data.core.spec import EnvSpec
+from data.core.spec import DEFAULT_FLOAT_RANGE, EnvSpec
 
 
 @dataclass
@@ -169,7 +169,10 @@ class MLPPolicy(nn.Module):
         ``log_prob`` is that of the float32 actions returned, computed as :meth:`log_prob`
         computes it (an update recomputes it for the importance weights): where tanh rounds a
         pre-tanh draw to +-1 (|u| > ~9), :meth:`log_prob` sees atanh of the clamped action
-        (~7.25), far from the draw's own density, and such chunks got importance weights ~0."""
+        (~7.25), far from the draw's own density, and such chunks got importance weights ~0.
+        Far enough out (a mean of +-20 at the smallest std) that log-prob leaves the wire's
+        float range; it is stored at the range's floor (:data:`DEFAULT_FLOAT_RANGE`), which
+        ingest accepts, and such a chunk's importance weight is ~0 either way."""
         mean, log_std = self.dist_params(obs)
         if deterministic:
             eps = torch.zeros_like(mean)
@@ -177,7 +180,7 @@ class MLPPolicy(nn.Module):
         else:
             a, _, eps = self._draw_params(mean, log_std)
         a = a.float()
-        logp = self._log_prob_params(mean.float(), log_std.float(), a)
+        logp = self._log_prob_params(mean.float(), log_std.float(), a).clamp(min=DEFAULT_FLOAT_RANGE[0])
         shape = (a.shape[0], self.chunk_size, self.action_dim)
         return ActionChunk(a.view(shape), logp.float(), {"noise": eps.float().view(shape)})
 
