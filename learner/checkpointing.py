@@ -68,13 +68,13 @@ class Checkpointer:
                     "version": self.weights.version, "ranks": ranks_meta(self.ranks.world, engines)}
 
         # never a checkpoint of weights that are not finite: the latest good one stays
-        if self._refuse(nonfinite(self.algo.policy.trainable_state_dict())):
-            return None
         if self.ranks.world == 1 and not engines:
-            st = state()
+            st = state()  # the whole state is checked once (the policy's weights are in it)
             if self._refuse(nonfinite(st["algo"])):
                 return None
             return save_checkpoint(root, self.algo.updates, st, keep=keep)
+        if self._refuse(nonfinite(self.algo.policy.trainable_state_dict())):
+            return None
         if rank_died:  # the other ranks are gone
             if engines:
                 log.error("no final checkpoint: the DeepSpeed state is split over the ranks and a rank "

@@ -61,7 +61,6 @@ class LearnerStatus:
         """:meth:`summary` plus the operator's view: per-actor rows, rates, phase, GPU."""
         lrn = self.learner
         st: dict[str, Any] = self.summary()
-        st["version"] = lrn.weights.version
         st.update(view_status(lrn, st, self._rates[meter]))
         if lrn.cfg.mode == "eval":
             st["eval_target"] = lrn.sweep.total if lrn.sweep is not None else int(lrn.cfg.eval.episodes)

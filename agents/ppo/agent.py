@@ -270,11 +270,10 @@ class PPOAgent:
         return parallel.mean_over_ranks(self.accelerator, kl_sum / max(steps, 1), self.device) > self.cfg.target_kl
 
     def _minibatch_step(self, obs: Batch, actions, old, adv, mask, is_w, ref, returns,
-                        old_values, pmask=None, own=None) -> dict[str, torch.Tensor]:
-        """One optimizer step; ``pmask`` [B, T]: the policy loss's token mask (else ``mask``);
-        ``own`` [B]: the chunks that train, the value loss's mask (else ``mask``): with token
-        ratios the policy's own chunks cut short train the value head too, not only full ones."""
-        own = mask if own is None else own
+                        old_values, pmask, own) -> dict[str, torch.Tensor]:
+        """One optimizer step; ``pmask`` [B, T]: the policy loss's token mask (None: ``mask``);
+        ``own`` [B]: the chunks that train, the value loss's mask: with token ratios the
+        policy's own chunks cut short train the value head too, not only full ones."""
         cfg = self.cfg
         sample = cfg.entropy_coef > 0 and self._sampler
         whats = (self._lp_call,) + (("sample",) if sample else ()) + (("value",) if self.has_critic else ())

@@ -155,6 +155,15 @@ def wait_first_step(started: float, timeout_s: float, has_step, procs: list[Proc
     return time.time()
 
 
+def run_until(deadline: float, procs: list[Proc], every_s: float, tick=None) -> float:
+    """Until ``deadline`` or a process exits (``tick`` every ``every_s``); the time it ended."""
+    while time.time() < deadline and all(p.p.poll() is None for p in procs):
+        if tick is not None:
+            tick()
+        time.sleep(every_s)
+    return time.time()
+
+
 def run_lerobot(args, out: Path, setting: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -172,10 +181,7 @@ def run_lerobot(args, out: Path, setting: str) -> dict:
         t0 = wait_first_step(t_start, args.startup_timeout_s,
                              lambda: any("CMPEVENT" in ln and '"step"' in ln for _, ln in actor.lines),
                              [learner, actor])
-        deadline = t0 + args.seconds
-        while time.time() < deadline and learner.p.poll() is None and actor.p.poll() is None:
-            time.sleep(1.0)
-        t_end = time.time()
+        t_end = run_until(t0 + args.seconds, [learner, actor], 1.0)
     finally:
         stop_processes([actor.p, learner.p], 20)
         actor.close()
@@ -233,11 +239,7 @@ def run_tandem(args, out: Path, setting: str) -> dict:
             return bool(samples) and samples[-1]["status"].get("env_steps", 0) > 0
 
         t0 = wait_first_step(t_start, args.startup_timeout_s, has_step, [learner, actor])
-        deadline = t0 + args.seconds
-        while time.time() < deadline and learner.p.poll() is None and actor.p.poll() is None:
-            sample()
-            time.sleep(0.25)
-        t_end = time.time()
+        t_end = run_until(t0 + args.seconds, [learner, actor], 0.25, tick=sample)
     finally:
         stop_processes([actor.p, learner.p], 60)
         actor.close()
