@@ -77,6 +77,10 @@ def serving_device(cfg: DictConfig, learner_device: torch.device) -> torch.devic
     return dev
 
 
+#: torch.set_float32_matmul_precision's settings (trainer.matmul_precision)
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
 def validate(cfg: DictConfig) -> None:
     if cfg.mode not in ("train", "eval"):
         raise ValueError(f"mode must be train or eval, got {cfg.mode!r}")
@@ -86,6 +90,9 @@ def validate(cfg: DictConfig) -> None:
         p = cfg.transport[key]
         if not isinstance(p, int) or not 0 <= p < 65536:
             raise ValueError(f"transport.{key} must be a port number, got {p!r}")
+    mp = cfg.trainer.get("matmul_precision", "highest")
+    if mp not in MATMUL_PRECISIONS:
+        raise ValueError(f"trainer.matmul_precision must be one of {MATMUL_PRECISIONS}, got {mp!r}")
     if cfg.buffer.capacity < cfg.algo.get("batch_size", 1):
         raise ValueError(f"buffer.capacity ({cfg.buffer.capacity}) < algo.batch_size "
                          f"({cfg.algo.batch_size})")
@@ -103,6 +110,7 @@ class Learner:
         torch.manual_seed(cfg.seed)
         if cfg.trainer.num_threads:
             torch.set_num_threads(int(cfg.trainer.num_threads))
+        torch.set_float32_matmul_precision(str(cfg.trainer.get("matmul_precision", "highest")))
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.device = pick_device(cfg.device)

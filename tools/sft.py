@@ -127,12 +127,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     cfg = learner_config(args.overrides)
+    torch.set_float32_matmul_precision(str(cfg.trainer.matmul_precision))  # as the learner's updates
     spec = env_spec(cfg.env)
     policy = build_policy(cfg.policy, spec)
     if not hasattr(policy, "bc_loss"):
         raise SystemExit(f"policy={cfg.policy.name} has no bc_loss: it cannot be fine-tuned on demos")
     demos = load_demos(args.demos, spec, seed=args.seed, device=str(getattr(policy, "device", "cpu")))
     report: dict = {"policy": cfg.policy.name, "demo_transitions": len(demos), "steps": args.steps,
+                    "matmul_precision": str(cfg.trainer.matmul_precision),
                     "parameters": sum(p.numel() for p in policy.parameters()),
                     "trained_parameters": sum(p.numel() for p in policy.parameters() if p.requires_grad)}
     if args.save_checkpoint:

@@ -18,11 +18,16 @@ Per case, one update of ``--batch`` action chunks through the algorithm's own up
   step), the pieces apart (:mod:`tools.bench.residual_sac`; not in the default ``--cases``);
 - ``pi0_sft`` / ``oft_sft``: the policy's own BC loss (flow matching / L1) as the rejection
   sampling learner runs it, one step over ``--batch`` samples in minibatches;
+- ``pi0_small_sft``: the same on ``policy=pi0_small`` (the 10.4M-parameter PI0 trained from
+  scratch in float32 for the LIBERO runs; ``--image-size 64``, the whole batch in one pass),
+  once per ``--matmul-precisions`` entry (torch's float32 matmul precision: highest = float32,
+  high = TF32; ``autocast-bf16`` = float32 weights with the forward under bf16 autocast);
 
 each with the time per update (p50 over ``--iters``) and the peak GPU memory.
 
     python -m tools.bench.train                                 # GPU, full size
     python -m tools.bench.train --tiny --device cpu --batch 8 --minibatch 4 --iters 2
+    python -m tools.bench.train --cases pi0_small_sft --image-size 64 --batch 256 --minibatch 256
 """
 
 from __future__ import annotations
@@ -66,6 +71,16 @@ def _build(name: str, tiny: bool, device: str, tmp: Path, spec):
     return OpenVLAOFTDiscretePolicy(cfg, spec)
 
 
+def _build_small(device: str, spec):
+    """``policy=pi0_small`` as the LIBERO chain builds it (config/policy/pi0_small.yaml)."""
+    from agents.registry import build_policy
+    from tools.sft import learner_config
+
+    cfg = learner_config(["policy=pi0_small", f"policy.device={device}",
+                          f"policy.image_size={next(iter(spec.cameras.values()))[0]}"])
+    return build_policy(cfg.policy, spec)
+
+
 def _batch(policy, spec, n: int, task: str):
     import torch
 
@@ -85,9 +100,10 @@ def bench_case(case: str, args, spec, tmp: Path) -> dict:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    name = {"oft_grpo": "oft_discrete", "pi0_ppo": "pi0_flow", "pi0_sft": "pi0", "oft_sft": "openvla_oft"}[case]
+    name = {"oft_grpo": "oft_discrete", "pi0_ppo": "pi0_flow", "pi0_sft": "pi0", "oft_sft": "openvla_oft",
+            "pi0_small_sft": "pi0_small"}[case]
     t0 = time.perf_counter()
-    policy = _build(name, args.tiny, args.device, tmp, spec)
+    policy = _build_small(args.device, spec) if name == "pi0_small" else _build(name, args.tiny, args.device, tmp, spec)
     res: dict = {"build_s": time.perf_counter() - t0, "chunk": policy.chunk_size, "batch": args.batch,
                  "minibatch": args.minibatch,
                  "trainable_params_m": sum(p.numel() for p in policy.parameters() if p.requires_grad) / 1e6}
@@ -147,6 +163,22 @@ def bench_case(case: str, args, spec, tmp: Path) -> dict:
     return res
 
 
+def bench_precision(case: str, args, spec, tmp: Path, prec: str) -> dict:
+    """``bench_case`` under one float32 matmul precision (or bf16 autocast), restored after."""
+    import contextlib
+
+    import torch
+
+    old = torch.get_float32_matmul_precision()
+    auto = prec == "autocast-bf16"
+    torch.set_float32_matmul_precision("highest" if auto else prec)
+    try:
+        with (torch.autocast("cuda", dtype=torch.bfloat16) if auto else contextlib.nullcontext()):
+            return bench_case(case, args, spec, tmp)
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="oft_grpo,pi0_ppo,pi0_sft,oft_sft")
@@ -156,6 +188,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--minibatch", type=int, default=16, help="chunks per forward/backward")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--matmul-precisions", default="highest,high,autocast-bf16",
+                    help="pi0_small_sft: float32 matmul precisions to time (highest, high, medium, autocast-bf16)")
     ap.add_argument("--json", default=None, help="write the results here ('-': stdout only JSON)")
     args = ap.parse_args(argv)
 
@@ -177,6 +211,11 @@ def main(argv=None) -> dict:
                     from tools.bench.residual_sac import bench_residual_sac
 
                     r = bench_residual_sac(args, spec, Path(tmp))
+                elif case == "pi0_small_sft":  # one row per float32 matmul precision
+                    r = {}
+                    for prec in args.matmul_precisions.split(","):
+                        r[prec] = bench_precision(case, args, spec, Path(tmp), prec)
+                        say(f"{case} [{prec}]: {r[prec]}", flush=True)
                 else:
                     r = bench_case(case, args, spec, Path(tmp))
             except torch.OutOfMemoryError as exc:  # report it and go on with the next case
