@@ -123,3 +123,75 @@ def test_crafted_routing_ids_leave_the_robot_driver_serving():
         server.shutdown()
         thread.join(10)
         server.close()
+
+
+OWNER = """
+import signal, sys, time
+from data.core.gate import Front, Gate
+g = Gate([Front("main")])
+g.start()
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+print(g.proc.pid, flush=True)
+while not stop:
+    time.sleep(0.05)
+end = time.monotonic() + 1.5   # a stopping server still polls its gate until it closes it
+while time.monotonic() < end:
+    g.poll()
+    time.sleep(0.05)
+print(g.restarts, g.exits, g.alive(), flush=True)
+g.stop()
+print(g.alive(), flush=True)
+"""
+
+
+def test_a_signal_to_the_servers_process_group_is_not_a_gate_death():
+    """``kill -TERM -- -PGID`` (launch/gpu_box.sh stop, a terminal's job control) stops the
+    server, which then stops its gate: the gate is not hit by the group's signal, so the server
+    does not take its exit for a death and start a new gate while it stops."""
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, start_new_session=True)
+    try:
+        gate_pid = int(p.stdout.readline())
+        os.killpg(p.pid, signal.SIGTERM)
+        stopping = p.stdout.readline()   # "restarts exits alive" while the server stops
+        after = p.stdout.readline()      # alive after the server stopped it
+        p.wait(20)
+        assert stopping.split(" ", 1)[0] == "0", f"the gate was restarted during the stop: {stopping}"
+        assert stopping.strip().endswith("True")   # untouched by the group's signal
+        assert after.strip() == "False"
+        assert _gone(gate_pid)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def _gone(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_a_killed_server_leaves_no_gate_behind():
+    """The gate runs in a session of its own, so nothing signals it with its server: it ends
+    by itself once its parent is gone."""
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, start_new_session=True)
+    gate_pid = 0
+    try:
+        gate_pid = int(p.stdout.readline())
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 15
+        while not _gone(gate_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(gate_pid), "the gate outlived its killed server"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if gate_pid and not _gone(gate_pid):
+            os.kill(gate_pid, signal.SIGKILL)

@@ -109,8 +109,11 @@ class Gate:
             [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         self._buf = b""
         self._noted = False
+        # its own session: a signal to the server's process group (kill -- -PGID, a terminal's
+        # Ctrl-C) stops the server, which stops the gate; the gate ends by itself when its parent
+        # is gone (gate_main), so a killed server leaves no gate behind
         self.proc = subprocess.Popen([sys.executable, "-m", "data.core.gate_main"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, cwd=root, start_new_session=False)
+                                     stdout=subprocess.PIPE, env=env, cwd=root, start_new_session=True)
         self.proc.stdin.write((json.dumps(cfg) + "\n").encode())
         self.proc.stdin.close()
         line = self._read_line(self.start_timeout_s)
