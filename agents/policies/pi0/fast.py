@@ -26,7 +26,8 @@ rotary embeddings, projections), so loaded checkpoints and LoRA folding apply un
   and folded adapters (``LoRAServing`` copies into the same tensors) need no recapture; a
   change of the adapter fold state (different modules) does recapture. The capture, static
   buffers and padding (:meth:`FastPiSampler._graphed`) take any computation of named inputs to
-  several outputs (``velocity(..., features=True)`` also gives each step's action-token features).
+  several outputs: plain sampling here, the flow-RL chain in :mod:`agents.policies.pi0.fast_chain`
+  (which also needs each step's action-token features: ``velocity(..., features=True)``).
 
 With ``compile`` (``policy.fast_compile``: ``auto`` compiles on a GPU), SigLIP, the prefix layer
 stack and one denoising step run through ``torch.compile`` inside the graph. In ``"dynamic"``
