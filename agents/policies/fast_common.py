@@ -119,10 +119,12 @@ def gpu_kernels(cuda: bool, order: tuple[str, ...] = SDPA_ORDER):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def warm_up(policy, get_fast, batch_sizes, *, max_batch: int | None = None) -> dict[int, float]:
+def warm_up(policy, get_fast, batch_sizes, *, max_batch: int | None = None,
+            acts: tuple[bool, ...] = (True,)) -> dict[int, float]:
     """Compile and capture the fast path's graphs for ``batch_sizes`` (each padded to its bucket;
-    sizes above ``max_batch`` are skipped) before a server takes requests: one deterministic
-    ``policy.act`` of a blank observation per bucket, timed and logged. ``get_fast()`` (called
+    sizes above ``max_batch`` are skipped) before a server takes requests: a ``policy.act`` of a
+    blank observation per bucket and ``deterministic`` flag in ``acts`` (a policy whose two kinds
+    of act run different graphs lists both), timed and logged. ``get_fast()`` (called
     without gradients) is the policy's fast path or None; it has ``graphs``, ``bucket(b)``,
     ``captures``, ``compiles`` and ``compile``. Returns {bucket: seconds}; {} where the policy
     serves without graphs (a CPU, fast serving off or eager, training mode)."""
@@ -142,7 +144,8 @@ def warm_up(policy, get_fast, batch_sizes, *, max_batch: int | None = None) -> d
             for cam, (h, w, c) in spec.cameras.items():
                 obs[OBS_IMAGE_PREFIX + cam] = torch.zeros(b, h, w, c, dtype=torch.uint8, device=dev)
             t0, captures, compiles = time.perf_counter(), fast.captures, fast.compiles
-            policy.act(obs, deterministic=True)
+            for deterministic in acts:
+                policy.act(obs, deterministic=deterministic)
             torch.cuda.synchronize(dev)
             out[b] = time.perf_counter() - t0
             log.info("%s: warm-up batch %d ready in %.1f s (%d capture(s), %d compiled graph(s), compile=%s)",

@@ -24,7 +24,10 @@ rotary embeddings, projections), so loaded checkpoints and LoRA folding apply un
   ``buckets`` into a CUDA graph over static input buffers, after warm-up; a request is padded
   to the next bucket and sliced back. Replays read the parameters in place, so new weights
   and folded adapters (``LoRAServing`` copies into the same tensors) need no recapture; a
-  change of the adapter fold state (different modules) does recapture.
+  change of the adapter fold state (different modules) does recapture. The capture, static
+  buffers and padding (:meth:`FastPiSampler._graphed`) take any computation of named inputs to
+  several outputs: plain sampling here, the flow-RL chain in :mod:`agents.policies.pi0.fast_chain`
+  (which also needs each step's action-token features: ``velocity(..., features=True)``).
 
 With ``compile`` (``policy.fast_compile``: ``auto`` compiles on a GPU), SigLIP, the prefix layer
 stack and one denoising step run through ``torch.compile`` inside the graph. In ``"dynamic"``
@@ -164,7 +167,7 @@ class FastPiSampler:
         self.vlm = pwe.paligemma.model.language_model
         self.expert = pwe.gemma_expert.model
         self.chunk = int(model.config.chunk_size)
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, tuple[torch.Tensor, ...]]] = {}
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and the bench read it)
         self.compiles = 0  # graphs dynamo compiled during those captures
@@ -282,9 +285,10 @@ class FastPiSampler:
         return [n.dense(cond) for n in norms]
 
     def velocity(self, cache: _PrefixKV, pad: torch.Tensor, state, x_t: torch.Tensor, t: torch.Tensor,
-                 mods: list[torch.Tensor] | None = None) -> torch.Tensor:
+                 mods: list[torch.Tensor] | None = None, features: bool = False):
         """One denoising step's velocity (lerobot's denoise_step); PI0.5: ``mods`` are this
-        step's rows of :meth:`modulations`."""
+        step's rows of :meth:`modulations`. ``features``: (velocity, the expert's action-token
+        features [B, chunk, width] in float32, what ``action_out_proj`` reads)."""
         from lerobot.policies.common.vla_utils import make_att_2d_masks
 
         embs, ar = self._suffix(state, x_t, t)
@@ -296,27 +300,39 @@ class FastPiSampler:
         h = self._layers(self.expert, embs, mask2d, pos, cache, mods)
         if mods is None:
             h, _ = self.expert.norm(h, None)
-        return self.model.action_out_proj(h[:, -self.chunk:].to(torch.float32))
+        feat = h[:, -self.chunk:].to(torch.float32)
+        v = self.model.action_out_proj(feat)
+        return (v, feat) if features else v
+
+    def _steps(self, images, img_masks, tokens, lang_masks, state, noise: torch.Tensor, num_steps: int):
+        """What every Euler step reads: the prefix pass (its KV stand-in and pad mask), the flow
+        times t_k = 1 + k dt [num_steps] and, for PI0.5, each time's AdaRMS modulations."""
+        cache, pad = self.prefix(images, img_masks, tokens, lang_masks)
+        self._set_attn(ATTN_NAME)
+        dt = -1.0 / num_steps
+        times = 1.0 + dt * torch.arange(num_steps, dtype=torch.float32, device=noise.device)
+        mods = self.modulations(times) if self.variant == "pi05" else None
+        if self.compile == "dynamic":  # the same tensors every step
+            mark_dynamic((0, 2), cache.k, cache.v)  # [B, heads, prefix length, D]
+            mark_dynamic((0, 1), pad)
+            mark_dynamic((0,), state)
+        return cache, pad, times, mods
+
+    def _step_velocity(self, cache, pad, state, x, times, mods, step: int, features: bool = False):
+        """Euler step ``step``'s velocity at ``x`` (:meth:`velocity`, compiled where set)."""
+        t = times[step].expand(x.shape[0])
+        if self.compile == "dynamic":
+            mark_dynamic((0,), x, t)
+        return self._velocity(cache, pad, state, x, t, None if mods is None else [m[step:step + 1] for m in mods],
+                              features=features)
 
     def _sample(self, images, img_masks, tokens, lang_masks, state, noise, num_steps: int,
                 rtc: dict | None = None, gws: tuple[float, ...] = ()) -> torch.Tensor:
         with gpu_kernels(noise.is_cuda):
-            cache, pad = self.prefix(images, img_masks, tokens, lang_masks)
-            self._set_attn(ATTN_NAME)
-            dt = -1.0 / num_steps
-            times = 1.0 + dt * torch.arange(num_steps, dtype=torch.float32, device=noise.device)
-            mods = self.modulations(times) if self.variant == "pi05" else None
-            dyn = self.compile == "dynamic"
-            if dyn:  # the same tensors every step
-                mark_dynamic((0, 2), cache.k, cache.v)  # [B, heads, prefix length, D]
-                mark_dynamic((0, 1), pad)
-                mark_dynamic((0,), state)
-            x = noise
+            cache, pad, times, mods = self._steps(images, img_masks, tokens, lang_masks, state, noise, num_steps)
+            dt, x = -1.0 / num_steps, noise
             for step in range(num_steps):
-                t = times[step].expand(x.shape[0])
-                if dyn:
-                    mark_dynamic((0,), x, t)
-                v = self._velocity(cache, pad, state, x, t, None if mods is None else [m[step:step + 1] for m in mods])
+                v = self._step_velocity(cache, pad, state, x, times, mods, step)
                 if rtc is None:
                     x = x + dt * v
                     continue
@@ -345,36 +361,47 @@ class FastPiSampler:
         if rtc is not None and len(guidance) != num_steps:
             raise ValueError(f"RTC needs a guidance weight per Euler step ({num_steps}), got {len(guidance)}")
         gws = tuple(float(g) for g in guidance) if rtc is not None else ()
-        if not (self.graphs and noise.is_cuda):
-            return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps, rtc, gws)
-        b = noise.shape[0]
-        bucket = self.bucket(b)
-        if bucket is None:  # beyond the largest graph: eager
+        if not (self.graphs and noise.is_cuda) or self.bucket(noise.shape[0]) is None:  # no graph: eager
             return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps, rtc, gws)
         inputs = {"images": list(images), "img_masks": list(img_masks), "tokens": tokens,
                   "lang_masks": lang_masks, "state": state, "noise": noise, **(rtc or {})}
-        gkey = (bucket, num_steps, key, _signature(inputs), gws)
-        if gkey not in self._graphs:
-            # static buffers and the graph's tensors are normal tensors even when the first call
-            # comes under inference_mode (later calls may come under no_grad, and copy into them)
-            with torch.inference_mode(False), torch.no_grad():
-                self._graphs[gkey] = self._capture(_pad(inputs, bucket), num_steps, gws)
-        graph, static, out = self._graphs[gkey]
-        _copy_into(static, inputs, b)
-        graph.replay()
-        return out[:b].clone()
+
+        def run(s: dict) -> tuple[torch.Tensor]:
+            r = {k: s[k] for k in RTC_KEYS} if gws else None
+            return (self._sample(s["images"], s["img_masks"], s["tokens"], s["lang_masks"], s["state"], s["noise"],
+                                 num_steps, r, gws),)
+
+        what = f"{num_steps} steps{', RTC' if gws else ''}"
+        return self._graphed((num_steps, key, gws), inputs, run, what)[0]
 
     def bucket(self, b: int) -> int | None:
         """The captured batch size a request of ``b`` rows is padded to (None: beyond them)."""
         return next((x for x in self.buckets if x >= b), None)
 
-    def _capture(self, static: dict, num_steps: int, gws: tuple[float, ...] = ()):
-        rtc = {k: static[k] for k in RTC_KEYS} if gws else None
+    def _graphed(self, key: tuple, inputs: dict, run, what: str) -> tuple[torch.Tensor, ...]:
+        """``run(inputs)`` through a CUDA graph: ``inputs`` (tensors, lists of tensors or None;
+        batch first, ``inputs["noise"]`` gives the batch) are copied into static buffers of the
+        batch's bucket, the graph of (bucket, ``key``, the inputs' signature) is replayed (captured
+        over ``run(static buffers)`` on first use) and each of ``run``'s outputs (batch first) is
+        returned cut to the request's rows. ``key`` must name everything else that changes the
+        computation; ``run`` must read tensors only from the dict it is given."""
+        b = inputs["noise"].shape[0]
+        bucket = self.bucket(b)
+        gkey = (bucket, key, _signature(inputs))
+        if gkey not in self._graphs:
+            # static buffers and the graph's tensors are normal tensors even when the first call
+            # comes under inference_mode (later calls may come under no_grad, and copy into them)
+            with torch.inference_mode(False), torch.no_grad():
+                self._graphs[gkey] = self._capture(_pad(inputs, bucket), run, what)
+        graph, static, outs = self._graphs[gkey]
+        _copy_into(static, inputs, b)
+        graph.replay()
+        return tuple(o[:b].clone() for o in outs)
 
-        def run():
+    def _capture(self, static: dict, run, what: str):
+        def call():
             with static_shapes_only():
-                return self._sample(static["images"], static["img_masks"], static["tokens"],
-                                    static["lang_masks"], static["state"], static["noise"], num_steps, rtc, gws)
+                return tuple(run(static))
 
         t0, graphs0 = time.perf_counter(), compiled_graphs()
 
@@ -382,31 +409,28 @@ class FastPiSampler:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: lazy inits, cuBLAS workspaces, autotuning
-                run()
+                call()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = run()
+            outs = call()
         self.captures += 1
         new = compiled_graphs() - graphs0
         self.compiles += new
-        log.info("PI fast path: captured a CUDA graph for batch %d (%d steps%s) in %.1f s%s",
-                 static["noise"].shape[0], num_steps, ", RTC" if gws else "", time.perf_counter() - t0,
+        log.info("PI fast path: captured a CUDA graph for batch %d (%s) in %.1f s%s",
+                 static["noise"].shape[0], what, time.perf_counter() - t0,
                  f", {new} graph(s) compiled ({self.compile})" if self.compile else "")
-        return graph, static, out
+        return graph, static, outs
 
 
 def _signature(inputs: dict) -> tuple:
-    """Shapes and dtypes past the batch dimension (a graph serves one signature)."""
-    sig = []
-    for k in ("images", "img_masks"):
-        sig += [(tuple(t.shape[1:]), t.dtype) for t in inputs[k]]
-    for k in ("tokens", "lang_masks", "state", "noise", *RTC_KEYS):
-        t = inputs.get(k)
-        sig.append(None if t is None else (tuple(t.shape[1:]), t.dtype))
-    return tuple(sig)
+    """Shapes and dtypes past the batch dimension, by input name (a graph serves one signature)."""
+    def sig(t):
+        return None if t is None else (tuple(t.shape[1:]), t.dtype)
+
+    return tuple((k, tuple(sig(t) for t in v) if isinstance(v, list) else sig(v)) for k, v in sorted(inputs.items()))
 
 
 def _pad(inputs: dict, n: int) -> dict:

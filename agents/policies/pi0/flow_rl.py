@@ -35,13 +35,24 @@ Extras (``extras_spec``; they ride on the act reply into every step's record as
 D = max_action_dim), ``log_prob`` [] and, for SDE, ``sde_step`` [1] (k*). Deterministic acts
 carry the ODE chain, k* = 0 and the log-density of that chain under the stochastic policy.
 
+Acting. The chain's randomness is drawn first (x_0, then k*, then each step's standard normals,
+or taken from ``act``'s ``noise`` / ``step_noise`` / ``sde_step``) and every Euler step is
+:meth:`_chain_step`. In eval mode without gradients, where ``fast_serving`` gives a fast path
+(:meth:`Pi0Policy._fast_sampler`, the rule of plain PI0's act: ``auto`` on a GPU, ``graphs``,
+``eager``), the chain runs on :class:`agents.policies.pi0.fast_chain.FastPiChainSampler`: the prefix
+once, the expert's steps on the fast path's kernels, on a GPU one CUDA graph per batch bucket and
+deterministic / stochastic act; otherwise eagerly through lerobot's modules. On a CPU the two
+agree to float32 round-off (tests/test_flow_rl_fast.py); on a GPU within bf16 / TF32 tolerance.
+``warm_up`` captures both acts' graphs of the warm-up buckets.
+
 Update time: :meth:`log_prob` reads ``obs["extra.chain"]`` (and ``extra.sde_step``), which the
 on-policy batches carry for each chunk (:func:`agents.ppo.on_policy.chunk_batch`), and recomputes
 the same Gaussians with the current weights: one prefix pass, then K expert passes (Flow-Noise)
 or one (Flow-SDE, at each row's own t_k*). The ``actions`` argument only sets the batch size:
 the chain, not the clipped env actions, is what was sampled. With the same weights the act's
 log-prob and this one agree (tests/test_flow_rl.py): exactly in eval mode without gradients
-(both run with the LoRA folded), to float32 rounding otherwise.
+when the act ran eagerly (both run lerobot's modules with the LoRA folded), to round-off
+otherwise (the fast path's kernels; training mode's unfolded adapters).
 
 :meth:`value` (ValuePolicy): an MLP on mean-pooled features (``value_features``: the expert's
 action tokens at t = 1 from x = 0, or the VLM's prefix), detached by default
@@ -71,6 +82,7 @@ from torch import nn
 
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
+from agents.policies.pi0.fast_chain import FastPiChainSampler
 from agents.policies.pi0.policy import Pi0Policy, Pi05Policy
 from agents.policies.pi0.flow_rl_config import FLOW_RL_MODES, VALUE_FEATURES, validate_flow_config  # noqa: F401
 from agents.policies.pi0.lerobot_modules import lerobot_pi_module
@@ -117,6 +129,11 @@ class FlowHeads(nn.Module):
 
 class _FlowRL:
     """Flow-Noise / Flow-SDE on top of :class:`Pi0Policy` (see the module docstring)."""
+
+    #: the fast path builds the chain sampler (plain PI0's ``sample`` is on it too)
+    _fast_class = FastPiChainSampler
+    #: ``warm_up`` captures both acts' graphs: deterministic (eval) and stochastic (rollouts)
+    _warm_acts = (True, False)
 
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
@@ -195,41 +212,76 @@ class _FlowRL:
         k = torch.as_tensor(k, device=self.device, dtype=torch.float32)
         return (1.0 - k / self.num_steps).expand(b) if k.ndim == 0 else 1.0 - k / self.num_steps
 
+    def _chain_step(self, k: int, x, v, feat, t, eps, k_star) -> tuple[torch.Tensor, torch.Tensor]:
+        """Euler step ``k`` of an act's chain: (x_{k+1} [B, H, D], its log-density term [B]).
+        ``eps`` [B, H, A]: the step's standard normals (None: deterministic, the ODE step);
+        ``k_star`` [B]: Flow-SDE's stochastic step (Flow-Noise: every step is). The eager act and
+        the fast path (:meth:`FastPiChainSampler.chain`) both run it."""
+        a, dt = self.action_dim, -1.0 / self.num_steps
+        mean, std = self._gaussian(x, v, feat, t)
+        nxt = x + dt * v
+        here = torch.ones_like(k_star, dtype=torch.bool) if self.mode == "noise" else k_star == k
+        if eps is not None:
+            real = mean + std * eps
+            nxt = torch.cat([torch.where(here[:, None, None], real, nxt[..., :a]), nxt[..., a:]], -1)
+        return nxt, torch.where(here, self._log_normal(nxt[..., :a], mean, std), 0.0)
+
     # -- acting -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def act(self, obs: Batch, *, deterministic: bool = False, noise: torch.Tensor | None = None) -> ActionChunk:
+    def act(self, obs: Batch, *, deterministic: bool = False, noise: torch.Tensor | None = None,
+            step_noise: torch.Tensor | None = None, sde_step: torch.Tensor | None = None) -> ActionChunk:
         """Actions [B, H, A]; ``log_prob`` [B] of the chain; extras in the module docstring.
-        ``noise`` [B, H, D] overrides x_0 (deterministic: zeros, then the plain ODE)."""
+        ``noise`` [B, H, D] overrides x_0 (deterministic: zeros, then the plain ODE). Stochastic
+        acts only: ``step_noise`` [B, K, H, A] overrides the chain's standard normals (Flow-SDE
+        reads those of its step k*), ``sde_step`` [B] Flow-SDE's k*; otherwise they are drawn
+        with torch on the policy's device (x_0, k*, then each step's, in that order). In eval mode
+        without gradients the chain runs on the fast path where ``fast_serving`` gives one
+        (:meth:`_fast_sampler`, as plain PI0's act), else eagerly through lerobot's modules."""
         self._serving_weights()
         inputs = self.model_inputs(obs)
-        b, a, dt = inputs[2].shape[0], self.action_dim, -1.0 / self.num_steps
+        b, dev, steps = inputs[2].shape[0], self.device, self.num_steps
         shape = (b, self.chunk_size, self.max_dim)
         if noise is None:
-            noise = (torch.zeros(shape, device=self.device) if deterministic
-                     else float(self.cfg.init_noise_scale) * torch.randn(shape, device=self.device))
-        x = noise.to(self.device, torch.float32)
-        ctx = self._context(inputs)
-        if self.mode == "sde" and not deterministic:
-            k_star = torch.randint(0, self.num_steps, (b,), device=self.device)
+            noise = (torch.zeros(shape, device=dev) if deterministic
+                     else float(self.cfg.init_noise_scale) * torch.randn(shape, device=dev))
+        noise = noise.to(dev, torch.float32)
+        k_star, eps = torch.zeros(b, dtype=torch.long, device=dev), None
+        if not deterministic:
+            if self.mode == "sde":
+                k_star = (torch.randint(0, steps, (b,), device=dev) if sde_step is None
+                          else torch.as_tensor(sde_step).to(dev, torch.long).reshape(b))
+                if sde_step is not None and bool(((k_star < 0) | (k_star >= steps)).any()):
+                    raise ValueError(f"{self.who}: sde_step outside 0..{steps - 1}")
+            want = (b, steps, self.chunk_size, self.action_dim)
+            # one draw per step, as the chain used to draw them step by step (the same stream)
+            eps = (torch.stack([torch.randn((b, *want[2:]), device=dev) for _ in range(steps)], 1)
+                   if step_noise is None else torch.as_tensor(step_noise).to(dev, torch.float32))
+            if tuple(eps.shape) != want:
+                raise ValueError(f"{self.who}: step_noise must be {list(want)}, got {list(eps.shape)}")
+        fast = self._fast_sampler()
+        if fast is not None:
+            images, img_masks, toks, masks = inputs[:4]
+            x, logp, chain, k_star = fast.chain(images, img_masks, toks, masks, inputs[4] if len(inputs) > 4 else None,
+                                                noise, steps, self._chain_step, eps=eps, k_star=k_star,
+                                                key=(self.mode, self.lora.folded))
         else:
-            k_star = torch.zeros(b, dtype=torch.long, device=self.device)
-        chain, logp = [x], torch.zeros(b, device=self.device)
-        for k in range(self.num_steps):
-            t = self._time(k, b)
-            v, feat = self._velocity(ctx, x, t)
-            mean, std = self._gaussian(x, v, feat, t)
-            nxt = x + dt * v
-            here = torch.ones(b, dtype=torch.bool, device=self.device) if self.mode == "noise" else k_star == k
-            if not deterministic:
-                real = mean + std * torch.randn_like(mean)
-                nxt = torch.cat([torch.where(here[:, None, None], real, nxt[..., :a]), nxt[..., a:]], -1)
-            logp = logp + torch.where(here, self._log_normal(nxt[..., :a], mean, std), 0.0)
-            x = nxt
-            chain.append(x)
-        extras = {"noise": noise.to(self.device, torch.float32), "chain": torch.stack(chain, 1)}
+            x, logp, chain = self._eager_chain(inputs, noise, eps, k_star)
+        extras = {"noise": noise, "chain": chain}
         if self.mode == "sde":
             extras["sde_step"] = k_star[:, None]
         return ActionChunk(self._postprocess(x), logp, extras)
+
+    def _eager_chain(self, inputs: tuple, x: torch.Tensor, eps, k_star) -> tuple[torch.Tensor, ...]:
+        """The act's chain through lerobot's modules: (x_K, log_prob [B], chain [B, K+1, H, D])."""
+        ctx = self._context(inputs)
+        chain, logp = [x], torch.zeros(x.shape[0], device=x.device)
+        for k in range(self.num_steps):
+            t = self._time(k, x.shape[0])
+            v, feat = self._velocity(ctx, x, t)
+            x, term = self._chain_step(k, x, v, feat, t, None if eps is None else eps[:, k], k_star)
+            logp = logp + term
+            chain.append(x)
+        return x, logp, torch.stack(chain, 1)
 
     def extras_spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         spec = {"noise": ("float32", (self.chunk_size, self.max_dim)),

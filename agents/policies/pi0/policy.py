@@ -196,6 +196,12 @@ class _DropRecords(logging.Filter):
 class Pi0Policy(nn.Module):
     """PI0 / PI0.5 behind :class:`agents.base.Policy` (see the module docstring)."""
 
+    #: the fast serving path's class (flow RL's adds its chain)
+    _fast_class = FastPiSampler
+    #: the ``deterministic`` flags of the acts ``warm_up`` runs per bucket (plain PI0's graph is
+    #: the same for both: the flag only sets the noise)
+    _warm_acts = (True,)
+
     def __init__(self, cfg: Pi0PolicyConfig, spec: EnvSpec):
         super().__init__()
         cfg.validate()
@@ -384,16 +390,15 @@ class Pi0Policy(nn.Module):
             return None
         if getattr(self, "_fast", None) is None:
             g = cuda and mode in ("auto", "graphs")
-            self._fast = FastPiSampler(self.inner.model, self.variant, graphs=g, compile=resolve_compile(self.cfg.fast_compile, g))
+            self._fast = self._fast_class(self.inner.model, self.variant, graphs=g,
+                                          compile=resolve_compile(self.cfg.fast_compile, g))
         return self._fast
 
     def warm_up(self, batch_sizes=None, *, max_batch: int | None = None) -> dict[int, float]:
         """Compile and capture the serving graphs of ``batch_sizes`` (default
         ``fast_warmup_buckets``) now, not on the first act of each size ({bucket: seconds})."""
-        if type(self).act is not Pi0Policy.act:  # flow RL acts through its own chain
-            return {}
         return warm_up(self, self._fast_sampler, self.cfg.fast_warmup_buckets if batch_sizes is None
-                       else batch_sizes, max_batch=max_batch)
+                       else batch_sizes, max_batch=max_batch, acts=self._warm_acts)
 
     def _serving_weights(self) -> None:
         """Adapters folded into the weights in eval mode without gradients, live otherwise."""
