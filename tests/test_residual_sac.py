@@ -242,10 +242,9 @@ def test_bad_pairs_fail_at_start_up_and_plain_sac_ignores_the_residual_keys():
     from learner.app import Learner
 
     algo = {"name": "sac_residual"}
-    registry.check_algo_policy(algo, "openvla_oft")  # the pair that works
-    with pytest.raises(ValueError, match=r"cannot train policy 'mlp'.*L1ChunkPolicy"):
-        registry.check_algo_policy(algo, "mlp")
-    with pytest.raises(ValueError, match=r"cannot train policy 'pi0'.*L1ChunkPolicy"):
+    registry.check_algo_policy(algo, "openvla_oft")  # the pairs that work
+    registry.check_algo_policy(algo, "mlp")
+    with pytest.raises(ValueError, match=r"cannot train policy 'pi0'.*neither L1ChunkPolicy.*nor MeanChunkPolicy"):
         registry.check_algo_policy(algo, "pi0")
     with pytest.raises(ValueError, match=r"'openvla_oft_discrete'.*continuous L1-head.*head_kind='discrete'"):
         registry.check_algo_policy(algo, "openvla_oft_discrete")
@@ -264,7 +263,38 @@ def test_bad_pairs_fail_at_start_up_and_plain_sac_ignores_the_residual_keys():
     with pytest.raises(ValueError, match=r"cannot train policy 'openvla_oft_discrete'"):
         Learner(cfg("algo=sac_residual", "policy=openvla_oft_discrete"))
     with pytest.raises(ValueError, match="L1ChunkPolicy"):
-        Learner(cfg("algo=sac_residual", "policy=mlp"))
+        Learner(cfg("algo=sac_residual", "policy=pi0"))
+
+
+def test_mlp_base_chunk_is_its_mean_and_the_residual_is_added_to_it():
+    """An MLP base (image + instruction, point_reach_vl's spec): features are its encoder's
+    and its deterministic chunk; the executed chunk is clip(tanh(mean) + scale * r)."""
+    from agents.registry import build_policy
+    from agents.sac.residual import ResidualSACConfig
+    from agents.sac.residual_builder import ResidualSACBuilder
+    from envs.registry import env_spec
+    from tools.record_demos import env_config
+
+    spec = env_spec(env_config(["env=point_reach_vl"]))
+    torch.manual_seed(0)
+    mlp = build_policy({"name": "mlp", "hidden_dims": [16, 16], "chunk_size": 2, "task_embed_dim": 8}, spec)
+    builder = ResidualSACBuilder(ResidualSACConfig(residual_scale=0.5, residual_actor_hidden_dims=(16, 16)))
+    p = builder.make_networks(spec, mlp, torch.device("cpu")).policy.eval()
+    assert p.feature_dim == mlp.feature_dim + 2 * spec.action_dim
+    g = torch.Generator().manual_seed(0)
+    obs = {"observation.state": torch.rand(5, spec.state_dim, generator=g) * 2 - 1,
+           "observation.images.image": torch.randint(0, 256, (5, 32, 32, 3), generator=g, dtype=torch.uint8),
+           "task": ["reach the red target", "reach the green target"] * 2 + ["reach the red target"]}
+    base = mlp.act(obs, deterministic=True).actions
+    f = p.features(obs)
+    torch.testing.assert_close(f[:, :mlp.feature_dim], mlp.features(obs), rtol=0, atol=0)
+    torch.testing.assert_close(p.base_chunk(f), base, rtol=0, atol=0)
+    torch.manual_seed(1)
+    c = p.act(obs)
+    torch.testing.assert_close(c.actions, (base + 0.5 * c.extras["residual"]).clamp(-1, 1), rtol=0, atol=0)
+    assert (p.act(obs, deterministic=True).actions - base).abs().max() < 0.02  # untrained: ~the base
+    assert all(not q.requires_grad for q in mlp.parameters())  # frozen
+    assert set(p.trainable_state_dict()) == {"residual_actor." + k for k in p.residual_actor.state_dict()}
 
 
 # -- the real learner and actor ---------------------------------------------------------------

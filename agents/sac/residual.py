@@ -1,5 +1,7 @@
-"""Residual SAC for OpenVLA-OFT (PLD / Policy Decorator style): SAC whose action is a bounded
-residual added to a frozen VLA's L1 action chunk (``algo=sac_residual policy=openvla_oft``).
+"""Residual SAC (PLD / Policy Decorator style): SAC whose action is a bounded residual added to
+a frozen base policy's action chunk: OpenVLA-OFT's L1 chunk (``algo=sac_residual
+policy=openvla_oft``) or the MLP's deterministic chunk (``policy=mlp``; the OFT is described
+below, the MLP's features are :func:`agents.sac.residual_actor.mean_chunk_features`).
 
 The policy is a :class:`agents.sac.residual_actor.ResidualPolicy`: the frozen OFT (L1 head) gives
 the base chunk a_base [H, A]; a tanh-Gaussian residual actor on (VLA features, a_base) gives

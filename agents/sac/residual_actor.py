@@ -1,5 +1,10 @@
-"""Residual policy (PLD / Policy Decorator style): a frozen OpenVLA-OFT with its L1 head gives
-the base chunk, a small tanh-Gaussian residual actor adds a bounded correction to it.
+"""Residual policy (PLD / Policy Decorator style): a frozen base policy gives the base chunk, a
+small tanh-Gaussian residual actor adds a bounded correction to it. Two kinds of base:
+
+- an OpenVLA-OFT with its L1 head (:class:`L1ChunkPolicy`, features :func:`oft_features`);
+- a tanh-Gaussian chunk policy whose mean is a head over its own observation encoder
+  (:class:`MeanChunkPolicy`, the MLP; features :func:`mean_chunk_features`): the base chunk
+  is its deterministic action tanh(mean).
 
 Shapes (B = batch, H = chunk size, A = action dim, D = the VLA's width, S = state dim):
 
@@ -7,6 +12,9 @@ Shapes (B = batch, H = chunk size, A = action dim, D = the VLA's width, S = stat
                                       forward: layer-normed mean of the K = H*A action-position
                                       hidden states | the normalised state | the base chunk
                                       (env units, what the L1 head serves), flattened
+    mean_chunk_features(policy, obs)  float32 [B, E + H*A]   frozen, no gradient, one encoder
+                                      forward: the policy's own features [B, E] | its
+                                      deterministic chunk tanh(mean), flattened
     ResidualPolicy.actor.sample(f)    (r [B, H, A] in [-1, 1], log_prob [B])  reparameterised
     ResidualPolicy.act(obs).actions   [B, H, A] = clip(base + residual_scale * r, -1, 1)
     ResidualPolicy.act(obs).extras    residual [B, H, A]: r (the SAC action the replay stores)
@@ -16,7 +24,7 @@ same features) sees what the VLA would do; one frozen forward yields both the fe
 the base chunk, in serving and in training (where :class:`agents.sac.noise.FeatureCache`
 keeps them per distinct observation). The untrained actor's mean residual is ~0, so its
 deterministic chunk is the base's; ``residual_scale`` bounds how far any chunk departs from
-the base (per action dim, before the clip to OFT's [-1, 1] action range).
+the base (per action dim, before the clip to the [-1, 1] action range).
 
 The residual actor is :class:`agents.sac.noise_actor.NoiseActor` with scale 1: the same
 tanh-Gaussian chunk head over features (DSRL's noise actor), here over residuals.
@@ -49,15 +57,34 @@ class L1ChunkPolicy(Protocol):
     def hidden(self, inputs: tuple) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class MeanChunkPolicy(Protocol):
+    """A tanh-Gaussian chunk policy whose pre-tanh mean is a head over its own observation
+    features (``features``, ``dist_params_from_features``; the MLP): its deterministic chunk
+    tanh(mean) is the base chunk a residual is added to."""
+
+    @property
+    def feature_dim(self) -> int: ...
+
+    def features(self, obs: Batch, prefix: str = "") -> torch.Tensor: ...
+
+    def dist_params_from_features(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def check_residual_base(policy_name: str, cls_or_policy) -> None:
     """Start-up check of a residual base (on the class, before a model is built): an
     :class:`L1ChunkPolicy` whose head is the continuous L1 one (the discrete OFT samples
-    action tokens; a residual on them is not what this algorithm does)."""
+    action tokens; a residual on them is not what this algorithm does), or a
+    :class:`MeanChunkPolicy`."""
     cls = cls_or_policy if isinstance(cls_or_policy, type) else type(cls_or_policy)
     if not has_capability(cls, L1ChunkPolicy):
+        if has_capability(cls, MeanChunkPolicy):
+            return
         raise ValueError(f"algorithm 'sac_residual' cannot train policy {policy_name!r}: the policy "
-                         f"does not provide L1ChunkPolicy (model_inputs, hidden: a VLA's action-position hidden "
-                         f"states, and an L1 action head); use policy=openvla_oft")
+                         f"provides neither L1ChunkPolicy (model_inputs, hidden: a VLA's action-position hidden "
+                         f"states, and an L1 action head) nor MeanChunkPolicy (features, "
+                         f"dist_params_from_features: a tanh-Gaussian head over its own features); "
+                         f"use policy=openvla_oft or policy=mlp")
     kind = getattr(cls, "head_kind", None)
     if kind != "l1":
         raise ValueError(f"algorithm 'sac_residual' cannot train policy {policy_name!r}: the "
@@ -78,8 +105,19 @@ def oft_features(policy, obs: Batch, prefix: str = "") -> torch.Tensor:
     return torch.cat([F.layer_norm(pooled, pooled.shape[-1:]), state, base.flatten(1).float()], dim=-1)
 
 
+@torch.no_grad()
+def mean_chunk_features(policy, obs: Batch, prefix: str = "") -> torch.Tensor:
+    """[B, E + H*A] float32 of a frozen :class:`MeanChunkPolicy` (the module docstring): its
+    features and its deterministic chunk, from one encoder forward."""
+    o = {k: v.to(policy.device) if torch.is_tensor(v) else v for k, v in _sub_obs(obs, prefix).items()}
+    f = policy.features(o).float()
+    mean, _ = policy.dist_params_from_features(f)
+    return torch.cat([f, torch.tanh(mean).float().flatten(1)], dim=-1)
+
+
 class ResidualPolicy(nn.Module):
-    """A frozen OFT L1 policy (``base``) plus a residual actor (module docstring). Only
+    """A frozen base (an OFT L1 policy or a :class:`MeanChunkPolicy`) plus a residual actor
+    (module docstring). Only
     ``residual_actor`` trains and is synced (``trainable_state_dict``); the base stays frozen
     in eval mode. ``act(obs, deterministic=True)`` adds the actor's mean residual."""
 
@@ -95,7 +133,12 @@ class ResidualPolicy(nn.Module):
         self.residual_scale = float(residual_scale)
         self.chunk_size, self.action_dim = int(base.chunk_size), int(base.action_dim)
         self.base_dim = self.chunk_size * self.action_dim
-        self.feature_dim = int(base.model.llm_dim) + int(base.spec.state_dim) + self.base_dim
+        if has_capability(base, L1ChunkPolicy):
+            self._features = oft_features
+            self.feature_dim = int(base.model.llm_dim) + int(base.spec.state_dim) + self.base_dim
+        else:
+            self._features = mean_chunk_features
+            self.feature_dim = int(base.feature_dim) + self.base_dim
         self.residual_actor = NoiseActor(self.feature_dim, self.chunk_size, self.action_dim,
                                          hidden_dims=hidden_dims, scale=1.0, layer_norm=layer_norm,
                                          activation_name=activation_name, init_std=init_std)
@@ -111,8 +154,9 @@ class ResidualPolicy(nn.Module):
         return self
 
     def features(self, obs: Batch, prefix: str = "") -> torch.Tensor:
-        """Frozen features [B, F], the base chunk in their last H*A values (:func:`oft_features`)."""
-        return oft_features(self.base, obs, prefix)
+        """Frozen features [B, F], the base chunk in their last H*A values (:func:`oft_features`
+        or :func:`mean_chunk_features`)."""
+        return self._features(self.base, obs, prefix)
 
     def base_chunk(self, feats: torch.Tensor) -> torch.Tensor:
         """The base chunk [B, H, A] inside features [B, F]."""

@@ -1,17 +1,18 @@
-"""Residual SAC's builder (``algo=sac_residual policy=openvla_oft``, see
+"""Residual SAC's builder (``algo=sac_residual policy=openvla_oft`` or ``policy=mlp``, see
 :mod:`agents.sac.residual`).
 
 - the policy the learner trains and serves is :class:`agents.sac.residual_actor.ResidualPolicy`
-  around the configured OFT (L1 head) (:meth:`ResidualSACBuilder.wrap_policy`; the registry
-  calls it for the trained copy and the serving copy alike): what is served is
-  clip(OFT(obs) + residual_scale * r), what is published is the residual actor alone;
+  around the configured base, an OFT (L1 head) or an MLP (its mean chunk)
+  (:meth:`ResidualSACBuilder.wrap_policy`; the registry calls it for the trained copy and the
+  serving copy alike): what is served is clip(base(obs) + residual_scale * r), what is
+  published is the residual actor alone;
 - the data and cadence are noise-space SAC's (:class:`agents.sac.noise_builder.NoiseSACBuilder`):
   chunk windows that start at a chunk start, ``extra.residual`` the stored action.
   Demonstrations (``buffer.demos``) are not mixed in (their residual is unknown without the
   base's chunk at each of their chunk starts); they are ignored, with a warning.
 
 Actors run whole chunks (``chunk.execute`` = 0 or ``algo.execute_steps``) in remote mode: a
-local-mode actor builds a plain OFT and cannot load the residual actor's weights.
+local-mode actor builds the plain base and cannot load the residual actor's weights.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class ResidualSACBuilder(NoiseSACBuilder):
         check_residual_base(policy_name, cls)
 
     def wrap_policy(self, policy) -> ResidualPolicy:
-        """The residual policy around a freshly built OFT L1 policy (idempotent)."""
+        """The residual policy around a freshly built base policy (idempotent)."""
         if isinstance(policy, ResidualPolicy):
             return policy
         c = self.cfg

@@ -1,0 +1,262 @@
+"""Residual SAC (PLD style) on ``env=point_reach_vl`` with its controls (docs/preregistered.md,
+claim 3): a frozen weak image + instruction MLP plus a residual actor trained by SAC, through
+the real learner and actor processes on loopback (CPU).
+
+Per run seed:
+
+1. ``base``: the MLP of :mod:`tools.experiments.rs_vl_learning` (CNN + instruction encoder,
+   std bounds [e^-3, e^-1]), torch seed = run seed, fitted by ``PRETRAIN`` BC steps on the
+   ``DEMOS`` scripted demos (:func:`tools.sft.sft`: batch 64, lr 3e-3 cosine to 1e-4, the
+   schedule of rejection sampling's pretraining), saved as ``policy.init_trainable``.
+2. ``untrained residual``: the base plus a residual actor as initialised (torch seed = run
+   seed), no RL.
+3. ``residual``: ``python -m learner algo=sac_residual policy=mlp`` around the frozen base and
+   ``ACTORS`` remote ``python -m actor`` processes (SAC settings: ``ALGO_O``), trained on the
+   env's dense reward (1 on success, else minus the distance to the instructed target) until
+   the learner has made ``UPDATES`` updates, then SIGINT (the learner checkpoints; one every
+   500 updates is kept too). Its wall-clock from starting the processes to their exit is ``W``.
+4. ``more-BC``: the base's weights, further BC on the same demos for the same ``W`` seconds in
+   this process (``BC_THREADS`` torch threads; AdamW, lr ``BC_LR`` cosine to 1e-4 over the
+   elapsed fraction of ``W``, batch 64, gradient norm clipped at 1), no RL.
+
+Every arm is measured the same way: deterministic (the base's tanh(mean), plus the residual
+actor's mean residual where there is one), in-process, on the held-out episodes, reset seeds
+``HELD_OUT_SEED + i`` (:func:`tools.experiments.learning_run.evaluate_policy`). ``start`` is the
+base alone.
+
+A file ``<out>/pause`` makes the tool wait before its next seed; removing it resumes. Each
+seed's summary (``uptime`` at its end included) is appended to ``<out>/results.jsonl``::
+
+    python -m tools.experiments.residual_vl_learning --out /tmp/res_vl --seeds 0 1 2 3 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tools.experiments.learning_run import evaluate_policy, free_port, read_status, stop_processes
+from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, PRETRAIN, prepare
+
+ROOT = Path(__file__).resolve().parents[2]
+#: what the learner and actors run (the held-out evaluation measures success, reward unused)
+TRAIN_ENV_O = [*ENV_O, "env.dense_reward=true"]
+ALGO_O = ["algo=sac_residual", "algo.learning_starts=200", "algo.batch_size=64", "algo.utd_ratio=4",
+          "algo.critic_hidden_dims=[128,128]", "algo.residual_actor_hidden_dims=[128,128]",
+          "algo.residual_scale=0.5", "algo.publish_every=10", "algo.max_update_ratio=0.5",
+          "algo.backup_entropy=false", "algo.init_temperature=0.005", "algo.actor_lr=1e-3",
+          "algo.critic_lr=1e-3", "algo.tau=0.02"]
+UPDATES = 3000
+ACTORS = 1
+BC_LR = 3e-3
+BC_THREADS = 2
+
+
+def policy_o(base: Path) -> list[str]:
+    return [*POLICY_O, f"policy.init_trainable={base}"]
+
+
+def make_base(out: Path, demos: Path, seed: int) -> Path:
+    """The weak base (module docstring, step 1) as a safetensors file of its weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    from agents.registry import build_policy
+    from data.demos import load_demos
+    from envs.registry import env_spec
+    from tools.sft import learner_config, sft
+
+    cfg = learner_config([*ENV_O, *POLICY_O])
+    spec = env_spec(cfg.env)
+    torch.manual_seed(seed)
+    policy = build_policy(cfg.policy, spec)
+    sft(policy, load_demos(demos, spec, seed=seed), steps=PRETRAIN, batch_size=64, lr=3e-3, lr_min=1e-4,
+        log_every=0)
+    path = out / f"base_seed{seed}.safetensors"
+    save_file({k: v.contiguous() for k, v in policy.trainable_state_dict().items()}, str(path))
+    return path
+
+
+def mlp(weights: dict | None = None, base: Path | None = None):
+    """The MLP with the base's weights (``base``) or these ``weights``, in eval mode."""
+    from agents.registry import build_policy
+    from envs.registry import env_spec
+    from tools.sft import learner_config
+
+    cfg = learner_config([*ENV_O, *(policy_o(base) if base else POLICY_O)])
+    policy = build_policy(cfg.policy, env_spec(cfg.env))
+    if weights is not None:
+        policy.load_trainable_state_dict(weights)
+    return policy.eval()
+
+
+def residual_policy(base: Path, seed: int, residual: dict | None = None, extra: tuple[str, ...] = ()):
+    """The frozen base plus a residual actor, built as the learner builds it (``ALGO_O`` and
+    the run's ``extra`` learner overrides; torch seed = ``seed``), with the ``residual``
+    actor's weights when given; eval mode."""
+    import torch
+
+    from agents import registry
+    from envs.registry import env_spec
+    from tools.sft import learner_config
+
+    cfg = learner_config([*ENV_O, *policy_o(base), *ALGO_O, *extra])
+    torch.manual_seed(seed)
+    policy = registry.build_trained_policy(registry.build_builder(cfg.algo), cfg.policy, env_spec(cfg.env))
+    if residual is not None:
+        policy.load_trainable_state_dict(residual)
+    return policy.eval()
+
+
+def held_out(policy) -> float:
+    """Deterministic success on the held-out episodes."""
+    from tools.sft import learner_config
+
+    wins = evaluate_policy(policy, learner_config(ENV_O).env, HELD_OUT, seed=HELD_OUT_SEED, deterministic=True)
+    return sum(wins) / len(wins)
+
+
+def train_residual(out: Path, base: Path, seed: int, *, updates: int, actors: int, max_s: float,
+                   extra: tuple[str, ...] = ()) -> dict:
+    """Learner + ``actors`` actors until ``updates`` updates (or ``max_s``), then
+    SIGINT; the learner's last status, the final checkpoint's residual weights, ``wall_s`` and
+    the 1-min load every 10 s."""
+    from learner.checkpoint import latest_checkpoint, load_checkpoint
+
+    run = out / f"residual_seed{seed}"
+    run.mkdir(parents=True, exist_ok=False)
+    port, pub = free_port(), free_port()
+    common = [*TRAIN_ENV_O, *policy_o(base), f"run_dir={run}", f"transport.port={port}",
+              f"transport.pub_port={pub}", "transport.timeout_s=5.0", "transport.heartbeat_s=0.5"]
+    learner_o = [*ALGO_O, "device=cpu", "logging.wandb=disabled", "logging.every_s=5", "trainer.num_threads=1",
+                 "buffer.persist=false", "trainer.checkpoint_every=500", "trainer.keep_checkpoints=100",
+                 f"seed={seed}", *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    procs, loads, trace = [], [], []
+    t0 = time.monotonic()
+    for name, module, args in [("learner", "learner", learner_o),
+                               *((f"actor{i}", "actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10",
+                                                         f"seed={100 * seed + i}"]) for i in range(actors))]:
+        with open(run / f"{name}.log", "ab") as f:
+            # SIGINT at its default in the children (a background shell job would ignore it)
+            p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env, stdout=f,
+                                 stderr=subprocess.STDOUT,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        p.log = run / f"{name}.log"
+        procs.append(p)
+    status = {}
+    try:
+        while time.monotonic() - t0 < max_s:
+            time.sleep(2.0)
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.log.name} exited {p.returncode}:\n{p.log.read_text()[-3000:]}")
+            status = read_status(run) or status
+            t = time.monotonic() - t0
+            if t >= 10 * len(loads):
+                loads.append(round(os.getloadavg()[0], 2))
+                trace.append([round(t), status.get("episodes"), status.get("updates"), status.get("success")])
+                print(f"[residual seed {seed} {t:4.0f}s] episodes {status.get('episodes')} updates "
+                      f"{status.get('updates')} success(window) {status.get('success')} load {loads[-1]}", flush=True)
+            if (status.get("updates") or 0) >= updates:
+                break
+    finally:
+        stop_processes(list(reversed(procs)), 120)
+    wall = time.monotonic() - t0
+    status = read_status(run) or status
+    path = latest_checkpoint(run / "checkpoints")
+    if path is None:
+        raise RuntimeError(f"{run}: no checkpoint (did the learner update?)")
+    return {"status": status, "residual": load_checkpoint(path)["algo"]["agent"]["policy"], "checkpoint": path.name,
+            "wall_s": round(wall, 1), "load_1min": loads, "trace": trace, "run_dir": str(run)}
+
+
+def more_bc(demos: Path, base: Path, seed: int, seconds: float) -> tuple[dict, int]:
+    """The base's weights after BC on the demos for ``seconds`` of wall-clock (module docstring,
+    step 4): (weights, BC steps taken)."""
+    import torch
+
+    from data.demos import load_demos
+
+    policy = mlp(base=base)
+    buf = load_demos(demos, policy.spec, seed=seed)
+    torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(BC_THREADS)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=BC_LR, weight_decay=0.0)
+    policy.train()
+    steps, t0 = 0, time.monotonic()
+    try:
+        while (frac := (time.monotonic() - t0) / seconds) < 1.0:
+            for g in opt.param_groups:
+                g["lr"] = 1e-4 + 0.5 * (BC_LR - 1e-4) * (1 + math.cos(math.pi * frac))
+            loss = policy.bc_loss(buf.sample(64, horizon=1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            steps += 1
+    finally:
+        torch.set_num_threads(threads)
+    return policy.trainable_state_dict(), steps
+
+
+def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actors: int = ACTORS,
+             max_s: float = 1200.0, extra: tuple[str, ...] = ()) -> dict:
+    """Every arm of one seed (module docstring); the summary."""
+    t0 = time.monotonic()
+    base = make_base(out, demos, seed)
+    start = held_out(mlp(base=base))
+    untrained = held_out(residual_policy(base, seed, extra=extra))
+    r = train_residual(out, base, seed, updates=updates, actors=actors, max_s=max_s, extra=extra)
+    after = held_out(residual_policy(base, seed, r["residual"], extra))
+    bc_load0 = round(os.getloadavg()[0], 2)
+    bc_weights, bc_steps = more_bc(demos, base, seed, r["wall_s"])
+    bc_after = held_out(mlp(bc_weights))
+    st = r["status"]
+    return {"seed": seed, "start": start, "untrained_residual": untrained, "residual_after": after,
+            "more_bc_after": bc_after, "more_bc_steps": bc_steps, "more_bc_load_1min": [bc_load0, round(os.getloadavg()[0], 2)],
+            "held_out_episodes": HELD_OUT, "online_episodes": st.get("episodes"), "env_steps": st.get("env_steps"),
+            "updates": st.get("updates"), "online_success_window": st.get("success"),
+            "residual_checkpoint": r["checkpoint"], "residual_wall_s": r["wall_s"],
+            "residual_load_1min": r["load_1min"], "trace": r["trace"], "seed_wall_s": round(time.monotonic() - t0, 1),
+            "overrides": list(extra), "run_dir": r["run_dir"]}
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--updates", type=int, default=UPDATES, help="learner updates of the residual run")
+    ap.add_argument("--actors", type=int, default=ACTORS)
+    ap.add_argument("--max-s", type=float, default=1200.0, help="bounds a stuck residual run only")
+    ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    demos = prepare(out)
+    results = []
+    for seed in args.seeds:
+        while (out / "pause").exists():
+            time.sleep(2.0)
+        r = run_seed(out, demos, seed, updates=args.updates, actors=args.actors, max_s=args.max_s,
+                     extra=tuple(args.overrides))
+        r["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(r) + "\n")
+        results.append(r)
+    return results
+
+
+if __name__ == "__main__":
+    main()
