@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -64,6 +64,62 @@ def read_status(run_dir: Path) -> dict:
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 
+#: the environment of every learner and actor a tool starts (unbuffered logs, no wandb, one
+#: OpenMP thread each: several processes share the machine's cores)
+CHILD_ENV = {"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+
+
+def start_processes(log_dir: Path, common: Sequence[str],
+                    specs: Sequence[tuple[str, str, Sequence[str]]]) -> list[subprocess.Popen]:
+    """``python -m MODULE *common *args`` for each ``(name, module, args)`` of ``specs``, its
+    output in ``log_dir/<name>.log`` (``p.name``, ``p.log``). SIGINT is back at its default in
+    the children: a shell's background job ignores it, and so would they (then the learner never
+    checkpoints at the stop)."""
+    env = {**os.environ, **CHILD_ENV}
+    procs = []
+    for name, module, args in specs:
+        log = Path(log_dir) / f"{name}.log"
+        with open(log, "ab") as f:
+            p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env, stdout=f,
+                                 stderr=subprocess.STDOUT,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        p.name, p.log = name, log
+        procs.append(p)
+    return procs
+
+
+def watch(procs: Sequence[subprocess.Popen], run_dir: Path, *, max_s: float, poll_s: float,
+          done: Callable[[dict, float], bool]) -> dict:
+    """Every ``poll_s`` until ``max_s``: fail (RuntimeError with its log's tail) when a process
+    has exited, read the learner's status (the last one read stays while it is missing) and stop
+    when ``done(status, seconds since the start)``. Returns the last status."""
+    t0, status = time.monotonic(), {}
+    while time.monotonic() - t0 < max_s:
+        time.sleep(poll_s)
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.log.name} exited {p.returncode}:\n{p.log.read_text()[-3000:]}")
+        status = read_status(run_dir) or status
+        if done(status, time.monotonic() - t0):
+            break
+    return status
+
+
+def wait_unpaused(out: Path) -> None:
+    """While ``out/pause`` exists, wait (a long series of runs can be paused between runs)."""
+    while (out / "pause").exists():
+        time.sleep(2.0)
+
+
+def record_result(out: Path, r: dict, *, hide: Sequence[str] = ()) -> None:
+    """Add the machine's ``uptime`` to ``r``, print it (without the ``hide`` keys) and append it
+    to ``out/results.jsonl``."""
+    r["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(json.dumps({k: v for k, v in r.items() if k not in hide}), flush=True)
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(r) + "\n")
+
+
 
 def rs_history(status: dict) -> list[dict]:
     """Rejection sampling's evaluation history in a status (baseline first)."""
@@ -76,33 +132,23 @@ def run_rs_cycles(run_dir: Path, common: Sequence[str], learner_o: Sequence[str]
     ``common`` plus their own overrides, logs in ``run_dir``) until ``cycles`` + 1 gate
     evaluations (the baseline first) or ``max_s``, then SIGINT. Returns the last ``status``,
     its ``history``, ``wall_s`` and the 1-min load at the start and at each evaluation."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    procs: list[subprocess.Popen] = []
-    loads, t0 = [os.getloadavg()[0]], time.monotonic()
-    for module, args in (("learner", learner_o), ("actor", actor_o)):
-        log = run_dir / f"{module}.log"
-        with open(log, "ab") as f:
-            p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env,
-                                 stdout=f, stderr=subprocess.STDOUT)
-        p.log = log
-        procs.append(p)
-    status, seen = {}, 0
+    loads, t0, seen = [os.getloadavg()[0]], time.monotonic(), 0
+    procs = start_processes(run_dir, common, [("learner", "learner", learner_o), ("actor", "actor", actor_o)])
+
+    def done(status: dict, t: float) -> bool:
+        nonlocal seen
+        hist = rs_history(status)
+        if len(hist) > seen:
+            seen = len(hist)
+            loads.append(os.getloadavg()[0])
+            h = hist[-1]
+            print(f"[{label}{t:5.0f}s] v{h['version']} gate success {h['success']} "
+                  f"({h['decision']}) episodes {status.get('replay', {}).get('episodes')}", flush=True)
+        return seen >= cycles + 1
+
+    status = {}
     try:
-        while time.monotonic() - t0 < max_s:
-            time.sleep(1.0)
-            for p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{p.log.name} exited {p.returncode}:\n{p.log.read_text()[-3000:]}")
-            status = read_status(run_dir) or status
-            hist = rs_history(status)
-            if len(hist) > seen:
-                seen = len(hist)
-                loads.append(os.getloadavg()[0])
-                h = hist[-1]
-                print(f"[{label}{time.monotonic() - t0:5.0f}s] v{h['version']} gate success {h['success']} "
-                      f"({h['decision']}) episodes {status.get('replay', {}).get('episodes')}", flush=True)
-            if seen >= cycles + 1:
-                break
+        status = watch(procs, run_dir, max_s=max_s, poll_s=1.0, done=done)
     finally:
         stop_processes(procs, 60)
     wall = time.monotonic() - t0
@@ -147,36 +193,23 @@ def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: f
     processes competing for the CPU)."""
     run_dir = out / "run"
     port, pub = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     common = [*common_o, f"run_dir={run_dir}", f"transport.port={port}", f"transport.pub_port={pub}",
               "transport.timeout_s=2.0", "transport.heartbeat_s=0.5"]
     learner_o = [*algo_o, f"device={device}", "logging.wandb=disabled",
                  "logging.every_s=5", "trainer.num_threads=1", f"logging.stats_window={window}",
                  f"trainer.stop_at_success={target}", f"trainer.stop_min_episodes={window}",
                  "buffer.commit_interval_s=2", "buffer.video=false", f"seed={seed}"]
-    procs = []
     t0 = time.monotonic()
-
-    def start(module, name, args):
-        f = open(out / f"{name}.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env,
-                             stdout=f, stderr=subprocess.STDOUT,  # SIGINT stops them (checkpoint)
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        p.name = name
-        procs.append(p)
-        return p
-
-    learner = start("learner", "learner", learner_o)
-    for i in range(actors):
-        start("actor", f"actor{i}", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={1000 * (i + 1)}"])
+    procs = start_processes(out, common, [
+        ("learner", "learner", learner_o),
+        *((f"actor{i}", "actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={1000 * (i + 1)}"])
+          for i in range(actors))])
+    learner = procs[0]
     status = {}
     try:
         while learner.poll() is None and time.monotonic() - t0 < minutes * 60:
             time.sleep(5)
-            try:
-                status = json.loads((run_dir / "status.json").read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                pass
+            status = read_status(run_dir) or status
             print(f"[{time.monotonic() - t0:5.0f}s] episodes {status.get('episodes')} updates "
                   f"{status.get('updates')} version {status.get('version')} success(last {window}) "
                   f"{status.get('success')}", flush=True)
@@ -188,10 +221,7 @@ def run(out: Path, common_o: Sequence[str], algo_o: Sequence[str], *, minutes: f
     finally:
         stop_processes(procs, 90)
     wall = time.monotonic() - t0
-    try:
-        status = json.loads((run_dir / "status.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
+    status = read_status(run_dir) or status
     by_v = version_success(run_dir / "dataset")
     versions = sorted(by_v)
     before = by_v.get(0, [])

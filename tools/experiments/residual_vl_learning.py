@@ -33,16 +33,14 @@ seed's summary (``uptime`` at its end included) is appended to ``<out>/results.j
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import evaluate_policy, free_port, read_status, stop_processes
+from tools.experiments.learning_run import (evaluate_policy, free_port, read_status, record_result, start_processes,
+                                            stop_processes, wait_unpaused, watch)
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, PRETRAIN, prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,35 +136,24 @@ def train_residual(out: Path, base: Path, seed: int, *, updates: int, actors: in
     learner_o = [*ALGO_O, "device=cpu", "logging.wandb=disabled", "logging.every_s=5", "trainer.num_threads=1",
                  "buffer.persist=false", "trainer.checkpoint_every=500", "trainer.keep_checkpoints=100",
                  f"seed={seed}", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    procs, loads, trace = [], [], []
+    loads, trace = [], []
     t0 = time.monotonic()
-    for name, module, args in [("learner", "learner", learner_o),
-                               *((f"actor{i}", "actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10",
-                                                         f"seed={100 * seed + i}"]) for i in range(actors))]:
-        with open(run / f"{name}.log", "ab") as f:
-            # SIGINT at its default in the children (a background shell job would ignore it)
-            p = subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env, stdout=f,
-                                 stderr=subprocess.STDOUT,
-                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        p.log = run / f"{name}.log"
-        procs.append(p)
+    procs = start_processes(run, common, [
+        ("learner", "learner", learner_o),
+        *((f"actor{i}", "actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={100 * seed + i}"])
+          for i in range(actors))])
+
+    def done(status: dict, t: float) -> bool:
+        if t >= 10 * len(loads):
+            loads.append(round(os.getloadavg()[0], 2))
+            trace.append([round(t), status.get("episodes"), status.get("updates"), status.get("success")])
+            print(f"[residual seed {seed} {t:4.0f}s] episodes {status.get('episodes')} updates "
+                  f"{status.get('updates')} success(window) {status.get('success')} load {loads[-1]}", flush=True)
+        return (status.get("updates") or 0) >= updates
+
     status = {}
     try:
-        while time.monotonic() - t0 < max_s:
-            time.sleep(2.0)
-            for p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{p.log.name} exited {p.returncode}:\n{p.log.read_text()[-3000:]}")
-            status = read_status(run) or status
-            t = time.monotonic() - t0
-            if t >= 10 * len(loads):
-                loads.append(round(os.getloadavg()[0], 2))
-                trace.append([round(t), status.get("episodes"), status.get("updates"), status.get("success")])
-                print(f"[residual seed {seed} {t:4.0f}s] episodes {status.get('episodes')} updates "
-                      f"{status.get('updates')} success(window) {status.get('success')} load {loads[-1]}", flush=True)
-            if (status.get("updates") or 0) >= updates:
-                break
+        status = watch(procs, run, max_s=max_s, poll_s=2.0, done=done)
     finally:
         stop_processes(list(reversed(procs)), 120)
     wall = time.monotonic() - t0
@@ -246,14 +233,10 @@ def main(argv=None) -> list[dict]:
     demos = prepare(out)
     results = []
     for seed in args.seeds:
-        while (out / "pause").exists():
-            time.sleep(2.0)
+        wait_unpaused(out)
         r = run_seed(out, demos, seed, updates=args.updates, actors=args.actors, max_s=args.max_s,
                      extra=tuple(args.overrides))
-        r["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-        print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
-        with open(out / "results.jsonl", "a") as f:
-            f.write(json.dumps(r) + "\n")
+        record_result(out, r, hide=("trace",))
         results.append(r)
     return results
 

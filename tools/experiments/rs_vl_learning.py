@@ -34,13 +34,10 @@ every run (with ``uptime`` at its end) is appended to ``<out>/results.jsonl`` as
 from __future__ import annotations
 
 import argparse
-import json
 import signal
-import subprocess
-import time
 from pathlib import Path
 
-from tools.experiments.learning_run import evaluate_policy, free_port, run_rs_cycles
+from tools.experiments.learning_run import evaluate_policy, free_port, record_result, run_rs_cycles, wait_unpaused
 
 ENV_O = ["env=point_reach_vl"]
 POLICY_O = ["policy=mlp", "policy.hidden_dims=[64,64]", "+policy.task_embed_dim=16",
@@ -145,14 +142,10 @@ def main(argv=None) -> list[dict]:
     results = []
     for seed in args.seeds:
         for arm in arms:
-            while (out / "pause").exists():
-                time.sleep(2.0)
+            wait_unpaused(out)
             r = run(out, demos, seed=seed, arm=arm, cycles=args.cycles, max_s=args.max_s,
                     extra=tuple(args.overrides))
-            r["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-            print(json.dumps(r), flush=True)
-            with open(out / "results.jsonl", "a") as f:
-                f.write(json.dumps(r) + "\n")
+            record_result(out, r)
             results.append(r)
     return results
 

@@ -47,9 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,35 +179,28 @@ def train(variant: str, out: Path, base: Base, algo: list[str], reward: str = "d
     """Learner + ``actors`` remote actors as processes until the learner counts ``episodes``
     online episodes (0: until ``max_s``; ``max_s`` also caps a stuck run), then SIGINT (the
     learner checkpoints). Returns the learner's last status and its online success trace."""
-    from tools.experiments.learning_run import free_port, stop_processes
+    from tools.experiments.learning_run import free_port, start_processes, stop_processes
 
     run = out / "run"
     port, pub = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     common = [*ENV_O, f"env.dense_reward={str(reward == 'dense').lower()}", *policy_overrides(variant, base),
               f"run_dir={run}", f"transport.port={port}", f"transport.pub_port={pub}", "transport.timeout_s=5.0",
               "transport.heartbeat_s=0.5"]
     run.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for module, args, log in (
-            ("learner", [f"algo=sac_{variant}", *algo, "device=cpu", "logging.wandb=disabled",
-                         "logging.every_s=5", "trainer.num_threads=1", *_BUFFER_O[variant]], "learner.log"),
-            *(("actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={i}"], f"actor{i}.log")
-              for i in range(actors))):
-        f = open(run / log, "ab")
-        # SIGINT back to its default: a shell's background job ignores it, and so would the
-        # children (then the learner never checkpoints at the stop)
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *common, *args], cwd=ROOT, env=env,
-                                      stdout=f, stderr=subprocess.STDOUT,
-                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
-        time.sleep(3.0 if module == "learner" else 0.0)
+    procs = start_processes(run, common, [("learner", "learner", [
+        f"algo=sac_{variant}", *algo, "device=cpu", "logging.wandb=disabled", "logging.every_s=5",
+        "trainer.num_threads=1", *_BUFFER_O[variant]])])
+    time.sleep(3.0)  # the learner binds before the actors connect
+    procs += start_processes(run, common, [
+        (f"actor{i}", "actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={i}"])
+        for i in range(actors)])
     trace, t0, status = [], time.monotonic(), {}
     try:
         while time.monotonic() - t0 < max_s:
             time.sleep(poll_s)
             for p in procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{p.args[2]} exited {p.returncode}; see {run}")
+                    raise RuntimeError(f"{p.name} exited {p.returncode}; see {p.log}")
             try:
                 status = json.loads((run / "status.json").read_text())
             except (FileNotFoundError, json.JSONDecodeError):
