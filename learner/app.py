@@ -90,7 +90,7 @@ def validate(cfg: DictConfig) -> None:
         p = cfg.transport[key]
         if not isinstance(p, int) or not 0 <= p < 65536:
             raise ValueError(f"transport.{key} must be a port number, got {p!r}")
-    mp = cfg.trainer.get("matmul_precision", "highest")
+    mp = cfg.trainer.matmul_precision
     if mp not in MATMUL_PRECISIONS:
         raise ValueError(f"trainer.matmul_precision must be one of {MATMUL_PRECISIONS}, got {mp!r}")
     if cfg.buffer.capacity < cfg.algo.get("batch_size", 1):
@@ -110,7 +110,7 @@ class Learner:
         torch.manual_seed(cfg.seed)
         if cfg.trainer.num_threads:
             torch.set_num_threads(int(cfg.trainer.num_threads))
-        torch.set_float32_matmul_precision(str(cfg.trainer.get("matmul_precision", "highest")))
+        torch.set_float32_matmul_precision(str(cfg.trainer.matmul_precision))
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.device = pick_device(cfg.device)

@@ -60,6 +60,13 @@ def _build(name: str, tiny: bool, device: str, tmp: Path, spec):
             cfg = Pi0PolicyConfig(tokenizer=str(build_tokenizer(tmp / "pi0_flow_tok", kind="gemma")), device=device,
                                   flow_rl="noise")
         return Pi0FlowRLPolicy(cfg, spec)
+    if name == "pi0_small":  # as the LIBERO chain builds it (config/policy/pi0_small.yaml); no tiny size
+        from agents.registry import build_policy
+        from tools.sft import learner_config
+
+        cfg = learner_config(["policy=pi0_small", f"policy.device={device}",
+                              f"policy.image_size={next(iter(spec.cameras.values()))[0]}"])
+        return build_policy(cfg.policy, spec)
     if name != "oft_discrete":
         return build(name, tiny, device, tmp, spec)[0]
     if tiny:
@@ -69,16 +76,6 @@ def _build(name: str, tiny: bool, device: str, tmp: Path, spec):
         cfg = OpenVLAOFTPolicyConfig(tokenizer=str(build_tokenizer(tmp / "oftd_tok", kind="llama", vocab_size=2000)),
                                      device=device, action_head="discrete")
     return OpenVLAOFTDiscretePolicy(cfg, spec)
-
-
-def _build_small(device: str, spec):
-    """``policy=pi0_small`` as the LIBERO chain builds it (config/policy/pi0_small.yaml)."""
-    from agents.registry import build_policy
-    from tools.sft import learner_config
-
-    cfg = learner_config(["policy=pi0_small", f"policy.device={device}",
-                          f"policy.image_size={next(iter(spec.cameras.values()))[0]}"])
-    return build_policy(cfg.policy, spec)
 
 
 def _batch(policy, spec, n: int, task: str):
@@ -103,7 +100,7 @@ def bench_case(case: str, args, spec, tmp: Path) -> dict:
     name = {"oft_grpo": "oft_discrete", "pi0_ppo": "pi0_flow", "pi0_sft": "pi0", "oft_sft": "openvla_oft",
             "pi0_small_sft": "pi0_small"}[case]
     t0 = time.perf_counter()
-    policy = _build_small(args.device, spec) if name == "pi0_small" else _build(name, args.tiny, args.device, tmp, spec)
+    policy = _build(name, args.tiny, args.device, tmp, spec)
     res: dict = {"build_s": time.perf_counter() - t0, "chunk": policy.chunk_size, "batch": args.batch,
                  "minibatch": args.minibatch,
                  "trainable_params_m": sum(p.numel() for p in policy.parameters() if p.requires_grad) / 1e6}
@@ -173,7 +170,8 @@ def bench_precision(case: str, args, spec, tmp: Path, prec: str) -> dict:
     auto = prec == "autocast-bf16"
     torch.set_float32_matmul_precision("highest" if auto else prec)
     try:
-        with (torch.autocast("cuda", dtype=torch.bfloat16) if auto else contextlib.nullcontext()):
+        with (torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16) if auto
+              else contextlib.nullcontext()):
             return bench_case(case, args, spec, tmp)
     finally:
         torch.set_float32_matmul_precision(old)
