@@ -208,11 +208,19 @@ def launcher_resume_round_trip(tmp_path: Path, stage: int, cpu: bool) -> None:
     files = sorted(str(p.relative_to(ck)) for p in (ck / "engine").rglob("*") if p.is_file()) if engines else []
     print(f"\ncheckpoint {ck.name}: {files}")
     assert sum("optim_states" in f for f in files) == 2 * engines, files  # engines x 2 ranks
+    first = json.loads((run_dir / "status.json").read_text())
+    saved_version = json.loads((ck / "state.json").read_text())["version"]
     rc, text = _launch(tmp_path, "resume", 2, stage, run_dir, 30, cpu=cpu)
     assert rc == 0 and "Traceback" not in text and "resumed from" in text, text[-5000:]
     st = json.loads((run_dir / "status.json").read_text())
     rank1 = json.loads((run_dir / "rank1.json").read_text())
     assert st["updates"] == 30 and rank1["updates"] == 10, (st, rank1)  # 20 before, 10 after the resume
+    # versions go on from the checkpoint's, and the actor's stored records carry the resumed ones
+    rows = {r["actor"]: r for r in st["actors_table"]}
+    print(f"versions: first run {first['version']} (checkpoint {saved_version}), resumed run {st['version']}; "
+          f"actor a0 acted with version {rows.get('a0', {}).get('version')}")
+    assert st["version"] > saved_version >= 1, (first["version"], saved_version, st["version"])
+    assert rows["a0"]["version"] > saved_version, rows
     rc, text = _launch(tmp_path, "one_rank", 1, 0, run_dir, 40, actor=False, cpu=cpu)
     assert rc != 0 and "written by a learner of 2 rank(s)" in text and "runs 1" in text, text[-3000:]
 
