@@ -13,12 +13,12 @@
 # VARIANT (rs: plain rejection sampling | rs_expert: the scripted expert corrects the first
 # EXPERT_EPISODES episodes of every RL actor, taking over after DRIFT_STEPS steps in a row farther
 # than DRIFT from its own action | flow_ppo: Flow-Noise PPO, PPO_EPISODES episodes a round, lr
-# PPO_LR), CYCLE_STEPS / CYCLE_SFT (rejection sampling: env steps that start a BC cycle / BC steps
+# PPO_LR), TAG (the RL run's name: its folder $R/$TAG and its files in $R/res; VARIANT), CYCLE_STEPS / CYCLE_SFT (rejection sampling: env steps that start a BC cycle / BC steps
 # in it, 3000 / 300), BATCH (BC batch, 64; PPO's minibatch, 128), CKPT_S (seconds between the RL
 # run's checkpoints, 60), WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids:
 # 10, init_states: 50}), TASKS (env.task_id, all), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a
 # short time limit for a dry run on a CPU), CARRY (set: pack the RL run into $R/carry for the next
-# machine, where tools/carry_run.py unpacks it into $R/$VARIANT and a rerun goes on from its
+# machine, where tools/carry_run.py unpacks it into $R/$TAG and a rerun goes on from its
 # checkpoint), GPU_LOG (0: no nvidia-smi log, for a second chain beside this one).
 # Two variants side by side on a two-GPU box: the second chain waits for $R/before/eval_report.json,
 # has its learners on GPU 1 (TANDEM_LEARNER_GPU=1, read by gpu_box.sh) with other ports
@@ -30,7 +30,7 @@ cd "$(dirname "$0")/.."
 R=${R:-/tmp/lr}; mkdir -p "$R/res"; PY=${TANDEM_PYTHON:-python3}
 eval "$(bash launch/gpu_box.sh env)"
 K=${K:-10}; STEPS=${STEPS:-2000}; RS_MIN=${RS_MIN:-5}; N=${N:-14}; N_RL=${N_RL:-$N}; N_BEFORE=${N_BEFORE:-$N}
-VARIANT=${VARIANT:-rs}; V="$R/$VARIANT"
+VARIANT=${VARIANT:-rs}; TAG=${TAG:-$VARIANT}; V="$R/$TAG"
 ENVB="env=libero_spatial env.task_id=${TASKS:-all} env.image_size=64"
 ENVO="$ENVB ${EXTRA_ENV:-}"
 POL="policy=pi0_small ${EXTRA_POL:-}"
@@ -83,20 +83,20 @@ case "$VARIANT" in
       algo.loss_agg=episode_mean algo.clip_high=0.28 algo.max_staleness=1" ;;
   *) echo "VARIANT must be rs, rs_expert or flow_ppo, got $VARIANT" >&2; exit 2 ;;
 esac
-log "$VARIANT: $RS_MIN min with $N_RL actors"
-if [ ! -f "$R/res/${VARIANT}_metrics.jsonl" ]; then
+log "$TAG ($VARIANT): $RS_MIN min with $N_RL actors"
+if [ ! -f "$R/res/${TAG}_metrics.jsonl" ]; then
   bash launch/gpu_box.sh start --actors "$N_RL" --run-dir "$V" $COMMON $RL_POL $RL_LRN \
     trainer.checkpoint_every_s="${CKPT_S:-60}" -- $COMMON $RL_POL $RL_ACT
   sleep $((RS_MIN * 60))
   bash launch/gpu_box.sh stop --run-dir "$V"
-  cp "$V/metrics.jsonl" "$R/res/${VARIANT}_metrics.jsonl"; cp "$V/status.json" "$R/res/${VARIANT}_status.json"
-  cp "$V/learner.log" "$R/res/${VARIANT}_learner.log"
-  cat "$V"/actor-*.log | grep -a "takeover\|HOLDING" | tail -20 > "$R/res/${VARIANT}_actors.txt" || true
+  cp "$V/metrics.jsonl" "$R/res/${TAG}_metrics.jsonl"; cp "$V/status.json" "$R/res/${TAG}_status.json"
+  cp "$V/learner.log" "$R/res/${TAG}_learner.log"
+  cat "$V"/actor-*.log | grep -a "takeover\|HOLDING" | tail -20 > "$R/res/${TAG}_actors.txt" || true
   # the run in parts of <= 15 MiB, to carry it to the next machine (tools/carry_run.py unpack there)
-  [ -n "${CARRY:-}" ] && $PY -m tools.carry_run pack "$V" "$R/carry" --part-mib 15 > "$R/res/carry.json"
+  [ -n "${CARRY:-}" ] && $PY -m tools.carry_run pack "$V" "$R/carry" --part-mib 15 > "$R/res/carry_${TAG}.json"
 fi
 
 log "protocol after RL"
 [ -f "$V/eval_report.json" ] || SWEEP_POL="$RL_POL" sweep "$V"
-cp "$V/eval_report.json" "$R/res/eval_after_${VARIANT}.json"
+cp "$V/eval_report.json" "$R/res/eval_after_${TAG}.json"
 log done
