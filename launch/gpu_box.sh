@@ -7,6 +7,7 @@
 #   launch/gpu_box.sh start --actors 14 --run-dir runs/x [learner overrides] -- [actor overrides]
 #   launch/gpu_box.sh wait --run-dir runs/x [--timeout S]    # until the learner exits
 #   launch/gpu_box.sh stop --run-dir runs/x   # SIGTERM (checkpoint, spools kept), then SIGKILL
+#                                             # after TANDEM_STOP_WAIT_S (120) s, naming who was left
 #   eval "$(launch/gpu_box.sh env)"           # the variables start sets, for your own commands
 #
 # TANDEM_KIT (default .kit) is where the parts are, TANDEM_SITE (default /tmp/tandem-site) where
@@ -138,12 +139,17 @@ stop() {
   [ -f "$run_dir/pids" ] || return 0
   # SIGTERM: a process started in the background by a script ignores SIGINT
   while read -r _ pid; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; done < "$run_dir/pids"
-  for _ in $(seq 1 120); do
+  local wait_s="${TANDEM_STOP_WAIT_S:-120}"
+  for _ in $(seq 1 "$wait_s"); do
     alive=0
     while read -r _ pid; do kill -0 "$pid" 2>/dev/null && alive=1; done < "$run_dir/pids"
     [ "$alive" = 0 ] && return 0
     sleep 1
   done
+  # still alive after TANDEM_STOP_WAIT_S (120) s: say which (the run's logs tell why), then kill them
+  while read -r name pid; do
+    if kill -0 "$pid" 2>/dev/null; then echo "stop: $name (pid $pid) still running ${wait_s} s after SIGTERM; SIGKILL" >&2; fi
+  done < "$run_dir/pids"
   while read -r _ pid; do kill -KILL -- "-$pid" 2>/dev/null || true; done < "$run_dir/pids"
 }
 
@@ -155,5 +161,5 @@ case "$cmd" in
   start) start "$@" ;;
   wait) wait_learner "$@" ;;
   stop) stop "$@" ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

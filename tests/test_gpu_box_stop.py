@@ -1,0 +1,61 @@
+"""launch/gpu_box.sh stop: SIGTERM to every process group of a run, a wait, then SIGKILL to the
+ones left, naming them (so that a run's log says which process did not stop)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _alive(p: subprocess.Popen) -> bool:
+    return p.poll() is None
+
+
+def _spawn(cmd: list[str]) -> subprocess.Popen:
+    """A process in a group of its own, reaped as soon as it exits (as the launcher's orphans
+    are by init): a zombie would still answer ``kill -0``."""
+    p = subprocess.Popen(cmd, start_new_session=True)
+    threading.Thread(target=p.wait, daemon=True).start()
+    return p
+
+
+def test_stop_terms_every_group_then_kills_and_names_the_ones_left(tmp_path):
+    polite = _spawn(["sleep", "1000"])
+    stubborn = _spawn(["bash", "-c", "trap '' TERM; while true; do sleep 0.2; done"])
+    (tmp_path / "pids").write_text(f"learner {polite.pid}\nactor-0 {stubborn.pid}\n")
+    try:
+        time.sleep(0.3)   # the trap is set
+        t0 = time.monotonic()
+        out = subprocess.run(["bash", str(ROOT / "launch" / "gpu_box.sh"), "stop", "--run-dir", str(tmp_path)],
+                             env={**os.environ, "TANDEM_STOP_WAIT_S": "2"}, capture_output=True, text=True,
+                             timeout=30)
+        took = time.monotonic() - t0
+        assert out.returncode == 0, out.stderr
+        polite.wait(5)
+        stubborn.wait(5)
+        assert f"actor-0 (pid {stubborn.pid}) still running 2 s after SIGTERM; SIGKILL" in out.stderr, out.stderr
+        assert "learner" not in out.stderr, out.stderr   # it stopped on SIGTERM
+        assert took >= 2.0
+    finally:
+        for p in (polite, stubborn):
+            if _alive(p):
+                p.kill()
+
+
+def test_stop_returns_once_every_process_has_stopped(tmp_path):
+    polite = _spawn(["sleep", "1000"])
+    (tmp_path / "pids").write_text(f"learner {polite.pid}\n")
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run(["bash", str(ROOT / "launch" / "gpu_box.sh"), "stop", "--run-dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert time.monotonic() - t0 < 5 and polite.wait(5) is not None
+    finally:
+        if _alive(polite):
+            polite.kill()
