@@ -16,7 +16,8 @@
 # PPO_LR), TAG (the RL run's name: its folder $R/$TAG and its files in $R/res; VARIANT), CYCLE_STEPS / CYCLE_SFT (rejection sampling: env steps that start a BC cycle / BC steps
 # in it, 3000 / 300), BATCH (BC batch, 64; PPO's minibatch, 128), CKPT_S (seconds between the RL
 # run's checkpoints, 60), WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids:
-# 10, init_states: 50}), TASKS (env.task_id, all), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a
+# 10, init_states: 50}), TASKS (env.task_id, all), EXTRA_LRN (the learner's alone, e.g.
+# inference.device=cuda:1 to serve on a second GPU), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a
 # short time limit for a dry run on a CPU), CARRY (set: pack the RL run into $R/carry for the next
 # machine, where tools/carry_run.py unpacks it into $R/$TAG and a rerun goes on from its
 # checkpoint), GPU_LOG (0: no nvidia-smi log, for a second chain beside this one).
@@ -52,7 +53,7 @@ log "sft: $STEPS steps"
 grep -a '^{' "$R/sft.log" | tail -1 > "$R/res/sft.json"
 
 COMMON="$ENVO $POL policy.checkpoint=$R/sft"
-LRN="algo=rejection_sampling logging.wandb=disabled"
+LRN="algo=rejection_sampling logging.wandb=disabled ${EXTRA_LRN:-}"
 ACT="chunk.execute=5"
 sweep() {   # run_dir [actors]: LIBERO's protocol through the learner and N actors (the run_dir's checkpoint, if any)
   bash launch/gpu_box.sh start --actors "${2:-$N}" --run-dir "$1" $COMMON ${SWEEP_POL:-} $LRN mode=eval \
@@ -77,7 +78,7 @@ case "$VARIANT" in
     fi ;;
   flow_ppo)   # Flow-Noise PPO (πRL): a learned noise std at every Euler step, GAE on the value head
     RL_POL="policy.flow_rl=noise"
-    LRN="algo=ppo logging.wandb=disabled"
+    LRN="algo=ppo logging.wandb=disabled ${EXTRA_LRN:-}"
     RL_LRN="$LRN algo.batch_episodes=${PPO_EPISODES:-48} algo.min_batch_chunks=0 \
       algo.minibatch_size=${BATCH:-128} algo.epochs=2 algo.lr=${PPO_LR:-2e-5} algo.lr_warmup_updates=3 \
       algo.loss_agg=episode_mean algo.clip_high=0.28 algo.max_staleness=1" ;;
