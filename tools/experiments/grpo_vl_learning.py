@@ -40,8 +40,7 @@ import signal
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import (free_port, read_status, record_result, start_processes, stop_processes,
-                                            wait_unpaused, watch)
+from tools.experiments.learning_run import free_port, record_result, run_until_updates, wait_unpaused
 from tools.experiments.residual_vl_learning import held_out, make_base, mlp, more_bc, policy_o
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, prepare
 
@@ -59,8 +58,6 @@ def train_grpo(out: Path, base: Path, seed: int, *, updates: int, actors: int, m
     """Learner + ``actors`` actors from the ``base`` weights until ``updates`` updates (or
     ``max_s``), then SIGINT; the learner's last status, the final checkpoint's policy weights,
     ``wall_s``, the 1-min load and a trace [s, episodes, updates, success] every 10 s."""
-    from learner.checkpoint import latest_checkpoint, load_checkpoint
-
     run = out / f"grpo_seed{seed}"
     run.mkdir(parents=True, exist_ok=False)
     port, pub = free_port(), free_port()
@@ -69,33 +66,10 @@ def train_grpo(out: Path, base: Path, seed: int, *, updates: int, actors: int, m
     learner_o = [*ALGO_O, "device=cpu", "logging.wandb=disabled", "logging.every_s=2", "trainer.num_threads=1",
                  "buffer.persist=false", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=100",
                  "logging.stats_window=64", f"seed={seed}", f"algo.jobs_seed={seed}", *extra]
-    loads, trace = [], []
-    t0 = time.monotonic()
-    procs = start_processes(run, common, [
-        ("learner", "learner", learner_o),
-        *((f"actor{i}", "actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={100 * seed + i}"])
-          for i in range(actors))])
-
-    def done(status: dict, t: float) -> bool:
-        if t >= 10 * len(loads):
-            loads.append(round(os.getloadavg()[0], 2))
-            trace.append([round(t), status.get("episodes"), status.get("updates"), status.get("success")])
-            print(f"[grpo seed {seed} {t:4.0f}s] episodes {status.get('episodes')} updates "
-                  f"{status.get('updates')} success(window) {status.get('success')} load {loads[-1]}", flush=True)
-        return (status.get("updates") or 0) >= updates
-
-    status = {}
-    try:
-        status = watch(procs, run, max_s=max_s, poll_s=1.0, done=done)
-    finally:
-        stop_processes(list(reversed(procs)), 120)
-    wall = time.monotonic() - t0
-    status = read_status(run) or status
-    path = latest_checkpoint(run / "checkpoints")
-    if path is None:
-        raise RuntimeError(f"{run}: no checkpoint (did the learner update?)")
-    return {"status": status, "weights": load_checkpoint(path)["algo"]["agent"]["policy"], "checkpoint": path.name,
-            "wall_s": round(wall, 1), "load_1min": loads, "trace": trace, "run_dir": str(run)}
+    r = run_until_updates(run, common, learner_o, actors=actors, seed=seed, updates=updates, max_s=max_s,
+                          poll_s=1.0, label="grpo")
+    r["weights"] = r.pop("policy")
+    return r
 
 
 def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actors: int = ACTORS,

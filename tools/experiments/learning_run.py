@@ -157,6 +157,43 @@ def run_rs_cycles(run_dir: Path, common: Sequence[str], learner_o: Sequence[str]
             "load_1min": [round(x, 2) for x in loads]}
 
 
+def run_until_updates(run_dir: Path, common: Sequence[str], learner_o: Sequence[str], *, actors: int, seed: int,
+                      updates: int, max_s: float, poll_s: float, label: str) -> dict:
+    """A learner and ``actors`` remote actors (seeds ``100 * seed + i``; logs in ``run_dir``) until
+    the learner has made ``updates`` updates (or ``max_s``), then SIGINT. Returns the learner's
+    last status, the final checkpoint's trained policy state (``policy``) and its name,
+    ``wall_s``, the 1-min load and a trace [s, episodes, updates, success] every 10 s."""
+    from learner.checkpoint import latest_checkpoint, load_checkpoint
+
+    loads, trace = [], []
+    t0 = time.monotonic()
+    procs = start_processes(run_dir, common, [
+        ("learner", "learner", learner_o),
+        *((f"actor{i}", "actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={100 * seed + i}"])
+          for i in range(actors))])
+
+    def done(status: dict, t: float) -> bool:
+        if t >= 10 * len(loads):
+            loads.append(round(os.getloadavg()[0], 2))
+            trace.append([round(t), status.get("episodes"), status.get("updates"), status.get("success")])
+            print(f"[{label} seed {seed} {t:4.0f}s] episodes {status.get('episodes')} updates "
+                  f"{status.get('updates')} success(window) {status.get('success')} load {loads[-1]}", flush=True)
+        return (status.get("updates") or 0) >= updates
+
+    status = {}
+    try:
+        status = watch(procs, run_dir, max_s=max_s, poll_s=poll_s, done=done)
+    finally:
+        stop_processes(list(reversed(procs)), 120)
+    wall = time.monotonic() - t0
+    status = read_status(run_dir) or status
+    path = latest_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        raise RuntimeError(f"{run_dir}: no checkpoint (did the learner update?)")
+    return {"status": status, "policy": load_checkpoint(path)["algo"]["agent"]["policy"], "checkpoint": path.name,
+            "wall_s": round(wall, 1), "load_1min": loads, "trace": trace, "run_dir": str(run_dir)}
+
+
 def free_port() -> int:
     import socket
 

@@ -39,8 +39,8 @@ import signal
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import (evaluate_policy, free_port, read_status, record_result, start_processes,
-                                            stop_processes, wait_unpaused, watch)
+from tools.experiments.learning_run import (evaluate_policy, free_port, record_result, run_until_updates,
+                                            wait_unpaused)
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, PRETRAIN, prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,8 +126,6 @@ def train_residual(out: Path, base: Path, seed: int, *, updates: int, actors: in
     """Learner + ``actors`` actors until ``updates`` updates (or ``max_s``), then
     SIGINT; the learner's last status, the final checkpoint's residual weights, ``wall_s`` and
     the 1-min load every 10 s."""
-    from learner.checkpoint import latest_checkpoint, load_checkpoint
-
     run = out / f"residual_seed{seed}"
     run.mkdir(parents=True, exist_ok=False)
     port, pub = free_port(), free_port()
@@ -136,33 +134,10 @@ def train_residual(out: Path, base: Path, seed: int, *, updates: int, actors: in
     learner_o = [*ALGO_O, "device=cpu", "logging.wandb=disabled", "logging.every_s=5", "trainer.num_threads=1",
                  "buffer.persist=false", "trainer.checkpoint_every=500", "trainer.keep_checkpoints=100",
                  f"seed={seed}", *extra]
-    loads, trace = [], []
-    t0 = time.monotonic()
-    procs = start_processes(run, common, [
-        ("learner", "learner", learner_o),
-        *((f"actor{i}", "actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={100 * seed + i}"])
-          for i in range(actors))])
-
-    def done(status: dict, t: float) -> bool:
-        if t >= 10 * len(loads):
-            loads.append(round(os.getloadavg()[0], 2))
-            trace.append([round(t), status.get("episodes"), status.get("updates"), status.get("success")])
-            print(f"[residual seed {seed} {t:4.0f}s] episodes {status.get('episodes')} updates "
-                  f"{status.get('updates')} success(window) {status.get('success')} load {loads[-1]}", flush=True)
-        return (status.get("updates") or 0) >= updates
-
-    status = {}
-    try:
-        status = watch(procs, run, max_s=max_s, poll_s=2.0, done=done)
-    finally:
-        stop_processes(list(reversed(procs)), 120)
-    wall = time.monotonic() - t0
-    status = read_status(run) or status
-    path = latest_checkpoint(run / "checkpoints")
-    if path is None:
-        raise RuntimeError(f"{run}: no checkpoint (did the learner update?)")
-    return {"status": status, "residual": load_checkpoint(path)["algo"]["agent"]["policy"], "checkpoint": path.name,
-            "wall_s": round(wall, 1), "load_1min": loads, "trace": trace, "run_dir": str(run)}
+    r = run_until_updates(run, common, learner_o, actors=actors, seed=seed, updates=updates, max_s=max_s,
+                          poll_s=2.0, label="residual")
+    r["residual"] = r.pop("policy")
+    return r
 
 
 def more_bc(demos: Path, base: Path, seed: int, seconds: float) -> tuple[dict, int]:
