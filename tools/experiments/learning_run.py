@@ -194,6 +194,37 @@ def run_until_updates(run_dir: Path, common: Sequence[str], learner_o: Sequence[
             "wall_s": round(wall, 1), "load_1min": loads, "trace": trace, "run_dir": str(run_dir)}
 
 
+def seeds_parser(doc: str, max_s: float) -> argparse.ArgumentParser:
+    """The arguments every pre-registered claim's tool takes: ``--out``, ``--seeds``, ``--max-s``
+    (bounds a stuck run only) and extra learner overrides after ``--``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--max-s", type=float, default=max_s, help="bounds a stuck run only")
+    ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
+    return ap
+
+
+def run_seeds(args: argparse.Namespace, prepare: Callable[[Path], Path],
+              runs: Callable[[Path, Path, int], Sequence[Callable[[], dict]]], *,
+              hide: Sequence[str] = ()) -> list[dict]:
+    """SIGTERM as an interrupt, ``args.out`` made, the demos prepared in it; then for every seed
+    the runs ``runs(out, demos, seed)`` gives, one after the other (waiting while ``out/pause``
+    exists before each), each result recorded (:func:`record_result`). Returns the results."""
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    demos = prepare(out)
+    results = []
+    for seed in args.seeds:
+        for one in runs(out, demos, seed):
+            wait_unpaused(out)
+            r = one()
+            record_result(out, r, hide=hide)
+            results.append(r)
+    return results
+
+
 def free_port() -> int:
     import socket
 

@@ -32,15 +32,13 @@ seed's summary (``uptime`` at its end included) is appended to ``<out>/results.j
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import signal
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import (evaluate_policy, free_port, record_result, run_until_updates,
-                                            wait_unpaused)
+from tools.experiments.learning_run import (evaluate_policy, free_port, run_seeds, run_until_updates,
+                                            seeds_parser)
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, PRETRAIN, prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,26 +192,13 @@ def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actor
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap = seeds_parser(__doc__, 1200.0)
     ap.add_argument("--updates", type=int, default=UPDATES, help="learner updates of the residual run")
     ap.add_argument("--actors", type=int, default=ACTORS)
-    ap.add_argument("--max-s", type=float, default=1200.0, help="bounds a stuck residual run only")
-    ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    demos = prepare(out)
-    results = []
-    for seed in args.seeds:
-        wait_unpaused(out)
-        r = run_seed(out, demos, seed, updates=args.updates, actors=args.actors, max_s=args.max_s,
-                     extra=tuple(args.overrides))
-        record_result(out, r, hide=("trace",))
-        results.append(r)
-    return results
+    return run_seeds(args, prepare, lambda out, demos, seed: [lambda: run_seed(
+        out, demos, seed, updates=args.updates, actors=args.actors, max_s=args.max_s,
+        extra=tuple(args.overrides))], hide=("trace",))
 
 
 if __name__ == "__main__":

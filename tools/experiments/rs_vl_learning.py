@@ -33,11 +33,9 @@ every run (with ``uptime`` at its end) is appended to ``<out>/results.jsonl`` as
 
 from __future__ import annotations
 
-import argparse
-import signal
 from pathlib import Path
 
-from tools.experiments.learning_run import evaluate_policy, free_port, record_result, run_rs_cycles, wait_unpaused
+from tools.experiments.learning_run import evaluate_policy, free_port, run_rs_cycles, run_seeds, seeds_parser
 
 ENV_O = ["env=point_reach_vl"]
 POLICY_O = ["policy=mlp", "policy.hidden_dims=[64,64]", "+policy.task_embed_dim=16",
@@ -126,28 +124,14 @@ def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, ma
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap = seeds_parser(__doc__, 900.0)
     ap.add_argument("--arm", choices=[*ARMS, "both"], default="both")
     ap.add_argument("--cycles", type=int, default=CYCLES)
-    ap.add_argument("--max-s", type=float, default=900.0, help="bounds a stuck run only")
-    ap.add_argument("overrides", nargs="*", help="extra learner overrides (after --)")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    demos = prepare(out)
     arms = list(ARMS) if args.arm == "both" else [args.arm]
-    results = []
-    for seed in args.seeds:
-        for arm in arms:
-            wait_unpaused(out)
-            r = run(out, demos, seed=seed, arm=arm, cycles=args.cycles, max_s=args.max_s,
-                    extra=tuple(args.overrides))
-            record_result(out, r)
-            results.append(r)
-    return results
+    return run_seeds(args, prepare, lambda out, demos, seed: [
+        (lambda arm=arm: run(out, demos, seed=seed, arm=arm, cycles=args.cycles, max_s=args.max_s,
+                             extra=tuple(args.overrides))) for arm in arms])
 
 
 if __name__ == "__main__":
