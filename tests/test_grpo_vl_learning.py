@@ -34,7 +34,7 @@ def test_grpo_arm_runs_from_the_base_and_its_checkpoint_loads(tmp_path):
     size, groups = int(o["algo.group_size"]), int(o["algo.batch_groups"])
     assert rounds and all(m["round_groups"] == groups and m["round_episodes"] == size * groups for m in rounds)
     start = load_file(str(base))
-    trained = mlp(r["weights"]).trainable_state_dict()
+    trained = mlp(r["policy"]).trainable_state_dict()
     assert set(trained) == set(start)
     assert any(not torch.equal(trained[k], start[k]) for k in start), "GRPO's updates left the base's weights"
 

@@ -54,7 +54,7 @@ ACTORS = 2
 def train_grpo(out: Path, base: Path, seed: int, *, updates: int, actors: int, max_s: float,
                extra: tuple[str, ...] = ()) -> dict:
     """Learner + ``actors`` actors from the ``base`` weights until ``updates`` updates (or
-    ``max_s``), then SIGINT; the learner's last status, the final checkpoint's policy weights,
+    ``max_s``), then SIGINT; the learner's last status, the final checkpoint's policy weights (``policy``),
     ``wall_s``, the 1-min load and a trace [s, episodes, updates, success] every 10 s."""
     run = out / f"grpo_seed{seed}"
     run.mkdir(parents=True, exist_ok=False)
@@ -64,10 +64,8 @@ def train_grpo(out: Path, base: Path, seed: int, *, updates: int, actors: int, m
     learner_o = [*ALGO_O, "device=cpu", "logging.wandb=disabled", "logging.every_s=2", "trainer.num_threads=1",
                  "buffer.persist=false", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=100",
                  "logging.stats_window=64", f"seed={seed}", f"algo.jobs_seed={seed}", *extra]
-    r = run_until_updates(run, common, learner_o, actors=actors, seed=seed, updates=updates, max_s=max_s,
-                          poll_s=1.0, label="grpo")
-    r["weights"] = r.pop("policy")
-    return r
+    return run_until_updates(run, common, learner_o, actors=actors, seed=seed, updates=updates, max_s=max_s,
+                             poll_s=1.0, label="grpo")
 
 
 def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actors: int = ACTORS,
@@ -77,7 +75,7 @@ def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actor
     base = make_base(out, demos, seed)
     start = held_out(mlp(base=base))
     r = train_grpo(out, base, seed, updates=updates, actors=actors, max_s=max_s, extra=extra)
-    after = held_out(mlp(r["weights"]))
+    after = held_out(mlp(r["policy"]))
     st = r["status"]
     summary = {"seed": seed, "start": start, "untrained": start, "grpo_after": after,
                "held_out_episodes": HELD_OUT, "online_episodes": st.get("episodes"), "env_steps": st.get("env_steps"),

@@ -122,7 +122,7 @@ def held_out(policy) -> float:
 def train_residual(out: Path, base: Path, seed: int, *, updates: int, actors: int, max_s: float,
                    extra: tuple[str, ...] = ()) -> dict:
     """Learner + ``actors`` actors until ``updates`` updates (or ``max_s``), then
-    SIGINT; the learner's last status, the final checkpoint's residual weights, ``wall_s`` and
+    SIGINT; the learner's last status, the final checkpoint's residual weights (``policy``), ``wall_s`` and
     the 1-min load every 10 s."""
     run = out / f"residual_seed{seed}"
     run.mkdir(parents=True, exist_ok=False)
@@ -132,10 +132,8 @@ def train_residual(out: Path, base: Path, seed: int, *, updates: int, actors: in
     learner_o = [*ALGO_O, "device=cpu", "logging.wandb=disabled", "logging.every_s=5", "trainer.num_threads=1",
                  "buffer.persist=false", "trainer.checkpoint_every=500", "trainer.keep_checkpoints=100",
                  f"seed={seed}", *extra]
-    r = run_until_updates(run, common, learner_o, actors=actors, seed=seed, updates=updates, max_s=max_s,
-                          poll_s=2.0, label="residual")
-    r["residual"] = r.pop("policy")
-    return r
+    return run_until_updates(run, common, learner_o, actors=actors, seed=seed, updates=updates, max_s=max_s,
+                             poll_s=2.0, label="residual")
 
 
 def more_bc(demos: Path, base: Path, seed: int, seconds: float) -> tuple[dict, int]:
@@ -177,7 +175,7 @@ def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actor
     start = held_out(mlp(base=base))
     untrained = held_out(residual_policy(base, seed, extra=extra))
     r = train_residual(out, base, seed, updates=updates, actors=actors, max_s=max_s, extra=extra)
-    after = held_out(residual_policy(base, seed, r["residual"], extra))
+    after = held_out(residual_policy(base, seed, r["policy"], extra))
     bc_load0 = round(os.getloadavg()[0], 2)
     bc_weights, bc_steps = more_bc(demos, base, seed, r["wall_s"])
     bc_after = held_out(mlp(bc_weights))

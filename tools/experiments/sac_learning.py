@@ -179,7 +179,7 @@ def train(variant: str, out: Path, base: Base, algo: list[str], reward: str = "d
     """Learner + ``actors`` remote actors as processes until the learner counts ``episodes``
     online episodes (0: until ``max_s``; ``max_s`` also caps a stuck run), then SIGINT (the
     learner checkpoints). Returns the learner's last status and its online success trace."""
-    from tools.experiments.learning_run import free_port, start_processes, stop_processes
+    from tools.experiments.learning_run import free_port, read_status, start_processes, stop_processes, watch
 
     run = out / "run"
     port, pub = free_port(), free_port()
@@ -195,25 +195,21 @@ def train(variant: str, out: Path, base: Base, algo: list[str], reward: str = "d
         (f"actor{i}", "actor", [f"actor_id=a{i}", "spool.fsync=false", "log_every_s=10", f"seed={i}"])
         for i in range(actors)])
     trace, t0, status = [], time.monotonic(), {}
+
+    def done(st: dict, t: float) -> bool:
+        if not st:
+            return False
+        trace.append({"t_s": round(t), "episodes": st.get("episodes"), "success_window": st.get("success"),
+                      "updates": st.get("updates"), "env_steps": st.get("env_steps"),
+                      "load1": round(os.getloadavg()[0], 1)})
+        print(json.dumps(trace[-1]), flush=True)
+        return bool(episodes) and (st.get("episodes") or 0) >= episodes
+
     try:
-        while time.monotonic() - t0 < max_s:
-            time.sleep(poll_s)
-            for p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{p.name} exited {p.returncode}; see {p.log}")
-            try:
-                status = json.loads((run / "status.json").read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                continue
-            trace.append({"t_s": round(time.monotonic() - t0), "episodes": status.get("episodes"),
-                          "success_window": status.get("success"), "updates": status.get("updates"),
-                          "env_steps": status.get("env_steps"), "load1": round(os.getloadavg()[0], 1)})
-            print(json.dumps(trace[-1]), flush=True)
-            if episodes and (status.get("episodes") or 0) >= episodes:
-                break
+        status = watch(procs, run, max_s=max_s, poll_s=poll_s, done=done)
     finally:
         stop_processes(list(reversed(procs)), 120)
-    status = json.loads((run / "status.json").read_text())
+    status = read_status(run) or status
     return {"status": status, "trace": trace, "wall_s": time.monotonic() - t0, "run_dir": str(run)}
 
 
