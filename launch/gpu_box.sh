@@ -9,6 +9,9 @@
 #   launch/gpu_box.sh stop --run-dir runs/x   # SIGTERM (checkpoint, spools kept), then SIGKILL
 #                                             # after TANDEM_STOP_WAIT_S (120) s, naming who was left
 #   eval "$(launch/gpu_box.sh env)"           # the variables start sets, for your own commands
+#   launch/gpu_box.sh collect --to DIR [--until FILE]... [--timeout S] PATH...
+#                                             # wait for FILEs (at most S s), then pack PATHs into
+#                                             # DIR/collect.tgz whether or not they all came
 #
 # TANDEM_KIT (default .kit) is where the parts are, TANDEM_SITE (default /tmp/tandem-site) where
 # they install. Learner overrides go to launch/run_learner.sh; those after -- to every
@@ -153,6 +156,40 @@ stop() {
   while read -r _ pid; do kill -KILL -- "-$pid" 2>/dev/null || true; done < "$run_dir/pids"
 }
 
+collect() {
+  # A lent box can go away between two calls (an idle limit, a lease that ends): every poll
+  # should bring back what the run has written so far, not only the final results.
+  local to="" timeout=0 until=() paths=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --to) to="$2"; shift 2 ;;
+      --until) until+=("$2"); shift 2 ;;
+      --timeout) timeout="$2"; shift 2 ;;
+      -*) echo "collect: unknown option $1" >&2; exit 2 ;;
+      *) paths+=("$1"); shift ;;
+    esac
+  done
+  [ -n "$to" ] && [ ${#paths[@]} -gt 0 ] || { echo "collect needs --to DIR and at least one PATH" >&2; exit 2; }
+  local t=0 missing=()
+  while :; do
+    missing=()
+    for f in "${until[@]}"; do [ -e "$f" ] || missing+=("$f"); done
+    [ ${#missing[@]} = 0 ] && break
+    [ "$t" -ge "$timeout" ] && break
+    sleep 2; t=$((t + 2))
+  done
+  local present=()
+  for p in "${paths[@]}"; do
+    if [ -e "$p" ]; then present+=("$p"); else echo "collect: $p does not exist (skipped)" >&2; fi
+  done
+  mkdir -p "$to"
+  if [ ${#present[@]} -gt 0 ]; then
+    tar -czf "$to/collect.tgz" "${present[@]}" 2>/dev/null || tar -czf "$to/collect.tgz" --ignore-failed-read "${present[@]}"
+    echo "collect: $(du -k "$to/collect.tgz" | cut -f1) KiB of ${#present[@]} path(s) in $to/collect.tgz after ${t}s"
+  fi
+  if [ ${#missing[@]} -gt 0 ]; then echo "collect: still missing after ${t}s: ${missing[*]}"; return 3; fi
+}
+
 cmd="${1:-}"; shift || true
 case "$cmd" in
   install) install_parts ;;
@@ -161,5 +198,6 @@ case "$cmd" in
   start) start "$@" ;;
   wait) wait_learner "$@" ;;
   stop) stop "$@" ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  collect) collect "$@" ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
 esac

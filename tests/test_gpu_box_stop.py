@@ -59,3 +59,33 @@ def test_stop_returns_once_every_process_has_stopped(tmp_path):
     finally:
         if _alive(polite):
             polite.kill()
+
+
+def _collect(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "launch" / "gpu_box.sh"), "collect", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_collect_waits_for_the_files_then_packs_what_exists(tmp_path):
+    """launch/gpu_box.sh collect: waits for --until files, packs the paths that exist (naming the
+    ones that do not), and packs them even when the wait ends without every file (exit 3)."""
+    import tarfile
+
+    (tmp_path / "r" / "res").mkdir(parents=True)
+    (tmp_path / "r" / "res" / "metrics.jsonl").write_text('{"updates": 1}\n')
+    threading.Timer(1.0, lambda: (tmp_path / "r" / "done").write_text("ok")).start()
+    t0 = time.monotonic()
+    out = _collect(tmp_path, "--to", "out", "--until", "r/done", "--timeout", "20", "r/res", "r/absent")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert time.monotonic() - t0 < 15   # it stopped waiting when the file came
+    assert "r/absent does not exist" in out.stderr
+    with tarfile.open(tmp_path / "out" / "collect.tgz") as tar:
+        assert "r/res/metrics.jsonl" in tar.getnames()
+
+    late = _collect(tmp_path, "--to", "out2", "--until", "r/never", "--timeout", "2", "r/res")
+    assert late.returncode == 3 and "still missing after" in late.stdout and "r/never" in late.stdout
+    with tarfile.open(tmp_path / "out2" / "collect.tgz") as tar:   # what existed came back anyway
+        assert "r/res/metrics.jsonl" in tar.getnames()
+
+    bad = _collect(tmp_path, "--until", "r/done", "r/res")
+    assert bad.returncode == 2 and "--to" in bad.stderr
