@@ -40,6 +40,17 @@ from tools.experiments.learning_run import evaluate_policy, free_port, run_rs_cy
 ENV_O = ["env=point_reach_vl"]
 POLICY_O = ["policy=mlp", "policy.hidden_dims=[64,64]", "+policy.task_embed_dim=16",
             "+policy.log_std_max=-1.0", "+policy.log_std_min=-3.0"]
+#: claim 5's policy: lerobot's PI0 classes built from scratch at a tiny size (``policy=pi0_small``:
+#: every parameter trains, the builtin tokenizer reads the instruction, a SigLIP tower on the
+#: 32x32 image in 8-px patches), chunks of 4 actions from 5 Euler steps; weights drawn from
+#: ``policy.seed`` (the run seed)
+PI0_ARCH = ("{width: 64, depth: 2, mlp_dim: 128, num_heads: 8, num_kv_heads: 1, head_dim: 8, expert_width: 32, "
+            "expert_mlp_dim: 64, vocab_size: 512, vision_width: 32, vision_depth: 2, vision_heads: 2, "
+            "vision_mlp_dim: 64, vision_patch: 8}")
+PI0_O = ["policy=pi0_small", "policy.image_size=32", f"policy.arch={PI0_ARCH}", "policy.chunk_size=4",
+         "policy.num_inference_steps=5", "policy.device=cpu"]
+#: ``--policy``: the MLP (claim 2) or the tiny PI0 (claim 5)
+POLICIES = {"mlp": POLICY_O, "pi0": PI0_O}
 PRETRAIN = 150
 ALGO_O = ["algo=rejection_sampling", f"algo.pretrain_steps={PRETRAIN}", "algo.env_steps_per_cycle=800",
           "algo.sft_steps_per_cycle=300", "algo.lr=3e-3", "algo.demo_ratio=0.3", "algo.batch_size=64",
@@ -62,18 +73,24 @@ def prepare(out: Path, demos: int = DEMOS) -> Path:
     return d
 
 
+def policy_overrides(policy: str, seed: int) -> list[str]:
+    """The ``policy.*`` overrides of ``--policy`` for a run (and its held-out evaluation) with
+    this seed: the MLP's weights come from the torch seed, the PI0's from ``policy.seed``."""
+    return [*POLICIES[policy], *([f"policy.seed={seed}"] if policy == "pi0" else [])]
+
+
 def held_out(trainable: dict | None, episodes: int = HELD_OUT, seed: int = HELD_OUT_SEED,
-             init_seed: int = 0) -> float:
-    """Success of the MLP with these trainable weights (None: as initialised after
-    ``torch.manual_seed(init_seed)``), deterministic, on ``episodes`` held-out episodes (reset
-    seeds ``seed + i``)."""
+             init_seed: int = 0, policy_name: str = "mlp") -> float:
+    """Success of the policy with these trainable weights (None: as initialised after
+    ``torch.manual_seed(init_seed)``, or from ``policy.seed=init_seed`` for PI0), deterministic
+    (the PI0's flow from zero noise), on ``episodes`` held-out episodes (reset seeds ``seed + i``)."""
     import torch
 
     from agents.registry import build_policy
     from envs.registry import env_spec
     from tools.sft import learner_config
 
-    cfg = learner_config([*ENV_O, *POLICY_O])
+    cfg = learner_config([*ENV_O, *policy_overrides(policy_name, init_seed)])
     torch.manual_seed(init_seed)
     policy = build_policy(cfg.policy, env_spec(cfg.env))
     if trainable is not None:
@@ -91,13 +108,13 @@ def checkpoint_weights(path: Path) -> dict:
 
 
 def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, max_s: float = 900.0,
-        extra: tuple[str, ...] = ()) -> dict:
+        extra: tuple[str, ...] = (), policy: str = "mlp") -> dict:
     """One learner + one actor until ``cycles`` evaluated cycles, then SIGINT; start and after
     on the held-out episodes (module docstring)."""
     run_dir = out / f"{arm}_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=False)
     port, pub = free_port(), free_port()
-    common = [*ENV_O, *POLICY_O, f"run_dir={run_dir}", f"transport.port={port}", f"transport.pub_port={pub}",
+    common = [*ENV_O, *policy_overrides(policy, seed), f"run_dir={run_dir}", f"transport.port={port}", f"transport.pub_port={pub}",
               "transport.timeout_s=5.0", "transport.heartbeat_s=0.5"]
     learner_o = [*ALGO_O, *ARMS[arm], f"buffer.demos={demos}", "device=cpu", "logging.wandb=disabled",
                  "logging.every_s=2", "trainer.num_threads=1", "buffer.video=false", "buffer.commit_interval_s=2",
@@ -112,9 +129,12 @@ def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, ma
     first = run_dir / "checkpoints" / f"step_{PRETRAIN:010d}"
     if not ckpts or not first.exists():
         raise RuntimeError(f"{run_dir}: no checkpoint after pretraining ({first.name}) or at the end")
-    start, after = held_out(checkpoint_weights(first)), held_out(checkpoint_weights(ckpts[-1]))
-    untrained = held_out(None, init_seed=seed)
-    return {"arm": arm, "seed": seed, "start": start, "after": after, "untrained": untrained,
+    # the PI0 is built from its seed before the weights load (as claim 2's MLP, from torch seed 0)
+    ini = seed if policy == "pi0" else 0
+    start = held_out(checkpoint_weights(first), init_seed=ini, policy_name=policy)
+    after = held_out(checkpoint_weights(ckpts[-1]), init_seed=ini, policy_name=policy)
+    untrained = held_out(None, init_seed=seed, policy_name=policy)
+    return {"policy": policy, "arm": arm, "seed": seed, "start": start, "after": after, "untrained": untrained,
             "held_out_episodes": HELD_OUT,
             "cycles": len(hist) - 1, "gate_evals": [(h["version"], h["success"], h["decision"]) for h in hist],
             "online_episodes": rep.get("episodes"), "kept_episodes": rep.get("kept_episodes"),
@@ -127,11 +147,13 @@ def main(argv=None) -> list[dict]:
     ap = seeds_parser(__doc__, 900.0)
     ap.add_argument("--arm", choices=[*ARMS, "both"], default="both")
     ap.add_argument("--cycles", type=int, default=CYCLES)
+    ap.add_argument("--policy", choices=list(POLICIES), default="mlp",
+                    help="mlp: claim 2's MLP + CNN + instruction encoder; pi0: claim 5's tiny PI0 from scratch")
     args = ap.parse_args(argv)
     arms = list(ARMS) if args.arm == "both" else [args.arm]
     return run_seeds(args, prepare, lambda out, demos, seed: [
         (lambda arm=arm: run(out, demos, seed=seed, arm=arm, cycles=args.cycles, max_s=args.max_s,
-                             extra=tuple(args.overrides))) for arm in arms])
+                             extra=tuple(args.overrides), policy=args.policy)) for arm in arms])
 
 
 if __name__ == "__main__":
