@@ -184,7 +184,8 @@ collect() {
   done
   mkdir -p "$to"
   if [ ${#present[@]} -gt 0 ]; then
-    tar -czf "$to/collect.tgz" "${present[@]}" 2>/dev/null || tar -czf "$to/collect.tgz" --ignore-failed-read "${present[@]}"
+    # exit 1: a file changed while it was read (a live run writes on); the archive is still whole
+    tar -czf "$to/collect.tgz" --ignore-failed-read "${present[@]}" || [ $? = 1 ]
     echo "collect: $(du -k "$to/collect.tgz" | cut -f1) KiB of ${#present[@]} path(s) in $to/collect.tgz after ${t}s"
   fi
   if [ ${#missing[@]} -gt 0 ]; then echo "collect: still missing after ${t}s: ${missing[*]}"; return 3; fi

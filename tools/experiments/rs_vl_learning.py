@@ -129,10 +129,10 @@ def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, ma
     first = run_dir / "checkpoints" / f"step_{PRETRAIN:010d}"
     if not ckpts or not first.exists():
         raise RuntimeError(f"{run_dir}: no checkpoint after pretraining ({first.name}) or at the end")
-    # the PI0 is built from its seed before the weights load (as claim 2's MLP, from torch seed 0)
-    ini = seed if policy == "pi0" else 0
-    start = held_out(checkpoint_weights(first), init_seed=ini, policy_name=policy)
-    after = held_out(checkpoint_weights(ckpts[-1]), init_seed=ini, policy_name=policy)
+    # built from seed 0 as claim 2's were; the PI0's trainable state is every weight it holds, so
+    # its run seed does not matter once the checkpoint's weights are loaded
+    start = held_out(checkpoint_weights(first), policy_name=policy)
+    after = held_out(checkpoint_weights(ckpts[-1]), policy_name=policy)
     untrained = held_out(None, init_seed=seed, policy_name=policy)
     return {"policy": policy, "arm": arm, "seed": seed, "start": start, "after": after, "untrained": untrained,
             "held_out_episodes": HELD_OUT,
