@@ -9,9 +9,10 @@
 #   launch/gpu_box.sh stop --run-dir runs/x   # SIGTERM (checkpoint, spools kept), then SIGKILL
 #                                             # after TANDEM_STOP_WAIT_S (120) s, naming who was left
 #   eval "$(launch/gpu_box.sh env)"           # the variables start sets, for your own commands
-#   launch/gpu_box.sh collect --to DIR [--until FILE]... [--timeout S] PATH...
-#                                             # wait for FILEs (at most S s), then pack PATHs into
-#                                             # DIR/collect.tgz whether or not they all came
+#   launch/gpu_box.sh collect --to DIR [--need PATH]... [--until FILE]... [--timeout S] PATH...
+#                                             # wait for FILEs to be non-empty (at most S s), then pack PATHs into
+#                                             # DIR/collect.tgz whether or not they all came; a
+#                                             # --need PATH that is absent stops it at once (exit 4)
 #
 # TANDEM_KIT (default .kit) is where the parts are, TANDEM_SITE (default /tmp/tandem-site) where
 # they install. Learner overrides go to launch/run_learner.sh; those after -- to every
@@ -159,10 +160,11 @@ stop() {
 collect() {
   # A lent box can go away between two calls (an idle limit, a lease that ends): every poll
   # should bring back what the run has written so far, not only the final results.
-  local to="" timeout=0 until=() paths=()
+  local to="" timeout=0 until=() paths=() need=()
   while [ $# -gt 0 ]; do
     case "$1" in
       --to) to="$2"; shift 2 ;;
+      --need) need+=("$2"); shift 2 ;;
       --until) until+=("$2"); shift 2 ;;
       --timeout) timeout="$2"; shift 2 ;;
       -*) echo "collect: unknown option $1" >&2; exit 2 ;;
@@ -170,10 +172,15 @@ collect() {
     esac
   done
   [ -n "$to" ] && [ ${#paths[@]} -gt 0 ] || { echo "collect needs --to DIR and at least one PATH" >&2; exit 2; }
+  for n in "${need[@]}"; do
+    # a fresh box (the last one went back while idle) has none of the run: say so at once
+    # rather than wait out the timeout on device time
+    [ -e "$n" ] || { echo "collect: $n is not on this box: the run is gone (a fresh box?)"; return 4; }
+  done
   local t=0 missing=()
   while :; do
     missing=()
-    for f in "${until[@]}"; do [ -e "$f" ] || missing+=("$f"); done
+    for f in "${until[@]}"; do [ -s "$f" ] || missing+=("$f"); done  # empty: still being written
     [ ${#missing[@]} = 0 ] && break
     [ "$t" -ge "$timeout" ] && break
     sleep 2; t=$((t + 2))

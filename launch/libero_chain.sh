@@ -94,10 +94,15 @@ if [ ! -f "$R/res/${TAG}_metrics.jsonl" ]; then
   cp "$V/learner.log" "$R/res/${TAG}_learner.log"
   cat "$V"/actor-*.log | grep -a "takeover\|HOLDING" | tail -20 > "$R/res/${TAG}_actors.txt" || true
   # the run in parts of <= 15 MiB, to carry it to the next machine (tools/carry_run.py unpack there)
-  [ -n "${CARRY:-}" ] && $PY -m tools.carry_run pack "$V" "$R/carry" --part-mib 15 > "$R/res/carry_${TAG}.json"
+  # (written aside, then renamed: a poll waiting for the file never reads it half-written)
+  if [ -n "${CARRY:-}" ]; then
+    $PY -m tools.carry_run pack "$V" "$R/carry" --part-mib 15 > "$R/res/.carry_${TAG}.json"
+    mv "$R/res/.carry_${TAG}.json" "$R/res/carry_${TAG}.json"
+  fi
 fi
 
 log "protocol after RL"
 [ -f "$V/eval_report.json" ] || SWEEP_POL="$RL_POL" sweep "$V"
-cp "$V/eval_report.json" "$R/res/eval_after_${TAG}.json"
+cp "$V/eval_report.json" "$R/res/.eval_after_${TAG}.json"
+mv "$R/res/.eval_after_${TAG}.json" "$R/res/eval_after_${TAG}.json"
 log done

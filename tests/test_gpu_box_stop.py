@@ -67,8 +67,9 @@ def _collect(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_collect_waits_for_the_files_then_packs_what_exists(tmp_path):
-    """launch/gpu_box.sh collect: waits for --until files, packs the paths that exist (naming the
-    ones that do not), and packs them even when the wait ends without every file (exit 3)."""
+    """launch/gpu_box.sh collect: waits for --until files to be non-empty, packs the paths that
+    exist (naming the ones that do not), and packs them even when the wait ends without every
+    file (exit 3); with --need absent it stops at once (exit 4)."""
     import tarfile
 
     (tmp_path / "r" / "res").mkdir(parents=True)
@@ -86,6 +87,16 @@ def test_collect_waits_for_the_files_then_packs_what_exists(tmp_path):
     assert late.returncode == 3 and "still missing after" in late.stdout and "r/never" in late.stdout
     with tarfile.open(tmp_path / "out2" / "collect.tgz") as tar:   # what existed came back anyway
         assert "r/res/metrics.jsonl" in tar.getnames()
+
+    (tmp_path / "r" / "half").write_text("")   # created, not yet written: still missing
+    half = _collect(tmp_path, "--to", "out3", "--until", "r/half", "--timeout", "2", "r/res")
+    assert half.returncode == 3 and "r/half" in half.stdout
+
+    t0 = time.monotonic()
+    gone = _collect(tmp_path, "--to", "out4", "--need", "r/lost", "--until", "r/never",
+                    "--timeout", "20", "r/res")
+    assert gone.returncode == 4 and "r/lost is not on this box" in gone.stdout
+    assert time.monotonic() - t0 < 10   # it did not wait for r/never
 
     bad = _collect(tmp_path, "--until", "r/done", "r/res")
     assert bad.returncode == 2 and "--to" in bad.stderr
