@@ -23,6 +23,12 @@ request carrying RTC arrays (its pending prefix and delay, checked by the servic
 RTC get ``pending`` 0 and are served as plain acts in the same forward
 (:mod:`agents.policies.pi0.rtc`). A batch without RTC rows calls ``policy.act`` as before.
 
+On a GPU, serving runs on a CUDA stream of its own (``cuda_stream``): ``priority`` (the default)
+is a non-blocking stream at the device's highest priority, so an act's kernels are scheduled
+ahead of training's queued ones and its copy back waits only for its own work; ``own`` is such a
+stream at normal priority; ``shared`` serves on the thread's default stream, where an act queues
+behind every kernel the trainer has already launched on the same GPU.
+
 A policy with a ``warm_up(max_batch=...)`` method (PI0 / PI0.5: compile and capture the CUDA
 graphs of the batch sizes it will serve) is warmed up when the server is built, with the serving
 device current: that is before the learner starts its service, so no actor's act waits behind
@@ -52,6 +58,19 @@ from learner.act_intake import ActRequest
 
 log = logging.getLogger("tandem.learner.inference")
 
+#: where serving's kernels go on a GPU (InferenceServer's ``cuda_stream``)
+CUDA_STREAMS = ("priority", "own", "shared")
+
+
+def serving_stream(device: torch.device, mode: str) -> torch.cuda.Stream | None:
+    """The CUDA stream serving runs on (``mode`` as in :data:`CUDA_STREAMS`); None for
+    ``shared`` or off a GPU. PyTorch's pool streams are non-blocking: no implicit wait on the
+    legacy default stream the trainer launches on."""
+    if device.type != "cuda" or mode == "shared":
+        return None
+    _low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): numerically high -> low
+    return torch.cuda.Stream(device=device, priority=high if mode == "priority" else 0)
+
 
 class InferenceServer(threading.Thread):
     def __init__(
@@ -66,8 +85,13 @@ class InferenceServer(threading.Thread):
         autocast_dtype: torch.dtype | None = None,
         act_channel: ActChannel | None = None,
         rtc: RtcSettings | None = None,
+        cuda_stream: str = "priority",
     ):
         super().__init__(name="tandem-inference", daemon=True)
+        if cuda_stream not in CUDA_STREAMS:
+            raise ValueError(f"inference.cuda_stream must be one of {', '.join(CUDA_STREAMS)}, got {cuda_stream!r}")
+        #: priority | own | shared (module docstring); ignored off a GPU
+        self.cuda_stream = cuda_stream
         self.policy = policy
         #: real-time chunking settings (requests with RTC arrays are served with them), or None
         self.rtc = rtc if rtc is not None and rtc.enabled else None
@@ -215,8 +239,11 @@ class InferenceServer(threading.Thread):
         # the main thread, it does not reach a new thread's OpenMP team, whose first MKL/oneDNN
         # call (a Linear) would start one of every core, its workers spinning between batches
         torch.set_num_threads(torch.get_num_threads())
+        stream = serving_stream(self.device, self.cuda_stream)
         try:
-            with torch.inference_mode():  # once for the thread: entering it per batch costs ~10-50 us
+            # once for the thread: entering inference mode per batch costs ~10-50 us
+            with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None
+                                          else contextlib.nullcontext()):
                 self._loop()
         finally:
             if self.channel is not None:

@@ -28,3 +28,66 @@ def test_a_device_this_machine_lacks_is_named():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_second_gpu_serves():
     assert serving_device(cfg("cuda:1"), torch.device("cuda:0")) == torch.device("cuda:1")
+
+
+# ---- inference.cuda_stream: the CUDA stream serving's kernels go on -------------------------
+
+def test_an_unknown_cuda_stream_is_named():
+    from learner.inference import InferenceServer, serving_stream
+
+    with pytest.raises(ValueError, match="inference.cuda_stream.*'fast'"):
+        InferenceServer(None, reply=lambda *a: None, active_actors=lambda: 1, device=torch.device("cpu"),
+                        cuda_stream="fast")
+    assert serving_stream(torch.device("cpu"), "priority") is None   # off a GPU: nothing to choose
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["priority", "own", "shared"])
+def test_serving_runs_on_the_chosen_stream(mode):
+    """A real InferenceServer on the GPU: the policy's act runs on a stream of serving's own at
+    the highest priority (``priority``), at normal priority (``own``) or on the default stream
+    (``shared``), and the actions equal those of the same act called directly."""
+    import threading
+
+    import numpy as np
+
+    from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
+    from data.core.spec import EnvSpec
+    from learner.act_intake import ActRequest
+    from learner.inference import InferenceServer
+
+    spec = EnvSpec(state_dim=6, action_dim=3, cameras={})
+    seen = []
+
+    class Recording(MLPPolicy):
+        def act(self, obs, **kw):
+            s = torch.cuda.current_stream()
+            seen.append((s.cuda_stream, s.priority))
+            return super().act(obs, **kw)
+
+    dev = torch.device("cuda")
+    policy = Recording(MLPPolicyConfig(hidden_dims=(16,)), spec).to(dev).eval()
+    replies, done = [], threading.Event()
+    inf = InferenceServer(policy, reply=lambda ident, frames: (replies.append(frames), done.set()),
+                          active_actors=lambda: 1, device=dev, cuda_stream=mode)
+    inf.start()
+    try:
+        state = np.random.default_rng(0).standard_normal((1, 6)).astype(np.float32)
+        inf.submit(ActRequest(identity=b"a", req_id=0, deterministic=True,
+                              arrays={"observation.state": state}, tasks=[""]))
+        assert done.wait(60), "no reply"
+    finally:
+        inf.stop()
+        inf.join(10)
+    (stream, priority), = seen
+    default = torch.cuda.default_stream(dev)
+    high = torch.cuda.Stream.priority_range()[1]
+    if mode == "shared":
+        assert stream == default.cuda_stream
+    else:
+        assert stream != default.cuda_stream
+        assert priority == (high if mode == "priority" else 0)
+    from data.core.codec import decode
+    msg = decode(replies[0])
+    direct = policy.act({"observation.state": torch.from_numpy(state).to(dev), "task": [""]}, deterministic=True)
+    np.testing.assert_allclose(msg.arrays["actions"], direct.actions.cpu().numpy(), atol=1e-6)
