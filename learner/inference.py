@@ -160,8 +160,15 @@ class InferenceServer(threading.Thread):
                         pass
 
     def set_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Queue ``state`` as ``version`` (loaded before the next forward). GPU tensors made on
+        the caller's stream get an event recorded there: serving's own stream waits for it."""
+        ready = None
+        dev = next((t.device for t in state.values() if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        if dev is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(dev))
         with self._lock:
-            self._pending = (version, state)
+            self._pending = (version, state, ready)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -172,8 +179,14 @@ class InferenceServer(threading.Thread):
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:
-            version, state = pending
+            version, state, ready = pending
+            if ready is not None:  # the trainer's copies are complete before serving reads them
+                torch.cuda.current_stream(self.device).wait_event(ready)
             self.policy.load_trainable_state_dict(state)
+            if ready is not None:
+                # the copies were allocated on the trainer's stream: hold them until this
+                # stream has read them, or the allocator could hand their memory out again
+                torch.cuda.current_stream(self.device).synchronize()
             self.version = version
 
     def _wait(self, timeout_s: float, limit: int = 256) -> None:
@@ -240,6 +253,8 @@ class InferenceServer(threading.Thread):
         # call (a Linear) would start one of every core, its workers spinning between batches
         torch.set_num_threads(torch.get_num_threads())
         stream = serving_stream(self.device, self.cuda_stream)
+        if stream is not None:  # the serving copy's build and warm-up ran on the default stream
+            stream.wait_stream(torch.cuda.default_stream(self.device))
         try:
             # once for the thread: entering inference mode per batch costs ~10-50 us
             with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None

@@ -46,7 +46,8 @@ def test_an_unknown_cuda_stream_is_named():
 def test_serving_runs_on_the_chosen_stream(mode):
     """A real InferenceServer on the GPU: the policy's act runs on a stream of serving's own at
     the highest priority (``priority``), at normal priority (``own``) or on the default stream
-    (``shared``), and the actions equal those of the same act called directly."""
+    (``shared``); weights published from the caller's stream serve the next act, whose actions
+    equal those of the same act called directly."""
     import threading
 
     import numpy as np
@@ -54,6 +55,7 @@ def test_serving_runs_on_the_chosen_stream(mode):
     from agents.policies.mlp import MLPPolicy, MLPPolicyConfig
     from data.core.spec import EnvSpec
     from learner.act_intake import ActRequest
+    from data.core.codec import decode
     from learner.inference import InferenceServer
 
     spec = EnvSpec(state_dim=6, action_dim=3, cameras={})
@@ -76,10 +78,18 @@ def test_serving_runs_on_the_chosen_stream(mode):
         inf.submit(ActRequest(identity=b"a", req_id=0, deterministic=True,
                               arrays={"observation.state": state}, tasks=[""]))
         assert done.wait(60), "no reply"
+        # new weights made on this thread's (the trainer's) stream are what the next act serves
+        new = {k: v.detach() * 0.5 + 0.1 for k, v in policy.trainable_state_dict().items()}
+        done.clear()
+        inf.set_weights(7, new)
+        inf.submit(ActRequest(identity=b"a", req_id=1, deterministic=True,
+                              arrays={"observation.state": state}, tasks=[""]))
+        assert done.wait(60), "no second reply"
     finally:
         inf.stop()
         inf.join(10)
-    (stream, priority), = seen
+    assert len({x for x in seen}) == 1
+    stream, priority = seen[0]
     default = torch.cuda.default_stream(dev)
     high = torch.cuda.Stream.priority_range()[1]
     if mode == "shared":
@@ -87,7 +97,8 @@ def test_serving_runs_on_the_chosen_stream(mode):
     else:
         assert stream != default.cuda_stream
         assert priority == (high if mode == "priority" else 0)
-    from data.core.codec import decode
-    msg = decode(replies[0])
+    first, second = decode(replies[0]), decode(replies[1])
+    assert second["policy_version"] == 7
     direct = policy.act({"observation.state": torch.from_numpy(state).to(dev), "task": [""]}, deterministic=True)
-    np.testing.assert_allclose(msg.arrays["actions"], direct.actions.cpu().numpy(), atol=1e-6)
+    np.testing.assert_allclose(second.arrays["actions"], direct.actions.cpu().numpy(), atol=1e-6)
+    assert not np.allclose(first.arrays["actions"], second.arrays["actions"])
