@@ -293,6 +293,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--state-dim", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--cams", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--period", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
         client_main(args)

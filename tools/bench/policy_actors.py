@@ -37,7 +37,12 @@ def client_main(a) -> None:
         print("ready", flush=True)
         sys.stdin.readline()  # all actors start together
         lat, versions, t_end = [], set(), time.perf_counter() + a.seconds
+        period = float(getattr(a, "period", 0.0) or 0.0)  # > 0: a request every period s (a robot's rate)
+        t_next = time.perf_counter()
         while time.perf_counter() < t_end:
+            if period > 0:
+                time.sleep(max(0.0, t_next - time.perf_counter()))
+                t_next += period
             t0 = time.perf_counter()
             actions, v, *_ = cl.act(obs, [TASK])  # (actions, version[, extras])
             lat.append((time.perf_counter() - t0) * 1000.0)
@@ -47,14 +52,17 @@ def client_main(a) -> None:
     ctx.destroy(0)
 
 
-def run_actors(n: int, port: int, seconds: float, state_dim: int, cams: dict, counters=None) -> dict:
-    """``n`` actor processes in a closed act loop for ``seconds``, started together once all
-    have connected and been served one warm-up request. ``counters()`` -> (forwards, requests)
-    of the inference server gives the mean batch size over the timed window."""
+def run_actors(n: int, port: int, seconds: float, state_dim: int, cams: dict, counters=None,
+               period: float = 0.0, started=None) -> dict:
+    """``n`` actor processes in a closed act loop for ``seconds`` (``period`` > 0: each sends a
+    request every ``period`` s instead), started together once all have connected and been
+    served one warm-up request (``started()`` is then called). ``counters()`` -> (forwards,
+    requests) of the inference server gives the mean batch size over the timed window."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs = [subprocess.Popen(
         [sys.executable, "-m", "tools.bench.policy", "--client", "--port", str(port), "--actor-id", f"bench{i}",
-         "--seconds", str(seconds), "--state-dim", str(state_dim), "--cams", json.dumps(cams), "--seed", str(i)],
+         "--seconds", str(seconds), "--state-dim", str(state_dim), "--cams", json.dumps(cams), "--seed", str(i),
+         "--period", str(period)],
         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(n)]
     for p in procs:
         if p.stdout.readline().strip() != "ready":
@@ -64,6 +72,8 @@ def run_actors(n: int, port: int, seconds: float, state_dim: int, cams: dict, co
     for p in procs:
         p.stdin.write("go\n")
         p.stdin.flush()
+    if started is not None:
+        started()
     outs = []
     for p in procs:
         out, _ = p.communicate(timeout=seconds + 240)

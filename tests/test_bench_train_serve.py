@@ -1,0 +1,72 @@
+"""tools/bench/train_serve.py: training while serving, against each alone (issue: one GPU that
+serves and trains). The default suite checks the trace summary; the CPU run of the whole bench
+(tiny PI0, real actor processes over loopback) is behind TANDEM_BENCH_TESTS=1 (~40 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from tools.bench.train_serve import GilProbe, main, stream_overlap
+
+
+def _kernel(stream, ts_us, dur_us):
+    return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts_us, "dur": dur_us, "args": {"stream": stream}}
+
+
+def test_stream_overlap_counts_kernel_time_per_stream_and_the_time_two_ran_at_once():
+    trace = {"traceEvents": [
+        _kernel(7, 0, 100), _kernel(7, 50, 100),      # stream 7 busy 0-150 us (overlapping kernels merged)
+        _kernel(13, 120, 80),                         # stream 13 busy 120-200: 30 us together with 7
+        _kernel(13, 400, 10),                         # alone
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},  # not a kernel
+    ]}
+    s = stream_overlap(trace)
+    assert s["streams"] == 2
+    assert s["kernel_s_by_stream"]["7"] == pytest.approx(150e-6)
+    assert s["kernel_s_by_stream"]["13"] == pytest.approx(90e-6)
+    assert s["overlap_s"] == pytest.approx(30e-6)
+    assert stream_overlap({"traceEvents": []}) == {"kernel_s_by_stream": {}, "overlap_s": 0.0, "streams": 0}
+
+
+bench = pytest.mark.skipif(not os.environ.get("TANDEM_BENCH_TESTS"), reason="set TANDEM_BENCH_TESTS=1 (~40 s)")
+
+
+@bench
+def test_gil_probe_sees_a_thread_that_holds_the_interpreter():
+    def late_p99(busy: bool) -> float:
+        probe = GilProbe()
+        probe.start()
+        t_end = time.perf_counter() + 0.5
+        while time.perf_counter() < t_end:
+            if busy:
+                sum(range(2000))      # pure Python: holds the GIL for a switch interval at a time
+            else:
+                time.sleep(0.01)
+        return probe.finish()["p99"]
+    idle, busy = late_p99(False), late_p99(True)
+    assert busy > 2.0 and busy > 3 * idle, (idle, busy)
+
+
+@bench
+def test_train_serve_runs_every_phase_on_the_cpu(tmp_path):
+    out = main(["--tiny", "--device", "cpu", "--policies", "pi0", "--actors", "2", "--seconds", "2",
+                "--repeats", "1", "--streams", "shared", "--train-batch", "2", "--image-size", "32",
+                "--trace", str(tmp_path / "trace"), "--json", str(tmp_path / "out.json")])
+    r = out["policies"]["pi0"]
+    phases = {x["phase"]: x for x in r["runs"]}
+    assert set(phases) == {"serve", "train", "both", "both_traced"}
+    assert phases["train"]["train"]["updates"] > 0 and "act" not in phases["train"]
+    assert phases["serve"]["act"]["chunks_per_s"] > 0 and "train" not in phases["serve"]
+    both = phases["both"]
+    assert both["train"]["updates"] > 0 and both["act"]["chunks_per_s"] > 0
+    assert both["cpu"].get("tandem-inference", 0) > 0 and both["cpu"].get("MainThread", 0) > 0
+    assert (tmp_path / "trace" / "pi0_shared_a2.json").exists()
+    s = r["streams"]["shared"]
+    assert s["update_ratio"] == pytest.approx(s["updates_per_s_both"] / s["updates_per_s_train"])
+    assert json.loads((tmp_path / "out.json").read_text())["policies"]["pi0"]["streams"]["shared"]
+    assert threading.active_count() < 10   # the learners' threads ended

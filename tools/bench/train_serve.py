@@ -1,0 +1,315 @@
+"""Training while serving on one device: what each role costs the other, and where it goes.
+
+For each policy the bench holds what the learner holds (learner/app.py): the trained policy and
+a serving copy on the same device; a real loopback learner (``LearnerService`` +
+``InferenceServer``) serves N actor processes running Tandem's ``LearnerClient``, and the main
+thread trains as the learner's main thread does (``bc_loss``, backward, AdamW on the trainable
+parameters; a new version through ``WeightPublisher`` every ``--publish-every`` updates).
+
+Phases of ``--seconds`` each, interleaved (every repeat runs serve, train and both for every
+serving stream in ``--streams``, in a rotated order):
+
+- ``serve``: the actors alone: act p50 / p99 over every request, chunks/s, mean served batch;
+- ``train``: training alone: updates/s and the step's p50 / p99;
+- ``both``: the two at once.
+
+Per policy, actor load and stream, the medians over the repeats give
+``update_ratio`` = updates/s (both) / updates/s (train) (target >= 0.8) and
+``act_p99_ratio`` = act p99 (both) / act p99 (serve) (target <= 1.3).
+
+Where the time goes, per phase:
+
+- ``gil_wait_ms``: a probe thread sleeps 0.5 ms in a loop; how far each wake-up overshoots is
+  how long it waited to run again (for the GIL, or for a core when the cores are busy);
+- ``cpu``: CPU seconds per second of each thread (``MainThread``: training;
+  ``tandem-inference``: serving; the service's and ZMQ's threads);
+- ``peak_gpu_gb`` (torch.cuda.max_memory_allocated) and the process's ``rss_gb``;
+- ``--trace DIR``: after the last repeat, one more ``both`` phase per policy and stream
+  (``both_traced``, not part of the medians) whose first ``--trace-seconds`` of training run
+  under torch.profiler (chrome JSON in DIR), summarised as GPU kernel time per stream and the
+  time kernels of two streams ran at once (``overlap_s``).
+
+    python -m tools.bench.train_serve --json runs/train_serve.json          # GPU, full size
+    python -m tools.bench.train_serve --tiny --device cpu --policies pi0 --actors 2 \\
+        --seconds 3 --repeats 1 --streams shared                          # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tools.bench.common import LoopbackLearner, bench_spec, emit_json, gpu_state, median, p50_p99, random_obs
+from tools.bench.policy import build
+from tools.bench.policy_actors import HASH, TASK, run_actors
+from tools.bench.procstat import cpu_delta, thread_cpu
+
+PHASES = ("serve", "train", "both")
+
+
+class GilProbe(threading.Thread):
+    """Sleeps ``sleep_s`` in a loop and records how far past it each wake-up came (ms)."""
+
+    def __init__(self, sleep_s: float = 0.0005):
+        super().__init__(name="gil-probe", daemon=True)
+        self.sleep_s, self.late_ms, self._stop_ev = sleep_s, [], threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_ev.is_set():
+            t0 = time.perf_counter()
+            time.sleep(self.sleep_s)
+            self.late_ms.append((time.perf_counter() - t0 - self.sleep_s) * 1000.0)
+
+    def finish(self) -> dict:
+        self._stop_ev.set()
+        self.join(5)
+        x = np.asarray(self.late_ms or [0.0])
+        return {"n": int(x.size), "p50": float(np.percentile(x, 50)), "p99": float(np.percentile(x, 99)),
+                "mean": float(x.mean()), "waited_s_per_s": float(x.sum() / 1000.0 / max(1e-9, x.size * self.sleep_s
+                                                                                    + x.sum() / 1000.0))}
+
+
+class Trainer:
+    """The training copy's update loop: one bc_loss step on a fixed random batch, a new weights
+    version every ``publish_every`` steps."""
+
+    def __init__(self, policy, spec, batch: int, publish, publish_every: int, sync):
+        import torch
+
+        self.policy, self.publish, self.publish_every, self.sync = policy, publish, publish_every, sync
+        policy.train()
+        self.opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
+        ob = random_obs(spec.state_dim, spec.cameras, seed=1)
+        dev = next(policy.parameters()).device
+        self.batch = {k: torch.from_numpy(np.repeat(v, batch, axis=0)).to(dev) for k, v in ob.items()}
+        self.batch["task"] = [TASK] * batch
+        self.batch["action"] = (torch.rand(batch, policy.chunk_size, spec.action_dim) * 2 - 1).to(dev)
+        self.updates = 0
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        self.policy.bc_loss(self.batch).backward()
+        self.opt.step()
+        self.updates += 1
+        if self.updates % self.publish_every == 0:
+            self.publish(self.policy.trainable_state_dict())
+        self.sync()
+        return (time.perf_counter() - t0) * 1000.0
+
+    def run_until(self, done: threading.Event | None = None, seconds: float | None = None) -> dict:
+        steps, t0 = [], time.perf_counter()
+        while not (done.is_set() if done is not None else time.perf_counter() - t0 >= seconds):
+            steps.append(self.step())
+        wall = time.perf_counter() - t0
+        return {"updates": len(steps), "updates_per_s": len(steps) / wall, "step_ms": p50_p99(steps or [0.0])}
+
+
+def stream_overlap(trace: dict) -> dict:
+    """GPU kernel time per stream and the seconds kernels of two or more streams ran at once,
+    from a chrome trace (torch.profiler's export: kernel events carry ``args.stream``)."""
+    by: dict[str, list[tuple[float, float]]] = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") == "kernel":
+            s = str(ev.get("args", {}).get("stream"))
+            by.setdefault(s, []).append((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))))
+    edges = []
+    busy = {}
+    for s, iv in by.items():
+        merged = []
+        for a, b in sorted(iv):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        busy[s] = sum(b - a for a, b in merged) / 1e6
+        edges += [(a, 1) for a, _ in merged] + [(b, -1) for _, b in merged]
+    overlap, depth, last = 0.0, 0, None
+    for t, d in sorted(edges, key=lambda e: (e[0], e[1])):
+        if depth >= 2 and last is not None:
+            overlap += t - last
+        depth, last = depth + d, t
+    return {"kernel_s_by_stream": busy, "overlap_s": overlap / 1e6, "streams": len(busy)}
+
+
+def _phase(kind: str, *, learner, trainer, args, spec, cams, counters, sync, reset_peak, trace_to=None) -> dict:
+    import torch
+
+    reset_peak()
+    probe = GilProbe()
+    cpu0, t0 = thread_cpu(), time.perf_counter()
+    probe.start()
+    res: dict = {"phase": kind}
+    if kind == "train":
+        res["train"] = trainer.run_until(seconds=args.seconds)
+    else:
+        go, box = threading.Event(), {}
+
+        def actors():
+            try:
+                box["r"] = run_actors(args.actors, learner.port, args.seconds, spec.state_dim, cams, counters,
+                                      period=args.period, started=go.set)
+            finally:
+                go.set()
+                box["done"] = True
+        done = threading.Event()
+        th = threading.Thread(target=lambda: (actors(), done.set()), daemon=True)
+        th.start()
+        go.wait()
+        if kind == "both" and trace_to is not None:  # profiled: its figures are not timings
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with profile(activities=acts) as prof:
+                res["train"] = trainer.run_until(seconds=min(args.trace_seconds, args.seconds))
+            prof.export_chrome_trace(str(trace_to))
+            res["trace"] = {"file": str(trace_to), **stream_overlap(json.loads(Path(trace_to).read_text()))}
+        elif kind == "both":
+            res["train"] = trainer.run_until(done=done)
+        th.join()
+        if "r" not in box:
+            raise RuntimeError("the actor processes failed")
+        r = box["r"]
+        res["act"] = {"p50_ms": r["lat_p50_ms"], "p99_ms": r["lat_p99_ms"], "chunks_per_s": r["chunks_per_s"],
+                      "mean_batch": r["mean_batch"]}
+    wall = time.perf_counter() - t0
+    res["gil_wait_ms"] = probe.finish()
+    res["cpu"] = {k: round(v / wall, 3) for k, v in cpu_delta(cpu0, thread_cpu()).items()}
+    sync()
+    res["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+    res["rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    return res
+
+
+def bench_one(name: str, args, spec, tmp: Path) -> dict:
+    import torch
+
+    from learner.weights import WeightPublisher
+
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    reset_peak = torch.cuda.reset_peak_memory_stats if cuda else (lambda: None)
+    serving, _ = build(name, args.tiny, args.device, tmp / "serve", spec)
+    training, _ = build(name, args.tiny, args.device, tmp / "train", spec)
+    serving.eval()
+    learners, pubs = {}, {}
+    for mode in args.streams:
+        ll = LoopbackLearner(serving, spec, HASH, buffer_capacity=8, device=torch.device(args.device),
+                             get_version=lambda m=mode: pubs[m].version, get_weights=lambda m=mode: pubs[m].latest(),
+                             service_kw={"peer_timeout_s": 600.0},
+                             inference_kw={"max_batch": 64, "batch_window_ms": args.batch_window_ms,
+                                           "cuda_stream": mode})
+        pubs[mode] = WeightPublisher(ll.inference.set_weights, ll.service.publish)
+        pubs[mode].publish(training.trainable_state_dict(), version=1)
+        ll.start()
+        learners[mode] = ll
+    cams = {c: list(s) for c, s in spec.cameras.items()}
+    out: dict = {"runs": [], "streams": {}}
+    try:
+        trainer = Trainer(training, spec, args.train_batch, pubs[args.streams[0]].publish, args.publish_every, sync)
+        trainer.run_until(seconds=min(5.0, args.seconds))  # warm-up: allocator, kernels
+        for rep in range(args.repeats):
+            for i, mode in enumerate(args.streams):
+                ll, trainer.publish = learners[mode], pubs[mode].publish
+                order = PHASES[(rep + i) % 3:] + PHASES[:(rep + i) % 3]
+                last = rep == args.repeats - 1
+                for kind in order + (("both_traced",) if args.trace and last else ()):
+                    trace_to = None
+                    if kind == "both_traced":
+                        trace_to = Path(args.trace) / f"{name}_{mode}_a{args.actors}.json"
+                        trace_to.parent.mkdir(parents=True, exist_ok=True)
+                    r = _phase("both" if trace_to else kind, learner=ll, trainer=trainer, args=args, spec=spec,
+                               cams=cams, counters=lambda inf=ll.inference: (inf.batches, inf.served), sync=sync,
+                               reset_peak=reset_peak, trace_to=trace_to)
+                    r.update(repeat=rep, stream=mode, phase=kind)
+                    out["runs"].append(r)
+                    print(f"  {name} rep {rep} {mode:8s} {kind:5s} " + _line(r), file=sys.stderr, flush=True)
+    finally:
+        for ll in learners.values():
+            ll.close()
+    for mode in args.streams:
+        runs = [r for r in out["runs"] if r["stream"] == mode]
+
+        def med(kind, f):
+            return median([f(r) for r in runs if r["phase"] == kind])
+        s = {"updates_per_s_train": med("train", lambda r: r["train"]["updates_per_s"]),
+             "updates_per_s_both": med("both", lambda r: r["train"]["updates_per_s"]),
+             "act_p50_ms_serve": med("serve", lambda r: r["act"]["p50_ms"]),
+             "act_p99_ms_serve": med("serve", lambda r: r["act"]["p99_ms"]),
+             "act_p50_ms_both": med("both", lambda r: r["act"]["p50_ms"]),
+             "act_p99_ms_both": med("both", lambda r: r["act"]["p99_ms"]),
+             "gil_wait_p99_ms": {k: med(k, lambda r: r["gil_wait_ms"]["p99"]) for k in PHASES}}
+        s["update_ratio"] = s["updates_per_s_both"] / s["updates_per_s_train"]
+        s["act_p99_ratio"] = s["act_p99_ms_both"] / s["act_p99_ms_serve"]
+        s["meets_targets"] = s["update_ratio"] >= 0.8 and s["act_p99_ratio"] <= 1.3
+        out["streams"][mode] = s
+    return out
+
+
+def _line(r: dict) -> str:
+    parts = []
+    if "train" in r:
+        parts.append(f"updates/s {r['train']['updates_per_s']:.2f} (step p50 {r['train']['step_ms']['p50']:.0f} ms)")
+    if "act" in r:
+        parts.append(f"act p50 {r['act']['p50_ms']:.1f} p99 {r['act']['p99_ms']:.1f} ms, "
+                     f"{r['act']['chunks_per_s']:.1f} chunks/s, batch {r['act']['mean_batch']:.2f}")
+    parts.append(f"probe wait p99 {r['gil_wait_ms']['p99']:.2f} ms")
+    return "; ".join(parts)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default="pi0,openvla_oft")
+    ap.add_argument("--tiny", action="store_true", help="tiny test-size models (CPU smoke test)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--actors", type=int, default=8)
+    ap.add_argument("--period", type=float, default=0.0,
+                    help="s between one actor's requests (0: closed loop; 0.5: a robot's chunk rate)")
+    ap.add_argument("--seconds", type=float, default=20.0, help="per phase")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--streams", default="priority,shared", help="inference.cuda_stream settings to compare")
+    ap.add_argument("--train-batch", type=int, default=16)
+    ap.add_argument("--publish-every", type=int, default=25)
+    ap.add_argument("--batch-window-ms", type=float, default=2.0)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of the 'both' phases")
+    ap.add_argument("--trace-seconds", type=float, default=3.0)
+    ap.add_argument("--json", default=None, help="write the results here ('-': stdout only JSON)")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.streams = [s for s in args.streams.split(",") if s]
+    if args.tiny and args.device == "cpu":
+        torch.set_num_threads(1)
+    spec = bench_spec(8, 7, ["image", "wrist_image"], args.image_size, has_task=True)
+    out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+           "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "period_s": args.period,
+           "seconds": args.seconds, "repeats": args.repeats, "train_batch": args.train_batch,
+           "publish_every": args.publish_every, "gpu_before": gpu_state(), "policies": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.policies.split(","):
+            print(f"== {name} ({'tiny' if args.tiny else 'full size'}, {out['device']}), {args.actors} actors, "
+                  f"period {args.period} s", file=sys.stderr, flush=True)
+            out["policies"][name] = r = bench_one(name, args, spec, Path(tmp) / name)
+            for mode, s in r["streams"].items():
+                print(f"  {name} {mode}: updates/s {s['updates_per_s_both']:.2f} of {s['updates_per_s_train']:.2f} "
+                      f"alone ({s['update_ratio']:.2f}x, target >= 0.8); act p99 {s['act_p99_ms_both']:.1f} of "
+                      f"{s['act_p99_ms_serve']:.1f} ms alone ({s['act_p99_ratio']:.2f}x, target <= 1.3)",
+                      file=sys.stderr, flush=True)
+    out["gpu_after"] = gpu_state()
+    if args.json:
+        emit_json(out, args.json)
+    return out
+
+
+if __name__ == "__main__":
+    main()
