@@ -174,7 +174,8 @@ class Learner:
             device=self.serving_device, max_batch=cfg.inference.max_batch,
             batch_window_ms=cfg.inference.batch_window_ms,
             act_channel=self.service.act_channel,  # acts on their own socket (learner/act_channel.py)
-            rtc=self.rtc, cuda_stream=str(cfg.inference.get("cuda_stream", "priority")))
+            rtc=self.rtc, cuda_stream=str(cfg.inference.get("cuda_stream", "priority")),
+            compile_artifacts=cfg.inference.get("compile_artifacts"))
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
         self._stop = threading.Event()
         self.checkpoints = Checkpointer(

@@ -32,7 +32,11 @@ behind every kernel the trainer has already launched on the same GPU.
 A policy with a ``warm_up(max_batch=...)`` method (PI0 / PI0.5: compile and capture the CUDA
 graphs of the batch sizes it will serve) is warmed up when the server is built, with the serving
 device current: that is before the learner starts its service, so no actor's act waits behind
-a compile.
+a compile. With ``compile_artifacts`` (a folder: ``inference.compile_artifacts``), the portable
+compile artefacts for this GPU and torch are loaded from it before the warm-up and what the
+warm-up compiled is saved there after it (:mod:`agents.policies.fast_common`): copied with a
+checkpoint to a machine that never compiled, the warm-up there reads kernels instead of
+compiling them.
 """
 
 from __future__ import annotations
@@ -86,12 +90,15 @@ class InferenceServer(threading.Thread):
         act_channel: ActChannel | None = None,
         rtc: RtcSettings | None = None,
         cuda_stream: str = "priority",
+        compile_artifacts: str | None = None,
     ):
         super().__init__(name="tandem-inference", daemon=True)
         if cuda_stream not in CUDA_STREAMS:
             raise ValueError(f"inference.cuda_stream must be one of {', '.join(CUDA_STREAMS)}, got {cuda_stream!r}")
         #: priority | own | shared (module docstring); ignored off a GPU
         self.cuda_stream = cuda_stream
+        #: folder of portable compile artefacts: loaded before the warm-up, saved after it
+        self.compile_artifacts = compile_artifacts or None
         self.policy = policy
         #: real-time chunking settings (requests with RTC arrays are served with them), or None
         self.rtc = rtc if rtc is not None and rtc.enabled else None
@@ -137,6 +144,9 @@ class InferenceServer(threading.Thread):
             return {}
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
+        if self.compile_artifacts:
+            from agents.policies.fast_common import load_compile_artifacts
+            load_compile_artifacts(self.compile_artifacts, self.device)
         try:
             with (torch.cuda.device(self.device) if cuda else contextlib.nullcontext()), \
                     (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
@@ -147,6 +157,12 @@ class InferenceServer(threading.Thread):
             return {}
         if out:
             log.info("serving warm-up: batch sizes %s ready in %.1f s", sorted(out), time.perf_counter() - t0)
+        if self.compile_artifacts:
+            from agents.policies.fast_common import save_compile_artifacts
+            try:
+                save_compile_artifacts(self.compile_artifacts, self.device)
+            except OSError as exc:
+                log.warning("compile artefacts not saved to %s: %s", self.compile_artifacts, exc)
         return out
 
     def submit(self, req: ActRequest) -> None:

@@ -1,6 +1,13 @@
 """What the two fast serving paths (:mod:`agents.policies.pi0.fast`, :mod:`agents.policies.openvla_oft.fast`)
-share: the ``fast_compile`` setting, the persistent inductor cache, marking dimensions dynamic
-for ``torch.compile``, the GPU kernel choices, and the warm-up a server runs before it serves.
+share: the ``fast_compile`` setting, the persistent inductor cache, portable compile artefacts,
+marking dimensions dynamic for ``torch.compile``, the GPU kernel choices, and the warm-up a
+server runs before it serves.
+
+Portable artefacts (:func:`load_compile_artifacts`, :func:`save_compile_artifacts`): what a
+warm-up compiled (FX graphs, Triton kernels, autotuning, AOT autograd) saved as one file per
+device name and torch version, with ``torch.compiler.save_cache_artifacts``; loaded on another
+machine before its warm-up, the compiles there are cache hits instead of inductor runs. The file
+is executable code (torch unpickles it): trust it as you trust the checkpoint it ships with.
 
 Dynamic dimensions: a compile is made with ``dynamic=None`` and only the dimensions marked here
 symbolic (automatic dynamic is switched off during a capture), so one compile serves every batch
@@ -66,6 +73,53 @@ def prepare_compile(cache_dir: str | None = CACHE_DIR) -> None:
     guard set of the same code objects."""
     use_cache_dir(cache_dir)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # noqa: SLF001
+
+
+def compile_artifacts_file(folder: str | os.PathLike, device: torch.device | str | None = None) -> str:
+    """The artefact file in ``folder`` for this device's name and this torch version (a
+    file of another GPU model or torch is never loaded)."""
+    dev = torch.device(device) if device is not None else None
+    name = (torch.cuda.get_device_name(dev) if dev is not None and dev.type == "cuda" else "cpu")
+    key = "".join(c if c.isalnum() or c in "-." else "_" for c in f"{name}-torch{torch.__version__}")
+    return os.path.join(os.path.expanduser(str(folder)), f"compile-{key}.bin")
+
+
+def load_compile_artifacts(folder: str | os.PathLike, device: torch.device | str | None = None) -> bool:
+    """Load ``folder``'s artefacts for this device and torch into inductor's caches, before a
+    warm-up; False when there is no such file. A file torch cannot read is reported (named)
+    and skipped: the warm-up then compiles as usual."""
+    path = compile_artifacts_file(folder, device)
+    if not os.path.isfile(path):
+        return False
+    use_cache_dir()
+    try:
+        with open(path, "rb") as f:
+            info = torch.compiler.load_cache_artifacts(f.read())
+    except Exception as exc:  # noqa: BLE001 - a stale or damaged file must not stop serving
+        log.warning("compile artefacts %s not loaded (%s: %s); compiling instead", path, type(exc).__name__, exc)
+        return False
+    if info is None:  # torch reports what it could not read (a damaged file) and returns None
+        log.warning("compile artefacts %s not loaded (torch could not read them); compiling instead", path)
+        return False
+    n = sum(len(v) for v in getattr(info, "artifacts", {}).values())
+    log.info("compile artefacts loaded from %s (%d entries)", path, n)
+    return True
+
+
+def save_compile_artifacts(folder: str | os.PathLike, device: torch.device | str | None = None) -> str | None:
+    """Write what this process compiled (loaded artefacts included) to ``folder``'s file for
+    this device and torch (written aside, then renamed); None when nothing was compiled."""
+    art = torch.compiler.save_cache_artifacts()
+    if art is None or not art[0]:
+        return None
+    path = compile_artifacts_file(folder, device)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(art[0])
+    os.replace(tmp, path)
+    log.info("compile artefacts saved to %s (%.1f MB)", path, len(art[0]) / 1e6)
+    return path
 
 
 def compiled_graphs() -> int:

@@ -1,0 +1,105 @@
+"""Start-up to serving: cold, cold with shipped compile artefacts, and warm.
+
+Each case is a fresh process that builds a policy's serving copy (tools.bench.policy.build: full
+size with random weights, or ``--tiny``) and constructs the learner's ``InferenceServer``, whose
+warm-up compiles and captures the batch buckets it will serve (``--max-batch``), then serves one
+act. Measured per case: ``build_s``, ``warmup_s`` (the server's construction), ``first_act_ms``
+and ``to_serving_s`` (process start to the first act served).
+
+- ``cold``: an empty inductor cache (a machine that never compiled); what it compiled is saved
+  as portable artefacts (``inference.compile_artifacts``) in the run's folder;
+- ``artefacts``: another empty inductor cache, the artefacts loaded before the warm-up (the
+  checkpoint shipped with them);
+- ``warm``: the first case's cache again (a restart on the same machine).
+
+    python -m tools.bench.cold_start --policy pi0 --json out.json     # GPU
+    python -m tools.bench.cold_start --policy pi0 --tiny --device cpu # CPU (the fast path compiles only on a GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tools.bench.common import ROOT, bench_spec, emit_json, random_obs
+
+CASES = (("cold", "a", True), ("artefacts", "b", True), ("warm", "a", False))
+
+
+def child(a) -> None:
+    t_start = float(a.t0)
+    import torch
+
+    from learner.inference import InferenceServer
+    from tools.bench.policy import build
+    from tools.bench.policy_actors import TASK
+
+    spec = bench_spec(8, 7, ["image", "wrist_image"], a.image_size, has_task=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        policy, _ = build(a.policy, a.tiny, a.device, Path(tmp), spec)
+        policy.eval()
+        build_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        inf = InferenceServer(policy, reply=lambda *x: None, active_actors=lambda: 1, device=torch.device(a.device),
+                              max_batch=a.max_batch, compile_artifacts=a.artifacts)
+        warmup_s = time.perf_counter() - t1
+        obs = {k: torch.from_numpy(v).to(a.device) for k, v in random_obs(spec.state_dim, spec.cameras).items()}
+        obs["task"] = [TASK]
+        t2 = time.perf_counter()
+        with torch.inference_mode():
+            policy.act(obs)
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        first = (time.perf_counter() - t2) * 1000.0
+    print(json.dumps({"build_s": build_s, "warmup_s": warmup_s, "buckets": sorted(inf.warmup_s),
+                      "first_act_ms": first, "to_serving_s": time.time() - t_start}))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", default="pi0")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--artifacts", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--t0", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        child(a)
+        return {}
+    if a.device is None:
+        import torch
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    out: dict = {"policy": a.policy, "tiny": a.tiny, "device": a.device, "max_batch": a.max_batch, "cases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        art = Path(tmp) / "artefacts"
+        for case, cache, _ in CASES:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / f"cache_{cache}"),
+                       PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+            cmd = [sys.executable, "-m", "tools.bench.cold_start", "--child", "--policy", a.policy, "--device",
+                   a.device, "--max-batch", str(a.max_batch), "--image-size", str(a.image_size),
+                   "--artifacts", str(art), "--t0", repr(time.time())] + (["--tiny"] if a.tiny else [])
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+            if r.returncode != 0:
+                raise RuntimeError(f"{case} start failed: {r.stderr[-3000:]}")
+            out["cases"][case] = res = json.loads(r.stdout.strip().splitlines()[-1])
+            res["artefact_files"] = sorted(p.name for p in art.glob("*.bin")) if art.exists() else []
+            print(f"  {case:9s} to serving {res['to_serving_s']:.1f} s (build {res['build_s']:.1f} s, warm-up "
+                  f"{res['warmup_s']:.1f} s, first act {res['first_act_ms']:.1f} ms)", file=sys.stderr, flush=True)
+    if a.json:
+        emit_json(out, a.json)
+    return out
+
+
+if __name__ == "__main__":
+    main()
