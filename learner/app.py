@@ -174,7 +174,10 @@ class Learner:
             device=self.serving_device, max_batch=cfg.inference.max_batch,
             batch_window_ms=cfg.inference.batch_window_ms,
             act_channel=self.service.act_channel,  # acts on their own socket (learner/act_channel.py)
-            rtc=self.rtc)
+            rtc=self.rtc,
+            # its own generator (seed + an offset): serving never draws from the global RNG that
+            # training draws from, so the acts served while it trains do not change its stream
+            seed=int(cfg.seed))
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
         self._stop = threading.Event()
         self.checkpoints = Checkpointer(

@@ -27,11 +27,22 @@ A policy with a ``warm_up(max_batch=...)`` method (PI0 / PI0.5: compile and capt
 graphs of the batch sizes it will serve) is warmed up when the server is built, with the serving
 device current: that is before the learner starts its service, so no actor's act waits behind
 a compile.
+
+Randomness. The server owns a ``torch.Generator`` on its device, seeded with ``seed +``
+:data:`SERVING_SEED_OFFSET` (the learner passes the run's seed), and hands it to every
+``policy.act`` as ``generator=`` when the policy's act takes that keyword (looked up once, at
+construction; a policy without it draws from torch's global RNG as before). Serving then never
+draws from the global RNG, which the trainer on the main thread draws from (flow-matching noise
+and times, dropout): how many acts happen to be served while it trains no longer changes its
+random stream, so two runs with the same seed train alike whatever their actors do. The warm-up
+runs inside ``torch.random.fork_rng`` (the global state is put back after it). Which noise a
+request gets still depends on the batches the server happens to form (one draw per batch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import threading
@@ -52,6 +63,20 @@ from learner.act_intake import ActRequest
 
 log = logging.getLogger("tandem.learner.inference")
 
+#: added to the server's ``seed`` (the run's) for its generator: serving's stream differs from
+#: the one ``torch.manual_seed(seed)`` gives the trainer
+SERVING_SEED_OFFSET = 0x5E57E
+
+
+def accepts_generator(act: Callable) -> bool:
+    """Whether ``act`` (a policy's bound ``act``) names a ``generator`` parameter."""
+    try:
+        params = inspect.signature(act).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("generator")
+    return p is not None and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
 
 class InferenceServer(threading.Thread):
     def __init__(
@@ -66,9 +91,19 @@ class InferenceServer(threading.Thread):
         autocast_dtype: torch.dtype | None = None,
         act_channel: ActChannel | None = None,
         rtc: RtcSettings | None = None,
+        seed: int = 0,
     ):
         super().__init__(name="tandem-inference", daemon=True)
         self.policy = policy
+        #: the generator every act draws from (module docstring, "Randomness")
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(int(seed) + SERVING_SEED_OFFSET)
+        #: ``generator=`` for the policy's act, or nothing when its act does not take one
+        act = getattr(policy, "act", None)
+        self._act_kw = {"generator": self.generator} if callable(act) and accepts_generator(act) else {}
+        if callable(act) and not self._act_kw:
+            log.warning("%s.act takes no generator: serving draws from torch's global RNG, which training "
+                        "shares", type(policy).__name__)
         #: real-time chunking settings (requests with RTC arrays are served with them), or None
         self.rtc = rtc if rtc is not None and rtc.enabled else None
         self.reply = reply
@@ -114,7 +149,9 @@ class InferenceServer(threading.Thread):
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
         try:
-            with (torch.cuda.device(self.device) if cuda else contextlib.nullcontext()), \
+            # its acts draw from the global RNG (the policies' warm_up passes no generator): put back
+            with torch.random.fork_rng(devices=[self.device] if cuda else []), \
+                    (torch.cuda.device(self.device) if cuda else contextlib.nullcontext()), \
                     (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                      else contextlib.nullcontext()):
                 out = dict(fn(max_batch=self.max_batch) or {})
@@ -300,7 +337,8 @@ class InferenceServer(threading.Thread):
         if not self._on_cpu:
             obs = {k: v.to(self.device, non_blocking=True) for k, v in obs.items()}
         obs[TASK] = tasks
-        kw = {} if self.rtc is None or not any(r.rtc for r in group) else {"rtc": self._rtc_rows(group)}
+        kw = self._act_kw if self.rtc is None or not any(r.rtc for r in group) else \
+            {**self._act_kw, "rtc": self._rtc_rows(group)}
         if self.autocast_dtype is None:
             chunk = self.policy.act(obs, deterministic=deterministic, **kw)
         else:
