@@ -55,7 +55,14 @@ class ActionChunk:
 class Policy(Protocol):
     chunk_size: int
 
-    def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk: ...
+    def act(self, obs: Batch, *, deterministic: bool = False,
+            generator: torch.Generator | None = None) -> ActionChunk:
+        """Actions for ``obs`` (:class:`ActionChunk`). ``generator`` (optional: a policy may
+        leave the keyword out): every random draw of this call comes from it (a
+        ``torch.Generator`` on the policy's device); None draws from torch's global RNG as
+        before. The learner's inference thread passes its own, so that serving acts leaves
+        the global RNG that training draws from untouched (:mod:`learner.inference`)."""
+        ...
 
     def extras_spec(self) -> ExtrasSpec:
         """The extras every :meth:`act` returns (``log_prob`` included when it returns one),

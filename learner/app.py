@@ -175,7 +175,10 @@ class Learner:
             batch_window_ms=cfg.inference.batch_window_ms,
             act_channel=self.service.act_channel,  # acts on their own socket (learner/act_channel.py)
             rtc=self.rtc, cuda_stream=str(cfg.inference.get("cuda_stream", "priority")),
-            compile_artifacts=cfg.inference.get("compile_artifacts"))
+            compile_artifacts=cfg.inference.get("compile_artifacts"),
+            # its own generator (seed + an offset): serving never draws from the global RNG that
+            # training draws from, so the acts served while it trains do not change its stream
+            seed=int(cfg.seed))
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
         self._stop = threading.Event()
         self.checkpoints = Checkpointer(

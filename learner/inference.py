@@ -37,11 +37,22 @@ compile artefacts for this GPU and torch are loaded from it before the warm-up a
 warm-up compiled is saved there after it (:mod:`agents.policies.fast_common`): copied with a
 checkpoint to a machine that never compiled, the warm-up there reads kernels instead of
 compiling them.
+
+Randomness. The server owns a ``torch.Generator`` on its device, seeded with ``seed +``
+:data:`SERVING_SEED_OFFSET` (the learner passes the run's seed), and hands it to every
+``policy.act`` as ``generator=`` when the policy's act takes that keyword (looked up once, at
+construction; a policy without it draws from torch's global RNG as before). Serving then never
+draws from the global RNG, which the trainer on the main thread draws from (flow-matching noise
+and times, dropout): how many acts happen to be served while it trains no longer changes its
+random stream, so two runs with the same seed train alike whatever their actors do. The warm-up
+runs inside ``torch.random.fork_rng`` (the global state is put back after it). Which noise a
+request gets still depends on the batches the server happens to form (one draw per batch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import threading
@@ -75,6 +86,20 @@ def serving_stream(device: torch.device, mode: str) -> torch.cuda.Stream | None:
     _low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): numerically high -> low
     return torch.cuda.Stream(device=device, priority=high if mode == "priority" else 0)
 
+#: added to the server's ``seed`` (the run's) for its generator: serving's stream differs from
+#: the one ``torch.manual_seed(seed)`` gives the trainer
+SERVING_SEED_OFFSET = 0x5E57E
+
+
+def accepts_generator(act: Callable) -> bool:
+    """Whether ``act`` (a policy's bound ``act``) names a ``generator`` parameter."""
+    try:
+        params = inspect.signature(act).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("generator")
+    return p is not None and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
 
 class InferenceServer(threading.Thread):
     def __init__(
@@ -91,6 +116,7 @@ class InferenceServer(threading.Thread):
         rtc: RtcSettings | None = None,
         cuda_stream: str = "priority",
         compile_artifacts: str | None = None,
+        seed: int = 0,
     ):
         super().__init__(name="tandem-inference", daemon=True)
         if cuda_stream not in CUDA_STREAMS:
@@ -100,6 +126,15 @@ class InferenceServer(threading.Thread):
         #: folder of portable compile artefacts: loaded before the warm-up, saved after it
         self.compile_artifacts = compile_artifacts or None
         self.policy = policy
+        #: the generator every act draws from (module docstring, "Randomness")
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(int(seed) + SERVING_SEED_OFFSET)
+        #: ``generator=`` for the policy's act, or nothing when its act does not take one
+        act = getattr(policy, "act", None)
+        self._act_kw = {"generator": self.generator} if callable(act) and accepts_generator(act) else {}
+        if callable(act) and not self._act_kw:
+            log.warning("%s.act takes no generator: serving draws from torch's global RNG, which training "
+                        "shares", type(policy).__name__)
         #: real-time chunking settings (requests with RTC arrays are served with them), or None
         self.rtc = rtc if rtc is not None and rtc.enabled else None
         self.reply = reply
@@ -148,7 +183,9 @@ class InferenceServer(threading.Thread):
             from agents.policies.fast_common import load_compile_artifacts
             load_compile_artifacts(self.compile_artifacts, self.device)
         try:
-            with (torch.cuda.device(self.device) if cuda else contextlib.nullcontext()), \
+            # its acts draw from the global RNG (the policies' warm_up passes no generator): put back
+            with torch.random.fork_rng(devices=[self.device] if cuda else []), \
+                    (torch.cuda.device(self.device) if cuda else contextlib.nullcontext()), \
                     (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                      else contextlib.nullcontext()):
                 out = dict(fn(max_batch=self.max_batch) or {})
@@ -358,7 +395,8 @@ class InferenceServer(threading.Thread):
         if not self._on_cpu:
             obs = {k: v.to(self.device, non_blocking=True) for k, v in obs.items()}
         obs[TASK] = tasks
-        kw = {} if self.rtc is None or not any(r.rtc for r in group) else {"rtc": self._rtc_rows(group)}
+        kw = self._act_kw if self.rtc is None or not any(r.rtc for r in group) else \
+            {**self._act_kw, "rtc": self._rtc_rows(group)}
         if self.autocast_dtype is None:
             chunk = self.policy.act(obs, deterministic=deterministic, **kw)
         else:

@@ -104,9 +104,10 @@ class MLPPolicy(nn.Module):
         """(actions [B, H*A], log_prob [B], the standard-normal draw [B, H*A])."""
         return self._draw_params(*self.dist_params(obs, prefix))
 
-    def _draw_params(self, mean: torch.Tensor, log_std: torch.Tensor
+    def _draw_params(self, mean: torch.Tensor, log_std: torch.Tensor, generator: torch.Generator | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        eps = torch.randn_like(mean)
+        eps = (torch.randn_like(mean) if generator is None
+               else torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype))
         u = mean + log_std.exp() * eps
         logp = (-0.5 * eps.pow(2) - log_std - 0.5 * math.log(2 * math.pi) - tanh_log_det(u)).sum(-1)
         return torch.tanh(u), logp, eps
@@ -162,9 +163,11 @@ class MLPPolicy(nn.Module):
                 "noise": ("float32", (self.chunk_size, self.action_dim))}
 
     @torch.no_grad()
-    def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
+    def act(self, obs: Batch, *, deterministic: bool = False,
+            generator: torch.Generator | None = None) -> ActionChunk:
         """Actions [B, H, A] float32 in [-1, 1]; log_prob [B] of those actions; extras
-        ``noise`` [B, H, A] (zeros when deterministic: the mean action).
+        ``noise`` [B, H, A] (zeros when deterministic: the mean action), drawn from
+        ``generator`` when given (else torch's global RNG).
 
         ``log_prob`` is that of the float32 actions returned, computed as :meth:`log_prob`
         computes it (an update recomputes it for the importance weights): where tanh rounds a
@@ -178,7 +181,7 @@ class MLPPolicy(nn.Module):
             eps = torch.zeros_like(mean)
             a = torch.tanh(mean)
         else:
-            a, _, eps = self._draw_params(mean, log_std)
+            a, _, eps = self._draw_params(mean, log_std, generator)
         a = a.float()
         logp = self._log_prob_params(mean.float(), log_std.float(), a).clamp(min=DEFAULT_FLOAT_RANGE[0])
         shape = (a.shape[0], self.chunk_size, self.action_dim)

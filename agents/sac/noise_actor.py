@@ -121,10 +121,13 @@ class NoiseActor(nn.Module):
         lo, hi = self.log_std_min, self.log_std_max
         return mean, lo + 0.5 * (hi - lo) * (torch.tanh(log_std) + 1.0)
 
-    def sample(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reparameterised (noise [B, H, d], log_prob [B]) (density of the scaled noise)."""
+    def sample(self, feats: torch.Tensor, generator: torch.Generator | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reparameterised (noise [B, H, d], log_prob [B]) (density of the scaled noise); the
+        standard normals from ``generator`` when given, else torch's global RNG."""
         mean, log_std = self.dist_params(feats)
-        eps = torch.randn_like(mean)
+        eps = (torch.randn_like(mean) if generator is None
+               else torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype))
         u = mean + log_std.exp() * eps
         logp = (-0.5 * eps.pow(2) - log_std - 0.5 * math.log(2 * math.pi) - tanh_log_det(u)
                 - math.log(self.scale)).sum(-1)
@@ -182,11 +185,15 @@ class NoiseSpacePolicy(nn.Module):
         return full[..., :self.dims]
 
     @torch.no_grad()
-    def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
+    def act(self, obs: Batch, *, deterministic: bool = False,
+            generator: torch.Generator | None = None) -> ActionChunk:
+        """The actor's noise (drawn from ``generator`` when given, else torch's global RNG;
+        its mean when deterministic) through the base, which gets ``generator`` too (plain PI0
+        draws nothing more; a Flow-RL base draws its step noise)."""
         feats = self.features(obs).to(self.device)
-        noise = self.noise_actor.mean_noise(feats) if deterministic else self.noise_actor.sample(feats)[0]
+        noise = self.noise_actor.mean_noise(feats) if deterministic else self.noise_actor.sample(feats, generator)[0]
         full = self.full_noise(noise)
-        chunk = self.base.act(obs, noise=full)
+        chunk = self.base.act(obs, noise=full, **({} if generator is None else {"generator": generator}))
         return ActionChunk(chunk.actions, None, {NOISE_EXTRA: full.float()})
 
     def extras_spec(self) -> ExtrasSpec:

@@ -167,10 +167,13 @@ class ResidualPolicy(nn.Module):
         return (base + self.residual_scale * residual).clamp(-1.0, 1.0)
 
     @torch.no_grad()
-    def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
+    def act(self, obs: Batch, *, deterministic: bool = False,
+            generator: torch.Generator | None = None) -> ActionChunk:
+        """The base chunk plus the actor's residual (drawn from ``generator`` when given, else
+        torch's global RNG; its mean when deterministic); the frozen base draws nothing."""
         feats = self.features(obs).to(self.device)
         a = self.residual_actor
-        r = a.mean_noise(feats) if deterministic else a.sample(feats)[0]
+        r = a.mean_noise(feats) if deterministic else a.sample(feats, generator)[0]
         return ActionChunk(self.executed(self.base_chunk(feats), r), None, {RESIDUAL_EXTRA: r.float()})
 
     def extras_spec(self) -> ExtrasSpec:

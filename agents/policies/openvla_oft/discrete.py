@@ -86,16 +86,22 @@ class OpenVLAOFTDiscretePolicy(OpenVLAOFTPolicy):
         self._reference = vc.ReferenceSnapshot(self, self.lora, skip=("value_head.",))
 
     @torch.no_grad()
-    def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
+    def act(self, obs: Batch, *, deterministic: bool = False,
+            generator: torch.Generator | None = None) -> ActionChunk:
         """Actions [B, chunk, A]; log_prob [B] of the returned chunk's tokens (the greedy ones
-        when deterministic); ``extras["action_tokens"]`` [B, chunk*A] the classes (0..255)."""
+        when deterministic); ``extras["action_tokens"]`` [B, chunk*A] the classes (0..255),
+        sampled with ``generator`` when given (else torch's global RNG)."""
         if (fast := self.fast_path()) is not None:
-            return fast.act(obs, deterministic=deterministic)
+            return fast.act(obs, deterministic=deterministic, generator=generator)
         logits = self.action_logits(self.action_hidden(obs))
         if deterministic:
             cls = logits.argmax(-1)
-        else:
+        elif generator is None:
             cls = torch.distributions.Categorical(logits=logits).sample()
+        else:  # what Categorical.sample draws, from the generator
+            probs = logits.float().softmax(-1)
+            cls = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, True,
+                                    generator=generator).reshape(probs.shape[:-1])
         logp = logits.float().log_softmax(-1).gather(-1, cls[..., None]).squeeze(-1).sum(-1)
         a = self.class_values[cls].view(cls.shape[0], self.chunk_size, self.action_dim)
         return ActionChunk(self._finish(a), logp, {TOKENS: cls})

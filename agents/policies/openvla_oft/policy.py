@@ -415,10 +415,12 @@ class OpenVLAOFTPolicy(nn.Module):
         return a.clamp(-1, 1) if self.cfg.clip_actions else a
 
     @torch.no_grad()
-    def act(self, obs: Batch, *, deterministic: bool = False) -> ActionChunk:
-        """Actions [B, chunk, A] float32 (L1 head: deterministic either way)."""
+    def act(self, obs: Batch, *, deterministic: bool = False,
+            generator: torch.Generator | None = None) -> ActionChunk:
+        """Actions [B, chunk, A] float32 (L1 head: deterministic either way, so ``generator``,
+        the Policy protocol's, is never drawn from)."""
         if (fast := self.fast_path()) is not None:
-            return fast.act(obs, deterministic=deterministic)
+            return fast.act(obs, deterministic=deterministic, generator=generator)
         return ActionChunk(self._finish(self.forward_model(self.model_inputs(obs))))
 
     def extras_spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -229,12 +229,14 @@ class _FlowRL:
     # -- acting -------------------------------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: Batch, *, deterministic: bool = False, noise: torch.Tensor | None = None,
-            step_noise: torch.Tensor | None = None, sde_step: torch.Tensor | None = None) -> ActionChunk:
+            step_noise: torch.Tensor | None = None, sde_step: torch.Tensor | None = None,
+            generator: torch.Generator | None = None) -> ActionChunk:
         """Actions [B, H, A]; ``log_prob`` [B] of the chain; extras in the module docstring.
         ``noise`` [B, H, D] overrides x_0 (deterministic: zeros, then the plain ODE). Stochastic
         acts only: ``step_noise`` [B, K, H, A] overrides the chain's standard normals (Flow-SDE
         reads those of its step k*), ``sde_step`` [B] Flow-SDE's k*; otherwise they are drawn
-        with torch on the policy's device (x_0, k*, then each step's, in that order). In eval mode
+        with torch on the policy's device (x_0, k*, then each step's, in that order), from
+        ``generator`` when given, else from torch's global RNG. In eval mode
         without gradients the chain runs on the fast path where ``fast_serving`` gives one
         (:meth:`_fast_sampler`, as plain PI0's act), else eagerly through lerobot's modules."""
         self._serving_weights()
@@ -243,18 +245,18 @@ class _FlowRL:
         shape = (b, self.chunk_size, self.max_dim)
         if noise is None:
             noise = (torch.zeros(shape, device=dev) if deterministic
-                     else float(self.cfg.init_noise_scale) * torch.randn(shape, device=dev))
+                     else float(self.cfg.init_noise_scale) * torch.randn(shape, device=dev, generator=generator))
         noise = noise.to(dev, torch.float32)
         k_star, eps = torch.zeros(b, dtype=torch.long, device=dev), None
         if not deterministic:
             if self.mode == "sde":
-                k_star = (torch.randint(0, steps, (b,), device=dev) if sde_step is None
+                k_star = (torch.randint(0, steps, (b,), device=dev, generator=generator) if sde_step is None
                           else torch.as_tensor(sde_step).to(dev, torch.long).reshape(b))
                 if sde_step is not None and bool(((k_star < 0) | (k_star >= steps)).any()):
                     raise ValueError(f"{self.who}: sde_step outside 0..{steps - 1}")
             want = (b, steps, self.chunk_size, self.action_dim)
             # one draw per step, as the chain used to draw them step by step (the same stream)
-            eps = (torch.stack([torch.randn((b, *want[2:]), device=dev) for _ in range(steps)], 1)
+            eps = (torch.stack([torch.randn((b, *want[2:]), device=dev, generator=generator) for _ in range(steps)], 1)
                    if step_noise is None else torch.as_tensor(step_noise).to(dev, torch.float32))
             if tuple(eps.shape) != want:
                 raise ValueError(f"{self.who}: step_noise must be {list(want)}, got {list(eps.shape)}")

@@ -9,7 +9,8 @@ The model is lerobot's own ``PI0Policy`` / ``PI05Policy`` (``lerobot.policies.pi
   tokens from a *local* tokenizer folder (PI0: ``task + "\\n"``; PI0.5: the openpi prompt
   with the discretised state);
 - ``act(obs) -> ActionChunk`` with actions [B, chunk_size, A] (un-normalised, clipped to
-  [-1, 1]); ``deterministic=True`` integrates the flow from zero noise;
+  [-1, 1]); ``deterministic=True`` integrates the flow from zero noise, otherwise from a
+  standard normal drawn from ``act(obs, generator=g)``'s generator (torch's global RNG without);
 - ``bc_loss(batch)``: lerobot's flow-matching loss (MSE between the predicted and the true
   velocity), padded steps masked out;
 - bf16 on a GPU (lerobot's mixed layout: vision tower and norms stay float32);
@@ -417,15 +418,16 @@ class Pi0Policy(nn.Module):
     # -- Policy protocol ----------------------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: Batch, *, deterministic: bool = False, noise: torch.Tensor | None = None,
-            rtc: RtcRows | None = None) -> ActionChunk:
+            rtc: RtcRows | None = None, generator: torch.Generator | None = None) -> ActionChunk:
         """Actions [B, chunk_size, A] float32; ``noise`` [B, chunk_size, max_action_dim] overrides
-        the flow's starting sample (deterministic: zeros). ``rtc``: each row's pending prefix and
-        delay (:mod:`agents.policies.pi0.rtc`; its frozen steps are returned as sent)."""
+        the flow's starting sample (deterministic: zeros; otherwise drawn from ``generator``, or
+        torch's global RNG when None). ``rtc``: each row's pending prefix and delay
+        (:mod:`agents.policies.pi0.rtc`; its frozen steps are returned as sent)."""
         inputs = self.model_inputs(obs)  # what lerobot's predict_action_chunk does, minus its eval()
         shape = (inputs[2].shape[0], self.chunk_size, self.lr_cfg.max_action_dim)
         if noise is None:
             noise = (torch.zeros(shape, device=self.device) if deterministic
-                     else torch.randn(shape, device=self.device))
+                     else torch.randn(shape, device=self.device, generator=generator))
         noise = noise.to(self.device, torch.float32)
         actions = self._postprocess(self.forward_model(inputs, noise, rtc))
         return ActionChunk(actions if rtc is None else hold_frozen(actions, rtc), None, {"noise": noise})
