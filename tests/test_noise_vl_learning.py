@@ -19,15 +19,17 @@ import os
 
 import pytest
 
-# one seed: a noise-SAC run and its more-BC control of the same wall-clock, ~10-15 min on 2 cores:
+# one seed: a noise-SAC run and its more-BC control of the same wall-clock, ~7-8 min on 2 cores
+# (the registered seeds took 388-468 s each):
 # TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s tests/test_noise_vl_learning.py
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
-                                 reason="a 10-15-minute learning run: TANDEM_LEARNING_TESTS=1 uv run --frozen "
+                                 reason="a 7-8-minute learning run: TANDEM_LEARNING_TESTS=1 uv run --frozen "
                                         "pytest -q -s tests/test_noise_vl_learning.py")]
 
 #: set when claim 6 did not hold in its registered runs (docs/preregistered.md, Outcomes)
-NOT_HOLDING: str | None = None
+NOT_HOLDING: str | None = ("claim 6 did not hold in its registered runs (1/5 seeds; seed 0: 0.06 -> 0.13 against "
+                           "more-BC 0.21, docs/learning.md): kept as the check a better recipe must pass")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,9 @@ def result(tmp_path_factory):
     from tools.experiments.noise_vl_learning import DEMOS, run_seed
     from tools.experiments.rs_vl_learning import prepare
 
+    import torch
+
+    torch.set_num_threads(1)  # as the tool's main runs the evaluations
     out = tmp_path_factory.mktemp("noise_vl")
     return run_seed(out, prepare(out, DEMOS), 0)
 
