@@ -23,6 +23,11 @@ with the full suite (load 4.4-7.6): base 0.30, untrained actor (mean) 0.32 -> 0.
 only 0.48 (221 episodes, 580 updates; start-up alone took 80 s) and failed the margin: hence
 the episode count. Not yet timed on quiet cores with these settings (expected ~4-4.5 min:
 one actor, 250 episodes, load ~1.5 took 256 s and reached 0.54).
+
+This task is the easy one (the target in the state); the same algorithm on ``env=point_reach_vl``
+(image + instruction, no target in the state) against a more-BC control is pre-registered
+claim 6 (docs/preregistered.md; tools/experiments/noise_vl_learning.py,
+tests/test_noise_vl_learning.py).
 """
 
 from __future__ import annotations

@@ -136,34 +136,42 @@ def train_residual(out: Path, base: Path, seed: int, *, updates: int, actors: in
                              poll_s=2.0, label="residual")
 
 
-def more_bc(demos: Path, base: Path, seed: int, seconds: float) -> tuple[dict, int]:
-    """The base's weights after BC on the demos for ``seconds`` of wall-clock (module docstring,
-    step 4): (weights, BC steps taken)."""
+def timed_bc(policy, loss, seconds: float, *, seed: int, lr: float = BC_LR, lr_min: float = 1e-4) -> int:
+    """BC of ``policy``'s trainable parameters on ``loss()`` for ``seconds`` of wall-clock
+    (``BC_THREADS`` torch threads, torch seed ``seed``; AdamW, lr ``lr`` cosine to ``lr_min``
+    over the elapsed fraction of ``seconds``, gradient norm clipped at 1); the steps taken."""
     import torch
 
-    from data.demos import load_demos
-
-    policy = mlp(base=base)
-    buf = load_demos(demos, policy.spec, seed=seed)
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(BC_THREADS)
     params = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=BC_LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     policy.train()
     steps, t0 = 0, time.monotonic()
     try:
         while (frac := (time.monotonic() - t0) / seconds) < 1.0:
             for g in opt.param_groups:
-                g["lr"] = 1e-4 + 0.5 * (BC_LR - 1e-4) * (1 + math.cos(math.pi * frac))
-            loss = policy.bc_loss(buf.sample(64, horizon=1))
+                g["lr"] = lr_min + 0.5 * (lr - lr_min) * (1 + math.cos(math.pi * frac))
+            value = loss()
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             steps += 1
     finally:
         torch.set_num_threads(threads)
+    return steps
+
+
+def more_bc(demos: Path, base: Path, seed: int, seconds: float) -> tuple[dict, int]:
+    """The base's weights after BC on the demos for ``seconds`` of wall-clock (module docstring,
+    step 4): (weights, BC steps taken)."""
+    from data.demos import load_demos
+
+    policy = mlp(base=base)
+    buf = load_demos(demos, policy.spec, seed=seed)
+    steps = timed_bc(policy, lambda: policy.bc_loss(buf.sample(64, horizon=1)), seconds, seed=seed)
     return policy.trainable_state_dict(), steps
 
 

@@ -89,8 +89,12 @@ def policy_overrides(variant: str, base: Base) -> list[str]:
     return o + ([f"policy.init_trainable={base.init}"] if base.init else [])
 
 
-def _weak_pi0(out: Path, demos: Path, steps: int, *, lr: float = 3e-4, batch: int = 32, seed: int = 0) -> Base:
-    """The tiny PI0 fitted by ``steps`` BC steps on the demos, saved in lerobot's layout."""
+def _weak_pi0(out: Path, demos: Path, steps: int, *, lr: float = 3e-4, batch: int = 32, seed: int = 0,
+              env_o: list[str] | None = None, arch: dict | None = None, image_size: int = 56,
+              name: str = "pi0_weak") -> Base:
+    """The tiny PI0 fitted by ``steps`` BC steps on the demos, saved in lerobot's layout as
+    ``out/name`` (``env_o``: the env's overrides, default this module's ``ENV_O``; ``arch`` /
+    ``image_size``: :func:`tools.make_tiny_checkpoints.make_pi0`'s; weights drawn from ``seed``)."""
     import shutil
 
     import torch
@@ -102,8 +106,8 @@ def _weak_pi0(out: Path, demos: Path, steps: int, *, lr: float = 3e-4, batch: in
     from tools.make_tiny_checkpoints import make_pi0
     from tools.record_demos import env_config
 
-    spec = env_spec(env_config(ENV_O))
-    raw = make_pi0(out / "pi0_random", spec, chunk_size=CHUNK, seed=seed)
+    spec = env_spec(env_config(ENV_O if env_o is None else env_o))
+    raw = make_pi0(out / ("pi0_random" if name == "pi0_weak" else f"{name}_random"), spec, arch=arch, chunk_size=CHUNK, image_size=image_size, seed=seed)
     policy = Pi0Policy(Pi0PolicyConfig(checkpoint=str(raw), chunk_size=CHUNK, lora_rank=0, device="cpu"), spec)
     policy.inner.requires_grad_(True)
     policy.train()
@@ -115,7 +119,7 @@ def _weak_pi0(out: Path, demos: Path, steps: int, *, lr: float = 3e-4, batch: in
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    base = out / "pi0_weak"
+    base = out / name
     save_lerobot_checkpoint(policy.inner, base, policy.arch, policy.stats)
     shutil.copytree(raw / "tokenizer", base / "tokenizer")
     return Base(base)
