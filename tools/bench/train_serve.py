@@ -23,7 +23,7 @@ Where the time goes, per phase:
   how long it waited to run again (for the GIL, or for a core when the cores are busy);
 - ``cpu``: CPU seconds per second of each thread (``MainThread``: training;
   ``tandem-inference``: serving; the service's and ZMQ's threads);
-- ``peak_gpu_gb`` (torch.cuda.max_memory_allocated) and the process's ``rss_gb``;
+- ``peak_gpu_gb`` (torch.cuda.max_memory_allocated) and the process's peak resident memory so far (``peak_rss_gb``);
 - ``--trace DIR``: after the last repeat, one more ``both`` phase per policy and stream
   (``both_traced``, not part of the medians) whose first ``--trace-seconds`` of training run
   under torch.profiler (chrome JSON in DIR), summarised as GPU kernel time per stream and the
@@ -61,8 +61,10 @@ class GilProbe(threading.Thread):
     def __init__(self, sleep_s: float = 0.0005):
         super().__init__(name="gil-probe", daemon=True)
         self.sleep_s, self.late_ms, self._stop_ev = sleep_s, [], threading.Event()
+        self._t0 = time.perf_counter()
 
     def run(self) -> None:
+        self._t0 = time.perf_counter()
         while not self._stop_ev.is_set():
             t0 = time.perf_counter()
             time.sleep(self.sleep_s)
@@ -72,9 +74,9 @@ class GilProbe(threading.Thread):
         self._stop_ev.set()
         self.join(5)
         x = np.asarray(self.late_ms or [0.0])
+        wall = max(1e-9, time.perf_counter() - self._t0)
         return {"n": int(x.size), "p50": float(np.percentile(x, 50)), "p99": float(np.percentile(x, 99)),
-                "mean": float(x.mean()), "waited_s_per_s": float(x.sum() / 1000.0 / max(1e-9, x.size * self.sleep_s
-                                                                                    + x.sum() / 1000.0))}
+                "mean": float(x.mean()), "waited_s_per_s": float(x.sum() / 1000.0 / wall)}
 
 
 class Trainer:
@@ -151,7 +153,7 @@ def _phase(kind: str, *, learner, trainer, args, spec, cams, counters, sync, res
     if kind == "train":
         res["train"] = trainer.run_until(seconds=args.seconds)
     else:
-        go, box = threading.Event(), {}
+        go, done, box = threading.Event(), threading.Event(), {}
 
         def actors():
             try:
@@ -159,9 +161,8 @@ def _phase(kind: str, *, learner, trainer, args, spec, cams, counters, sync, res
                                       period=args.period, started=go.set)
             finally:
                 go.set()
-                box["done"] = True
-        done = threading.Event()
-        th = threading.Thread(target=lambda: (actors(), done.set()), daemon=True)
+                done.set()
+        th = threading.Thread(target=actors, daemon=True)
         th.start()
         go.wait()
         if kind == "both" and trace_to is not None:  # profiled: its figures are not timings
@@ -184,7 +185,7 @@ def _phase(kind: str, *, learner, trainer, args, spec, cams, counters, sync, res
     res["cpu"] = {k: round(v / wall, 3) for k, v in cpu_delta(cpu0, thread_cpu()).items()}
     sync()
     res["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
-    res["rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     return res
 
 

@@ -157,6 +157,23 @@ def run_rs_cycles(run_dir: Path, common: Sequence[str], learner_o: Sequence[str]
             "load_1min": [round(x, 2) for x in loads]}
 
 
+def train_to_updates(out: Path, name: str, seed: int, common_o: Sequence[str], algo_o: Sequence[str], *,
+                     updates: int, actors: int, max_s: float, extra: Sequence[str] = ()) -> dict:
+    """A CPU learner (``algo_o`` + ``extra``; a checkpoint every 500 updates, all kept) and
+    ``actors`` actors on ``common_o`` in the new folder ``out/<name>_seed<seed>`` until ``updates``
+    updates (or ``max_s``): :func:`run_until_updates`'s result."""
+    run = out / f"{name}_seed{seed}"
+    run.mkdir(parents=True, exist_ok=False)
+    port, pub = free_port(), free_port()
+    common = [*common_o, f"run_dir={run}", f"transport.port={port}", f"transport.pub_port={pub}",
+              "transport.timeout_s=5.0", "transport.heartbeat_s=0.5"]
+    learner_o = [*algo_o, "device=cpu", "logging.wandb=disabled", "logging.every_s=5", "trainer.num_threads=1",
+                 "buffer.persist=false", "trainer.checkpoint_every=500", "trainer.keep_checkpoints=100",
+                 f"seed={seed}", *extra]
+    return run_until_updates(run, common, learner_o, actors=actors, seed=seed, updates=updates, max_s=max_s,
+                             poll_s=2.0, label=name)
+
+
 def run_until_updates(run_dir: Path, common: Sequence[str], learner_o: Sequence[str], *, actors: int, seed: int,
                       updates: int, max_s: float, poll_s: float, label: str) -> dict:
     """A learner and ``actors`` remote actors (seeds ``100 * seed + i``; logs in ``run_dir``) until

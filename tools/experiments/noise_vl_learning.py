@@ -44,7 +44,7 @@ import os
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import evaluate_policy, free_port, run_seeds, run_until_updates, seeds_parser
+from tools.experiments.learning_run import evaluate_policy, run_seeds, seeds_parser, train_to_updates
 from tools.experiments.residual_vl_learning import timed_bc
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, prepare
 
@@ -163,17 +163,9 @@ def premise(policy, episodes: int, k: int = 8, seed: int = PREMISE_SEED) -> dict
 def train_noise(out: Path, base: Path, seed: int, *, updates: int, actors: int, max_s: float,
                 extra: tuple[str, ...] = ()) -> dict:
     """Learner + ``actors`` actors until ``updates`` updates (or ``max_s``), then SIGINT
-    (:func:`tools.experiments.learning_run.run_until_updates`)."""
-    run = out / f"noise_seed{seed}"
-    run.mkdir(parents=True, exist_ok=False)
-    port, pub = free_port(), free_port()
-    common = [*TRAIN_ENV_O, *policy_o(base), f"run_dir={run}", f"transport.port={port}",
-              f"transport.pub_port={pub}", "transport.timeout_s=5.0", "transport.heartbeat_s=0.5"]
-    learner_o = [*ALGO_O, "device=cpu", "logging.wandb=disabled", "logging.every_s=5", "trainer.num_threads=1",
-                 "buffer.persist=false", "trainer.checkpoint_every=500", "trainer.keep_checkpoints=100",
-                 f"seed={seed}", *extra]
-    return run_until_updates(run, common, learner_o, actors=actors, seed=seed, updates=updates, max_s=max_s,
-                             poll_s=2.0, label="noise")
+    (:func:`tools.experiments.learning_run.train_to_updates`)."""
+    return train_to_updates(out, "noise", seed, [*TRAIN_ENV_O, *policy_o(base)], ALGO_O, updates=updates,
+                            actors=actors, max_s=max_s, extra=extra)
 
 
 def more_bc(demos: Path, base: Path, seed: int, seconds: float):

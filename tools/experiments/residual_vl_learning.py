@@ -37,8 +37,7 @@ import os
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import (evaluate_policy, free_port, run_seeds, run_until_updates,
-                                            seeds_parser)
+from tools.experiments.learning_run import evaluate_policy, run_seeds, seeds_parser, train_to_updates
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, PRETRAIN, prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,16 +123,8 @@ def train_residual(out: Path, base: Path, seed: int, *, updates: int, actors: in
     """Learner + ``actors`` actors until ``updates`` updates (or ``max_s``), then
     SIGINT; the learner's last status, the final checkpoint's residual weights (``policy``), ``wall_s`` and
     the 1-min load every 10 s."""
-    run = out / f"residual_seed{seed}"
-    run.mkdir(parents=True, exist_ok=False)
-    port, pub = free_port(), free_port()
-    common = [*TRAIN_ENV_O, *policy_o(base), f"run_dir={run}", f"transport.port={port}",
-              f"transport.pub_port={pub}", "transport.timeout_s=5.0", "transport.heartbeat_s=0.5"]
-    learner_o = [*ALGO_O, "device=cpu", "logging.wandb=disabled", "logging.every_s=5", "trainer.num_threads=1",
-                 "buffer.persist=false", "trainer.checkpoint_every=500", "trainer.keep_checkpoints=100",
-                 f"seed={seed}", *extra]
-    return run_until_updates(run, common, learner_o, actors=actors, seed=seed, updates=updates, max_s=max_s,
-                             poll_s=2.0, label="residual")
+    return train_to_updates(out, "residual", seed, [*TRAIN_ENV_O, *policy_o(base)], ALGO_O, updates=updates,
+                            actors=actors, max_s=max_s, extra=extra)
 
 
 def timed_bc(policy, loss, seconds: float, *, seed: int, lr: float = BC_LR, lr_min: float = 1e-4) -> int:
