@@ -157,6 +157,23 @@ def run_rs_cycles(run_dir: Path, common: Sequence[str], learner_o: Sequence[str]
             "load_1min": [round(x, 2) for x in loads]}
 
 
+def trained_policy(overrides: Sequence[str], seed: int, state: dict | None = None):
+    """The policy a learner configured by ``overrides`` trains, built as the learner builds it
+    (torch seed ``seed``), with the trainable ``state`` loaded when given; eval mode."""
+    import torch
+
+    from agents import registry
+    from envs.registry import env_spec
+    from tools.sft import learner_config
+
+    cfg = learner_config(list(overrides))
+    torch.manual_seed(seed)
+    policy = registry.build_trained_policy(registry.build_builder(cfg.algo), cfg.policy, env_spec(cfg.env))
+    if state is not None:
+        policy.load_trainable_state_dict(state)
+    return policy.eval()
+
+
 def train_to_updates(out: Path, name: str, seed: int, common_o: Sequence[str], algo_o: Sequence[str], *,
                      updates: int, actors: int, max_s: float, extra: Sequence[str] = ()) -> dict:
     """A CPU learner (``algo_o`` + ``extra``; a checkpoint every 500 updates, all kept) and

@@ -44,7 +44,8 @@ import os
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import evaluate_policy, run_seeds, seeds_parser, train_to_updates
+from tools.experiments.learning_run import (evaluate_policy, run_seeds, seeds_parser, train_to_updates,
+                                            trained_policy)
 from tools.experiments.residual_vl_learning import timed_bc
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, prepare
 
@@ -104,18 +105,7 @@ def pi0(base: Path):
 def noise_policy(base: Path, seed: int, actor: dict | None = None, extra: tuple[str, ...] = ()):
     """The frozen base plus a noise actor, built as the learner builds it (``ALGO_O`` and the
     run's ``extra`` overrides; torch seed = ``seed``), with the ``actor``'s weights when given."""
-    import torch
-
-    from agents import registry
-    from envs.registry import env_spec
-    from tools.sft import learner_config
-
-    cfg = learner_config([*ENV_O, *policy_o(base), *ALGO_O, *extra])
-    torch.manual_seed(seed)
-    policy = registry.build_trained_policy(registry.build_builder(cfg.algo), cfg.policy, env_spec(cfg.env))
-    if actor is not None:
-        policy.load_trainable_state_dict(actor)
-    return policy.eval()
+    return trained_policy([*ENV_O, *policy_o(base), *ALGO_O, *extra], seed, actor)
 
 
 def held_out(policy, deterministic: bool = True) -> float:

@@ -37,7 +37,8 @@ import os
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import evaluate_policy, run_seeds, seeds_parser, train_to_updates
+from tools.experiments.learning_run import (evaluate_policy, run_seeds, seeds_parser, train_to_updates,
+                                            trained_policy)
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, PRETRAIN, prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,18 +97,7 @@ def residual_policy(base: Path, seed: int, residual: dict | None = None, extra: 
     """The frozen base plus a residual actor, built as the learner builds it (``ALGO_O`` and
     the run's ``extra`` learner overrides; torch seed = ``seed``), with the ``residual``
     actor's weights when given; eval mode."""
-    import torch
-
-    from agents import registry
-    from envs.registry import env_spec
-    from tools.sft import learner_config
-
-    cfg = learner_config([*ENV_O, *policy_o(base), *ALGO_O, *extra])
-    torch.manual_seed(seed)
-    policy = registry.build_trained_policy(registry.build_builder(cfg.algo), cfg.policy, env_spec(cfg.env))
-    if residual is not None:
-        policy.load_trainable_state_dict(residual)
-    return policy.eval()
+    return trained_policy([*ENV_O, *policy_o(base), *ALGO_O, *extra], seed, residual)
 
 
 def held_out(policy) -> float:
