@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from actor.client import LearnerClient
 from data.stops import StopSignals
 from actor.console import LiveView, actor_status, render
-from actor.loop import ActorLoop
+from actor.loop import ActorLoop, actor_seed
 from actor.rtc import RtcChunker
 from actor.rerun_live import make_rerun
 from actor.spool import Spool
@@ -148,7 +148,7 @@ class Actor:
         loop = ActorLoop(
             self.env, self.client, self._act, actor_id=str(cfg.actor_id),
             batch_size=int(cfg.spool.batch_size), execute=int(cfg.chunk.execute),
-            deterministic=bool(cfg.deterministic), seed=int(cfg.seed), log_every_s=cfg.log_every_s,
+            deterministic=bool(cfg.deterministic), seed=actor_seed(cfg.seed, cfg.actor_id), log_every_s=cfg.log_every_s,
             on_poll=self._refresh_local if self.local is not None else None,
             get_job=self.client.get_job, control_hz=float(cfg.chunk.get("control_hz", 0) or 0),
             rtc=self.rtc)

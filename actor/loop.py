@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections import deque
 from typing import Callable
 
@@ -90,6 +91,18 @@ def obs_arrays(obs: dict) -> tuple[dict[str, np.ndarray], list[str]]:
         if k.startswith(OBS_IMAGE_PREFIX):
             arrays[k] = np.ascontiguousarray(v, dtype=np.uint8)[None]
     return arrays, [str(obs.get(TASK, ""))]
+
+
+def actor_seed(seed: int | None, actor_id: str) -> int:
+    """The first episode's reset seed of an actor (episode ``e`` resets with this + ``e``).
+
+    ``seed`` given: that seed, as configured. ``None`` (the config's default): one derived from
+    ``actor_id`` (CRC-32, below 2**31), so that actors started with the same config do not
+    replay the same start states in step (every actor's episode counter starts at 0).
+    """
+    if seed is not None:
+        return int(seed)
+    return zlib.crc32(str(actor_id).encode()) & 0x7FFFFFFF
 
 
 class ActorLoop:

@@ -56,7 +56,16 @@ PACKAGES = (
     ("mujoco", "LIBERO's physics"), ("pyopengl", "robosuite's EGL rendering"),
     ("hf-libero", "LIBERO's tasks, BDDL files and init states"), ("bddl", "LIBERO"),
     ("easydict", "LIBERO"), ("termcolor", "robosuite"), ("future", "LIBERO"),
+    ("deepspeed", "ZeRO learners (deepspeed.stage)"), ("hjson", "deepspeed"), ("ninja", "deepspeed"),
+    ("py-cpuinfo", "deepspeed"), ("einops", "deepspeed"),
+    ("pydantic", "deepspeed's configs"), ("pydantic-core", "pydantic"), ("annotated-types", "pydantic"),
+    ("typing-inspection", "pydantic"), ("typing-extensions", "pydantic needs a newer one than the image's"),
 )
+#: what the GPU image already holds (the packages above are what it lacks)
+IMAGE = ("torch", "numpy", "scipy", "pandas", "pyarrow", "pillow", "opencv-python", "numba",
+         "matplotlib", "accelerate", "safetensors", "huggingface-hub", "aiohttp", "rich", "tqdm",
+         "msgpack", "pyyaml", "packaging", "psutil", "filelock", "requests", "jinja2", "sympy",
+         "networkx", "fsspec", "triton", "setuptools")
 #: Debian packages of the EGL / GL loaders (``--gl``)
 GL_DEBS = ("libegl1", "libglvnd0", "libopengl0", "libgl1", "libglx0", "libgles2")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
