@@ -110,10 +110,12 @@ start() {
   done
   for i in $(seq 0 $((actors - 1))); do
     # one thread of BLAS / OpenMP each: N simulator processes share the box's cores with the learner
+    # TANDEM_ACTOR_PREFIX (default actor): actor ids <prefix>-<i>; each id has its own reset seeds
+    # (actor.seed: null), so a new prefix gives new start states
     # TANDEM_ACTOR_NICE (default 0): the actors' niceness, so that the learner's threads (update,
     # serving, ingest) get the cores first when the simulators fill the box
     env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 ${TANDEM_RENDER_GPU:+MUJOCO_EGL_DEVICE_ID=$TANDEM_RENDER_GPU} \
-    setsid nice -n "${TANDEM_ACTOR_NICE:-0}" "$ROOT/launch/run_actor.sh" actor_id="actor-$i" run_dir="$run_dir" env.gl=egl "${actor[@]}" \
+    setsid nice -n "${TANDEM_ACTOR_NICE:-0}" "$ROOT/launch/run_actor.sh" actor_id="${TANDEM_ACTOR_PREFIX:-actor}-$i" run_dir="$run_dir" env.gl=egl "${actor[@]}" \
       >"$run_dir/actor-$i.log" 2>&1 &
     echo "actor-$i $!" >> "$run_dir/pids"
   done

@@ -20,7 +20,10 @@
 # inference.device=cuda:1 to serve on a second GPU), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a
 # short time limit for a dry run on a CPU), CARRY (set: pack the RL run into $R/carry for the next
 # machine, where tools/carry_run.py unpacks it into $R/$TAG and a rerun goes on from its
-# checkpoint), GPU_LOG (0: no nvidia-smi log, for a second chain beside this one).
+# checkpoint), GPU_LOG (0: no nvidia-smi log, for a second chain beside this one), START_CKPT (the
+# policy the RL run and its protocol-after sweep start from; $R/sft), RS_S (seconds of RL, instead
+# of RS_MIN), RL (0: no RL run: the protocol after sweeps START_CKPT itself), AFTER (0: no
+# protocol-after sweep). launch/libero_segment.sh uses the last four to run RL in segments.
 # Two variants side by side on a two-GPU box: the second chain waits for $R/before/eval_report.json,
 # has its learners on GPU 1 (TANDEM_LEARNER_GPU=1, read by gpu_box.sh) with other ports
 # (EXTRA_ENV="transport.port=5688 transport.pub_port=5689") and GPU_LOG=0: launch/libero_pair.sh.
@@ -45,14 +48,14 @@ log "demos: $K per task from sampled placements (none of the evaluation states)"
 [ -f "$R/demos/meta/info.json" ] || $PY -m tools.record_demos --out "$R/demos" --episodes "$K" --per-task \
   --only-success --seed 1000 --workers "${WORKERS:-10}" --max-tries $((2 * K)) $ENVB env.init_state_id=random \
   > "$R/demos.log" 2>&1
-grep -a '^{' "$R/demos.log" | tail -1 > "$R/res/demos.json"
+[ -f "$R/demos.log" ] && grep -a '^{' "$R/demos.log" | tail -1 > "$R/res/demos.json"
 
 log "sft: $STEPS steps"
-[ -f "$R/sft/model.safetensors" ] || $PY -m tools.sft --demos "$R/demos" --save-checkpoint "$R/sft" --steps "$STEPS" \
+[ -f "$R/sft/model.safetensors" ] || [ -n "${START_CKPT:-}" ] || $PY -m tools.sft --demos "$R/demos" --save-checkpoint "$R/sft" --steps "$STEPS" \
   --batch-size 64 --lr 3e-4 --lr-min 3e-5 --warmup "${WARMUP:-200}" --threads 0 $ENVB $POL > "$R/sft.log" 2>&1
-grep -a '^{' "$R/sft.log" | tail -1 > "$R/res/sft.json"
+[ -f "$R/sft.log" ] && grep -a '^{' "$R/sft.log" | tail -1 > "$R/res/sft.json"
 
-COMMON="$ENVO $POL policy.checkpoint=$R/sft"
+COMMON="$ENVO $POL policy.checkpoint=${START_CKPT:-$R/sft}"
 LRN="algo=rejection_sampling logging.wandb=disabled ${EXTRA_LRN:-}"
 ACT="chunk.execute=5"
 sweep() {   # run_dir [actors]: LIBERO's protocol through the learner and N actors (the run_dir's checkpoint, if any)
@@ -84,11 +87,12 @@ case "$VARIANT" in
       algo.loss_agg=episode_mean algo.clip_high=0.28 algo.max_staleness=1" ;;
   *) echo "VARIANT must be rs, rs_expert or flow_ppo, got $VARIANT" >&2; exit 2 ;;
 esac
-log "$TAG ($VARIANT): $RS_MIN min with $N_RL actors"
-if [ ! -f "$R/res/${TAG}_metrics.jsonl" ]; then
+RL_SECONDS=${RS_S:-$((RS_MIN * 60))}
+[ "${RL:-1}" = 0 ] || log "$TAG ($VARIANT): $([ -n "${RS_S:-}" ] && echo "$RS_S s" || echo "$RS_MIN min") with $N_RL actors"
+if [ "${RL:-1}" != 0 ] && [ ! -f "$R/res/${TAG}_metrics.jsonl" ]; then
   bash launch/gpu_box.sh start --actors "$N_RL" --run-dir "$V" $COMMON $RL_POL $RL_LRN \
     trainer.checkpoint_every_s="${CKPT_S:-60}" -- $COMMON $RL_POL $RL_ACT
-  sleep $((RS_MIN * 60))
+  sleep "$RL_SECONDS"
   bash launch/gpu_box.sh stop --run-dir "$V"
   cp "$V/metrics.jsonl" "$R/res/${TAG}_metrics.jsonl"; cp "$V/status.json" "$R/res/${TAG}_status.json"
   cp "$V/learner.log" "$R/res/${TAG}_learner.log"
@@ -101,6 +105,7 @@ if [ ! -f "$R/res/${TAG}_metrics.jsonl" ]; then
   fi
 fi
 
+[ "${AFTER:-1}" = 0 ] && { log "$TAG: no protocol after (AFTER=0)"; exit 0; }
 log "protocol after RL"
 [ -f "$V/eval_report.json" ] || SWEEP_POL="$RL_POL" sweep "$V"
 cp "$V/eval_report.json" "$R/res/.eval_after_${TAG}.json"

@@ -53,3 +53,54 @@ def test_two_chains_that_would_share_a_folder_are_refused(tmp_path):
     out = _pair(r, VARIANT_A="rs_expert", VARIANT_B="rs_expert")
     assert out.returncode == 2 and "set TAG_A and TAG_B apart" in out.stderr, out.stdout + out.stderr
     assert not (r / "res" / "eval_after_rs_expert.json").exists()
+
+
+def _segment(r: Path, mode: str, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "R": str(r), "TANDEM_PYTHON": "true", "GPU_LOG": "0", **env}
+    return subprocess.run(["bash", str(ROOT / "launch" / "libero_segment.sh"), mode], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_segments_hand_the_policy_over_in_parts_and_a_fresh_box_unpacks_them(tmp_path):
+    """launch/libero_segment.sh: segment 1 packs its exported policy into parts; on a fresh box
+    (another R) the base parts and the policy parts are unpacked, SFT is not rerun, and segment
+    2's RL and the protocol start from the carried policy."""
+    import tarfile
+
+    r1 = tmp_path / "box1"
+    _done_stages(r1, ["seg1"])
+    (r1 / "res" / "seg1_status.json").write_text("{}")
+    export = r1 / "policy_1"                     # what tools.export writes (TANDEM_PYTHON=true here)
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(os.urandom(40_000))
+    out1 = tmp_path / "out1"
+    done = _segment(r1, "rl", SEG="1", OUT=str(out1), RS_S="5")
+    assert done.returncode == 0, done.stdout + done.stderr
+    parts = sorted(out1.glob("policy.tgz.part*"))
+    assert parts and "segment 1: 1 part(s)" in done.stdout
+    assert "seg1 (rs): 5 s with" in (r1 / "res" / "timeline.txt").read_text()
+
+    base = tmp_path / "base"                     # demos + protocol before, as carried to a new box
+    base.mkdir()
+    with tarfile.open(base / "base.tgz.part00", "w:gz") as tar:
+        for name in ("demos", "before"):
+            tar.add(r1 / name, arcname=name)
+    r2 = tmp_path / "box2"
+    (r2 / "res").mkdir(parents=True)
+    (r2 / "res" / "seg2_metrics.jsonl").write_text("")   # segment 2's RL counts as run
+    (r2 / "policy_2").mkdir()
+    (r2 / "policy_2" / "model.safetensors").write_bytes(b"x")
+    done = _segment(r2, "rl", SEG="2", OUT=str(tmp_path / "out2"), START=str(out1), BASE=str(base))
+    assert done.returncode == 0, done.stdout + done.stderr
+    (started,) = r2.glob("start_*")
+    assert (started / "model.safetensors").read_bytes() == (export / "model.safetensors").read_bytes()
+    assert (r2 / "demos" / "meta" / "info.json").exists() and not (r2 / "sft").exists()   # no SFT rerun
+
+    (r2 / "eval3").mkdir()
+    (r2 / "eval3" / "eval_report.json").write_text(json.dumps({"overall": {"success": 0.5}}))
+    done = _segment(r2, "eval", SEG="3", OUT=str(tmp_path / "out3"), START=str(out1))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((tmp_path / "out3" / "eval_3.json").read_text()) == {"overall": {"success": 0.5}}
+
+    bad = _segment(tmp_path / "box3", "rl", SEG="4", START=str(tmp_path / "nothing"))
+    assert bad.returncode == 2 and "holds no policy" in bad.stderr, bad.stderr
