@@ -161,7 +161,7 @@ def test_ratios_are_oriented_so_that_above_one_means_tandem_ahead():
           "update_to_act_s": {"median": 5.0}, "time_to_success_s": 100.0}
     r = ratios(t, lr)
     assert r == {"env_steps_per_s": 5.0, "updates_per_s": 0.5, "transitions_per_s": 5.0,
-                 "update_to_act_s": 10.0, "time_to_success_s": None}
+                 "update_to_act_s": 10.0, "time_to_success_s": None, "final_success": None}
 
 
 #: the two checks below import LeRobot's rl stack or start gym-hil in a subprocess (~1 min
