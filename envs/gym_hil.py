@@ -19,9 +19,12 @@ Action: float32 Box [-1, 1]^4 = (dx, dy, dz, gripper): the end-effector target m
 gripper command moves by ``gripper`` (-1 opens, +1 closes, 0 holds), as gym-hil's
 ``EEActionWrapper`` does with its [0, 2] gripper range shifted to [-1, 1].
 
-Reward: 1.0 on success (gym-hil's sparse reward), which terminates; pushing the object out
-of the workspace also terminates (``info["is_success"]`` False, ``info["out_of_bounds"]``
-True). gym-hil's 100-step limit (10 s at 10 Hz) is ``default_max_episode_steps``.
+Reward: 1.0 on success (gym-hil's sparse reward, ``reward_type: sparse``, the default), which
+terminates; pushing the object out of the workspace also terminates (``info["is_success"]``
+False, ``info["out_of_bounds"]`` True). ``reward_type: dense`` (PandaPickCube only) passes
+gym-hil's own dense reward through: ``0.3 * exp(-20 * |cube - TCP|) + 0.7 * clip(lift / 0.1 m,
+0, 1)`` at every step; success (gym-hil's: the TCP within 5 cm of the cube and the cube lifted
+10 cm) still terminates and sets ``info["is_success"]``. gym-hil's 100-step limit (10 s at 10 Hz) is ``default_max_episode_steps``.
 
 Resets: gym-hil places the objects at random (numpy's global RNG, seeded here from the env's
 own, so ``reset(seed=s)`` reproduces a placement). A learner's job resets with
@@ -135,6 +138,7 @@ class GymHilEnv(gym.Env):
         render_quality: str = "fast",
         gl: str | None = "auto",
         render_mode: str | None = "rgb_array",
+        reward_type: str = "sparse",
     ):
         configure_rendering(gl)
         import mujoco
@@ -143,6 +147,11 @@ class GymHilEnv(gym.Env):
         self.task_name = canonical_task(task)
         self.instruction = TASKS[self.task_name]["instruction"]
         self.default_max_episode_steps = int(TASKS[self.task_name]["max_steps"])
+        if reward_type not in ("sparse", "dense"):
+            raise ValueError(f"reward_type must be sparse or dense, got {reward_type!r}")
+        if reward_type == "dense" and self.task_name != "PandaPickCube":
+            raise ValueError("reward_type dense: gym-hil has a dense reward for PandaPickCube only")
+        self.reward_type = reward_type
         self.image_hw = h, w = _image_hw(image_size)
         self.cameras = _check_cameras(cameras)
         image_obs = bool(self.cameras)
@@ -152,7 +161,8 @@ class GymHilEnv(gym.Env):
             from gym_hil.envs import PandaPickCubeGymEnv
 
             self._env = PandaPickCubeGymEnv(render_spec=spec, image_obs=image_obs,
-                                            random_block_position=random_block_position)
+                                            random_block_position=random_block_position,
+                                            reward_type=reward_type)
         else:
             from gym_hil.envs import PandaArrangeBoxesGymEnv
 
@@ -244,7 +254,8 @@ class GymHilEnv(gym.Env):
         self._done = terminated or bool(truncated)
         self._last_obs = self._format(raw)
         info = {"is_success": success, "out_of_bounds": terminated and not success}
-        return self._last_obs, float(success), terminated, bool(truncated), info
+        reward = float(rew) if self.reward_type == "dense" else float(success)
+        return self._last_obs, reward, terminated, bool(truncated), info
 
     def render(self):
         if self._last_obs is None:
@@ -273,6 +284,7 @@ def make_gym_hil_env(cfg: dict) -> GymHilEnv:
         include_env_state=cfg.get("include_env_state"),
         render_quality=str(cfg.get("render_quality", "fast")),
         gl=cfg.get("gl", "auto"),
+        reward_type=str(cfg.get("reward_type", "sparse")),
     )
 
 

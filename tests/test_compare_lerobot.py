@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench.compare_lerobot.__main__ import SETTINGS, tandem_overrides, tandem_publish_every
+from tools.bench.compare_lerobot.__main__ import SETTINGS, TASKS, tandem_overrides, tandem_publish_every
 from tools.bench.compare_lerobot.analyze import (lerobot_rows, parse_events, ratios, summarize, tandem_rows,
                                                  windowed_success_time)
 
@@ -154,6 +154,46 @@ def test_settings_set_each_sides_runtime_options_and_keep_the_setup(tmp_path):
     assert SETTINGS["defaults"]["lerobot_push_s"] == 4.0 and SETTINGS["best"]["lerobot_push_s"] == 0.0
 
 
+def test_tasks_give_each_side_the_same_task_and_keep_pick_cube_as_it_was(tmp_path):
+    args = argparse.Namespace(hidden=[256, 256], channels=32, latent_dim=256, render="fast", freeze_backbone=1,
+                              batch=128, utd=2, success_window=20)
+    pick, _, _ = tandem_overrides(argparse.Namespace(**vars(args), task="pick_cube"), tmp_path)
+    assert pick == tandem_overrides(args, tmp_path)[0]  # no --task: pick_cube
+    assert pick[:2] == ["env=gym_hil_pick_cube", "env.render_quality=fast"]
+    assert TASKS["pick_cube"]["lerobot"] == [] and TASKS["pick_cube"]["json"] == "compare.json"
+    # pendulum: Tandem's cart-pole, the state embedded as LeRobot's gaussian_actor does; in best
+    # only, Tandem's replay stays in memory
+    pa = argparse.Namespace(**vars(args), task="pendulum")
+    d_common, d_learner, _ = tandem_overrides(pa, tmp_path, "defaults")
+    b_common, b_learner, _ = tandem_overrides(pa, tmp_path, "best")
+    assert d_common[0] == "env=inverted_pendulum" and not any("render_quality" in o for o in d_common)
+    assert "++policy.state_embed_without_images=true" in d_common and d_common == b_common
+    assert "buffer.persist=false" in b_learner and "buffer.persist=false" not in d_learner
+    assert "logging.stats_window=20" in d_learner
+    assert TASKS["pendulum"]["lerobot"] == ["--obs", "pendulum", "--fps", "0"]
+    # state-only pick-cube: the same env options on both sides
+    sc, _, _ = tandem_overrides(argparse.Namespace(**vars(args), task="pick_cube_state"), tmp_path)
+    assert {"~env.cameras", "+env.cameras={}", "env.reward_type=dense", "env.random_block_position=false",
+            "env.include_env_state=true"} <= set(sc)
+    lr = TASKS["pick_cube_state"]["lerobot"]
+    assert lr[lr.index("--reward-type") + 1] == "dense" and lr[lr.index("--random-block") + 1] == "0"
+    assert len({t["json"] for t in TASKS.values()}) == len({t["png"] for t in TASKS.values()}) == len(TASKS)
+
+
+def test_lerobot_success_is_the_envs_flag_where_logged():
+    """A dense reward never reaches 1: success comes from the logged ``ok`` (gym-hil's
+    ``info["succeed"]``); without it a sparse reward of 1 counts."""
+    lines = [
+        'CMPEVENT {"ev": "step", "t": 1.0, "r": 0.4, "done": false, "ok": false}',
+        'CMPEVENT {"ev": "step", "t": 2.0, "r": 0.9, "done": true, "ok": true}',
+        'CMPEVENT {"ev": "step", "t": 3.0, "r": 1.0, "done": true, "ok": false}',
+        'CMPEVENT {"ev": "step", "t": 4.0, "r": 0.2, "done": true, "ok": true}',
+    ]
+    rows = lerobot_rows(parse_events(lines), 5.0, threshold=0.5, window=2)
+    assert rows["episodes"] == 3 and rows["successes"] == 2
+    assert rows["time_to_success_s"] == 2.0 and rows["final_success"] == 0.5  # from the first step
+
+
 def test_ratios_are_oriented_so_that_above_one_means_tandem_ahead():
     t = {"env_steps_per_s": 5.0, "updates_per_s": 1.0, "transitions_per_s": 5.0,
          "update_to_act_s": {"median": 0.5}, "time_to_success_s": None}
@@ -161,7 +201,7 @@ def test_ratios_are_oriented_so_that_above_one_means_tandem_ahead():
           "update_to_act_s": {"median": 5.0}, "time_to_success_s": 100.0}
     r = ratios(t, lr)
     assert r == {"env_steps_per_s": 5.0, "updates_per_s": 0.5, "transitions_per_s": 5.0,
-                 "update_to_act_s": 10.0, "time_to_success_s": None}
+                 "update_to_act_s": 10.0, "time_to_success_s": None, "final_success": None}
 
 
 #: the two checks below import LeRobot's rl stack or start gym-hil in a subprocess (~1 min

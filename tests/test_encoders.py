@@ -200,3 +200,19 @@ def test_frozen_backbone_cache_encodes_each_distinct_image_once_and_exactly():
         mixed[key][:2] = fresh[key]
     torch.testing.assert_close(enc(mixed), plain(mixed))
     assert seen == [8, 4] and len(enc.pooled._cache) == 12
+
+
+def test_state_embed_without_images_embeds_a_state_only_observation():
+    """``state_embed_without_images``: linear + LayerNorm + tanh on the state also without
+    cameras (LeRobot's gaussian_actor does); off (the default) the state goes in raw."""
+    spec = EnvSpec(state_dim=4, action_dim=1, max_episode_steps=100)
+    raw = ObsEncoder(spec, EncoderConfig(state_embed_dim=32))
+    assert isinstance(raw.state, torch.nn.Identity) and raw.out_dim == 4
+    enc = ObsEncoder(spec, EncoderConfig(state_embed_dim=32, state_embed_without_images=True))
+    assert enc.out_dim == 32 and isinstance(enc.state[1], torch.nn.LayerNorm)
+    out = enc({"observation.state": torch.randn(3, 4)})
+    assert out.shape == (3, 32) and out.abs().max() <= 1.0
+    # a shared-encoder SAC agent learns through it
+    st = shared_agent(spec, MLPPolicyConfig(hidden_dims=(16,), state_embed_dim=16, state_embed_without_images=True))
+    assert isinstance(st.policy.encoder.state[1], torch.nn.LayerNorm)
+    assert st.update(repeat(train_batch(spec, 8)))["num_updates"] == 1.0

@@ -113,3 +113,27 @@ def test_job_reset_options_pick_a_deterministic_placement():
             env.reset(options={"init_state_id": 1})
     finally:
         env.close()
+
+
+def test_dense_reward_shapes_the_pick_and_success_still_terminates():
+    """``reward_type: dense`` passes gym-hil's reach + lift reward through (state only, the
+    cube at its fixed start, as compare_lerobot's pick_cube_state); sparse stays the default."""
+    env = make_env({"name": "gym_hil", "task": "PandaPickCube", "cameras": {}, "include_env_state": True,
+                    "reward_type": "dense", "random_block_position": False})
+    try:
+        obs, _ = env.reset(seed=0)
+        phase, rewards = {"p": 0, "k": 0}, []
+        for _ in range(100):
+            obs, r, term, trunc, info = env.step(scripted_pick(obs, phase))
+            rewards.append(r)
+            if term or trunc:
+                break
+        assert term and not trunc and info["is_success"]
+        assert 0.0 < rewards[0] < 0.3 and max(rewards[:-1]) < rewards[-1] <= 1.0  # reach, then lift
+        assert rewards[-1] > 0.7
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="sparse or dense"):
+        make_env({"name": "gym_hil", "task": "PandaPickCube", "cameras": {}, "reward_type": "shaped"})
+    with pytest.raises(ValueError, match="PandaPickCube only"):
+        make_env({"name": "gym_hil", "task": "PandaArrangeBoxes", "cameras": {}, "reward_type": "dense"})

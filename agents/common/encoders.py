@@ -49,6 +49,9 @@ class EncoderConfig:
     image_embed_dim: int = 50
     #: hidden width of the state MLP used when there are cameras (0: feed the raw state)
     state_embed_dim: int = 64
+    #: embed the state (linear + LayerNorm + tanh to ``state_embed_dim``) also when there are
+    #: no cameras (LeRobot's gaussian_actor does); False: a state-only encoder feeds it raw
+    state_embed_without_images: bool = False
     #: "flatten" (per-camera CNN, flattened into a linear layer) or "pool" (shared strided CNN
     #: + learned spatial pooling per camera)
     image_encoder: str = "flatten"
@@ -302,7 +305,8 @@ class ObsEncoder(nn.Module):
             str(i): ImageEncoder(shape, cfg.cnn_channels, cfg.image_embed_dim)
             for i, shape in enumerate(shapes) if kind == "flatten"
         })
-        if self.image_keys and cfg.state_embed_dim > 0:
+        embed = bool(self.image_keys) or bool(getattr(cfg, "state_embed_without_images", False))
+        if embed and cfg.state_embed_dim > 0:
             self.state = nn.Sequential(nn.Linear(spec.state_dim, cfg.state_embed_dim),
                                        nn.LayerNorm(cfg.state_embed_dim), nn.Tanh())
             state_out = cfg.state_embed_dim

@@ -56,6 +56,37 @@ from tools.experiments.learning_run import free_port, stop_processes  # noqa: E4
 
 ROOT = Path(__file__).resolve().parents[3]
 
+#: the task, the same on both sides: its description, each side's options for it, and the names
+#: of the result files in ``--out``
+TASKS = {
+    "pick_cube": {
+        "desc": "gym_hil PandaPickCube, front+wrist 128x128 + 18-D state, 4-D action",
+        "lerobot": [], "tandem": ["env=gym_hil_pick_cube"],
+        "json": "compare.json", "png": "success.png"},
+    # state only, gym-hil's dense reward, the cube always at gym-hil's fixed start (LeRobot's
+    # gym-hil default; Tandem's env.random_block_position=false), no reset pause (gym-hil's 1 s
+    # for a human watching), the gripper action in [-1, 1] on both, both actors unpaced
+    "pick_cube_state": {
+        "desc": "gym_hil PandaPickCube, state only: 18-D robot state + 3-D cube position, 4-D action, "
+                "gym-hil's dense reward, fixed cube start, 100-step episodes",
+        "lerobot": ["--obs", "state", "--reward-type", "dense", "--random-block", "0", "--reset-delay-s", "0",
+                    "--gripper-pm1", "1", "--fps", "0"],
+        "tandem": ["env=gym_hil_pick_cube", "~env.cameras", "+env.cameras={}", "env.include_env_state=true",
+                   "env.reward_type=dense", "env.random_block_position=false",
+                   "++policy.state_embed_without_images=true"],
+        "json": "compare_pick_cube_state.json", "png": "success_pick_cube_state.png"},
+    # not gym-hil: gymnasium's MuJoCo cart-pole through Tandem's env code on both sides (LeRobot's
+    # actor hosts it in place of gym-hil, lerobot_entry.pendulum_env), both actors unpaced
+    "pendulum": {
+        "desc": "InvertedPendulum (gymnasium MuJoCo InvertedPendulum-v5 via Tandem's envs.pendulum): 4-D state, "
+                "1-D action, 100-step episodes, success = the pole up for all 100 steps",
+        "lerobot": ["--obs", "pendulum", "--fps", "0"],
+        "tandem": ["env=inverted_pendulum", "++policy.state_embed_without_images=true"],
+        "json": "compare_pendulum.json", "png": "success_pendulum.png", "render": False,
+        # best: Tandem also keeps its replay in memory only (LeRobot's learner writes none to disk)
+        "tandem_best": ["buffer.persist=false"]},
+}
+
 #: each side's runtime options per setting (the setup above is the same in all of them)
 SETTINGS = {
     "defaults": {"lerobot_push_s": 4.0, "tandem": []},
@@ -171,7 +202,8 @@ def run_lerobot(args, out: Path, setting: str) -> dict:
               "--batch", str(args.batch), "--utd", str(args.utd), "--hidden", *map(str, args.hidden),
               "--latent-dim", str(args.latent_dim), "--channels", str(args.channels),
               "--freeze-vision-encoder", str(int(args.freeze_backbone)), "--render", args.render,
-              "--push-s", str(SETTINGS[setting]["lerobot_push_s"]), "--drq", "0"]
+              "--push-s", str(SETTINGS[setting]["lerobot_push_s"]), "--drq", "0",
+              *TASKS[args.task]["lerobot"]]
     mod = [sys.executable, "-m", "tools.bench.compare_lerobot.lerobot_entry"]
     load = uptime()
     t_start = time.time()
@@ -197,14 +229,17 @@ def tandem_overrides(args, out: Path, setting: str = "defaults") -> tuple[list[s
     h = "[" + ",".join(map(str, args.hidden)) + "]"
     ch = "[" + ",".join([str(args.channels)] * 4) + "]"
     # ++: set whether or not config/policy/mlp.yaml lists the key (MLPPolicyConfig has them all)
-    common = ["env=gym_hil_pick_cube", f"env.render_quality={args.render}", "policy=mlp",
+    task = TASKS[getattr(args, "task", "pick_cube")]
+    render = [f"env.render_quality={args.render}"] if task.get("render", True) else []
+    common = [*task["tandem"], *render, "policy=mlp",
               "policy.image_encoder=pool", f"++policy.cnn_channels={ch}", "policy.pool_features=8",
               f"++policy.image_embed_dim={args.latent_dim}", f"++policy.state_embed_dim={args.latent_dim}",
               f"policy.hidden_dims={h}", "++policy.actor_layer_norm=true",
               f"policy.freeze_backbone={str(bool(args.freeze_backbone)).lower()}", f"run_dir={out / 'run'}"]
     learner = ["algo=sac", "algo.critic_encoder=shared", f"algo.critic_hidden_dims={h}",
                f"algo.batch_size={args.batch}", f"algo.utd_ratio={args.utd}", "algo.learning_starts=100",
-               *SETTINGS[setting]["tandem"], "algo.actor_lr=3e-4", "algo.critic_lr=3e-4", "algo.temp_lr=3e-4", "algo.tau=0.005",
+               *SETTINGS[setting]["tandem"], *(task.get("tandem_best", []) if setting == "best" else []),
+               "algo.actor_lr=3e-4", "algo.critic_lr=3e-4", "algo.temp_lr=3e-4", "algo.tau=0.005",
                "algo.init_temperature=1.0", "algo.max_grad_norm=40", "device=cpu",
                "trainer.num_threads=1", "logging.every_s=1", "logging.wandb=disabled", "logging.live=false",
                "buffer.video=false", "trainer.checkpoint_every=0", "trainer.checkpoint_every_s=0",
@@ -282,20 +317,22 @@ def reanalyze_run(run: dict, args) -> dict:
 
 def finish(res: dict, out: Path) -> None:
     """Per-side summaries, the ratios of the medians, the JSON and the plot."""
+    task = TASKS[res["args"].get("task", "pick_cube")]
     for st in res["settings"].values():
         st["summary"] = {side: summarize(runs) for side, runs in st["runs"].items()}
         if {"lerobot", "tandem"} <= set(st["summary"]):
             st["ratios_of_medians_tandem_ahead_if_gt_1"] = ratios(st["summary"]["tandem"], st["summary"]["lerobot"])
-    (out / "compare.json").write_text(json.dumps(res, indent=1))
+    (out / task["json"]).write_text(json.dumps(res, indent=1))
     try:
-        success_plot(res, out / "success.png")
+        success_plot(res, out / task["png"])
     except Exception as e:  # noqa: BLE001 - the JSON stands without the plot
         print(f"no plot: {type(e).__name__}: {e}", flush=True)
 
 
-def reanalyze(out: Path) -> dict:
+def reanalyze(out: Path, task: str = "pick_cube") -> dict:
     """The rows again from a finished run's logs and status samples (``--reanalyze``)."""
-    res = json.loads((out / "compare.json").read_text())
+    res = json.loads((out / TASKS[task]["json"]).read_text())
+    res["args"].setdefault("task", task)
     a = argparse.Namespace(**res["args"])
     for st in res["settings"].values():
         for side, runs in st["runs"].items():
@@ -307,6 +344,11 @@ def reanalyze(out: Path) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="a new folder")
+    ap.add_argument("--task", default="pick_cube", choices=tuple(TASKS),
+                    help="pick_cube: gym-hil PandaPickCube from two 128x128 cameras + state, sparse "
+                         "reward (compare.json, success.png); pick_cube_state: state only (+ cube "
+                         "position), gym-hil's dense reward, fixed cube start "
+                         "(compare_pick_cube_state.json, success_pick_cube_state.png)")
     ap.add_argument("--setting", default="defaults", choices=(*SETTINGS, "both"),
                     help="each side's runtime options (SETTINGS); both: defaults then best")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of --order per setting")
@@ -330,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="recompute <out>/compare.json and the plot from its logs instead of running")
     args = ap.parse_args(argv)
     if args.reanalyze:
-        res = reanalyze(Path(args.out))
+        res = reanalyze(Path(args.out), args.task)
         print(json.dumps({k: v.get("ratios_of_medians_tandem_ahead_if_gt_1") for k, v in res["settings"].items()},
                          indent=1))
         return res
@@ -338,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=False)
     settings = list(SETTINGS) if args.setting == "both" else [args.setting]
     sides = args.order.split(",")
-    res: dict = {"task": "gym_hil PandaPickCube, front+wrist 128x128 + 18-D state, 4-D action",
+    res: dict = {"task": TASKS[args.task]["desc"],
                  "args": vars(args), "nproc": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
                  "settings": {s: {"options": SETTINGS[s], "runs": {n: [] for n in sides}} for s in settings}}
     load = LoadSampler()
@@ -357,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
                     row.update(system=name, round=r + 1, dir=str(d), load_1min=load.between(t_run, time.time()))
                     res["settings"][setting]["runs"][name].append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "success_curve"}), flush=True)
-                    (out / "compare.json").write_text(json.dumps(res, indent=1))
+                    (out / TASKS[args.task]["json"]).write_text(json.dumps(res, indent=1))
     finally:
         load.stop()
         res["load_1min_protocol"] = load.between(t_protocol, time.time())

@@ -22,7 +22,9 @@ Rows (each over the steady window: from the first env step to the end of the run
   actor's first log line (every second) showing a version that includes it (version k holds
   updates up to ``k * publish_every``) or a newer one; resolution about one second;
 - ``time_to_success_s``: seconds from the first env step until the success rate over the last
-  ``window`` finished episodes reaches ``threshold`` (None: not reached).
+  ``window`` finished episodes reaches ``threshold`` (None: not reached);
+- ``final_success``: the success rate over the last ``window`` finished episodes at the end
+  (Tandem: its learner's windowed ``success``, ``logging.stats_window=window``).
 
 Besides the rows, ``success_curve``: [seconds from the first env step, success rate over the
 last ``window`` finished episodes (fewer at the start), episodes so far] at each episode end;
@@ -33,6 +35,7 @@ last ``window`` finished episodes (fewer at the start), episodes so far] at each
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import math
@@ -89,9 +92,18 @@ def _latency(updates: list[float], publish: list[tuple[float, int]],
     includes it: the first version published at or after the update, or any newer one.
     Updates the actor had not acted on by the end are left out (``censored`` counts them)."""
     lat, censored = [], 0
+    pub_t = [t for t, _ in publish]
+    # the first time the actor acted with a version >= v, per v (a running maximum)
+    first_acted: dict[int, float] = {}
+    best = -1
+    for t, w in acted:
+        for v in range(best + 1, w + 1):
+            first_acted[v] = t
+        best = max(best, w)
     for tu in updates:
-        v = next((k for t, k in publish if t >= tu), None)
-        ta = next((t for t, w in acted if w >= v), None) if v is not None else None
+        i = bisect.bisect_left(pub_t, tu)
+        v = publish[i][1] if i < len(publish) else None
+        ta = first_acted.get(v) if v is not None else None
         if ta is None:
             censored += 1
             continue
@@ -115,14 +127,17 @@ def lerobot_rows(events: list[dict], t_end: float, *, threshold: float, window: 
     pushes = [e for e in events if e["ev"] == "push"]
     publish = [(e["t"], k) for k, e in enumerate(pushes)]
     acted = []
+    pub_t = [t for t, _ in publish]
     for e in events:
         if e["ev"] == "load":
-            before = [k for t, k in publish if t <= e["t"]]
-            if before:
-                acted.append((e["t"], before[-1]))
+            i = bisect.bisect_right(pub_t, e["t"])
+            if i:
+                acted.append((e["t"], publish[i - 1][1]))
     outcomes, ok = [], False
     for e in steps:
-        ok = ok or e.get("r", 0.0) >= 1.0
+        # success: the env's own flag where the actor logged it (gym-hil's info["succeed"]),
+        # else a sparse reward of 1
+        ok = ok or (bool(e["ok"]) if "ok" in e else e.get("r", 0.0) >= 1.0)
         if e.get("done"):
             outcomes.append((e["t"], ok))
             ok = False
@@ -142,6 +157,7 @@ def lerobot_rows(events: list[dict], t_end: float, *, threshold: float, window: 
         "episodes": len(outcomes),
         "successes": sum(ok for _, ok in outcomes),
         "time_to_success_s": windowed_success_time(outcomes, t0, threshold=threshold, window=window),
+        "final_success": curve[-1][1] if curve else None,
         "first_trained_weights_acted_s": round(trained_loads[0] - t0, 1) if trained_loads else None,
         "steady_s": round(t_end - t0, 1),
         "success_curve": curve,
@@ -222,6 +238,7 @@ def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end
         "update_to_act_s": _tandem_latency(_update_times(ups), acted, publish_every),
         "episodes": last.get("episodes", 0),
         "success_window": last.get("success"),
+        "final_success": last.get("success") if last.get("episodes", 0) else None,
         "time_to_success_s": success_t,
         "first_trained_weights_acted_s": round(first_trained - t0, 1) if first_trained else None,
         "steady_s": round(t_end - t0, 1),
@@ -230,7 +247,8 @@ def tandem_rows(samples: list[dict], actor_lines: list[tuple[float, str]], t_end
     }
 
 
-ROWS = ("env_steps_per_s", "updates_per_s", "transitions_per_s", "update_to_act_s", "time_to_success_s")
+ROWS = ("env_steps_per_s", "updates_per_s", "transitions_per_s", "update_to_act_s", "time_to_success_s",
+        "final_success")
 LOWER_IS_BETTER = ("update_to_act_s", "time_to_success_s")
 
 

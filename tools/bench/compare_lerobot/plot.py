@@ -5,6 +5,7 @@ env step."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 STYLE = {"lerobot": {"color": "tab:orange", "ls": "--"}, "tandem": {"color": "tab:blue", "ls": "-"}}
@@ -47,7 +48,8 @@ def success_plot(res: dict, path: Path) -> None:
             ax.legend(fontsize=7, loc="upper left")
     axes[0][0].set_ylabel(f"success, last {window} episodes")
     axes[1][0].set_ylabel("learner updates so far")
-    fig.suptitle(f"gym-hil PandaPickCube, LeRobot HIL-SERL vs Tandem ({res.get('date', '')})", fontsize=10)
+    title = f"{res.get('task', 'gym-hil PandaPickCube')}: LeRobot HIL-SERL vs Tandem ({res.get('date', '')})"
+    fig.suptitle(textwrap.fill(title, 6 + 90 * len(settings) // 2), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
