@@ -128,10 +128,10 @@ def make_critic(cfg, spec, policy) -> EnsembleCritic:
             raise ValueError(f"critic_encoder=shared needs a policy with an `encoder` module and "
                              f"`sample_from_features` (e.g. mlp); {type(policy).__name__} has not")
     else:
-        encoder = ObsEncoder(spec, EncoderConfig(tuple(cfg.critic_cnn_channels),
-                                                 cfg.critic_image_embed_dim,
-                                                 cfg.critic_state_embed_dim,
-                                                 cfg.critic_image_encoder))
+        encoder = ObsEncoder(spec, EncoderConfig(cnn_channels=tuple(cfg.critic_cnn_channels),
+                                                 image_embed_dim=cfg.critic_image_embed_dim,
+                                                 state_embed_dim=cfg.critic_state_embed_dim,
+                                                 image_encoder=cfg.critic_image_encoder))
     chunk = int(getattr(policy, "chunk_size", 1))
     return EnsembleCritic(encoder, chunk * spec.action_dim, num_critics=cfg.num_critics,
                           hidden_dims=tuple(cfg.critic_hidden_dims),

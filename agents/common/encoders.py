@@ -49,9 +49,6 @@ class EncoderConfig:
     image_embed_dim: int = 50
     #: hidden width of the state MLP used when there are cameras (0: feed the raw state)
     state_embed_dim: int = 64
-    #: embed the state (linear + LayerNorm + tanh to ``state_embed_dim``) also when there are
-    #: no cameras (LeRobot's gaussian_actor does); False: a state-only encoder feeds it raw
-    state_embed_without_images: bool = False
     #: "flatten" (per-camera CNN, flattened into a linear layer) or "pool" (shared strided CNN
     #: + learned spatial pooling per camera)
     image_encoder: str = "flatten"
@@ -67,6 +64,9 @@ class EncoderConfig:
     task_embed_dim: int = 0
     #: hash buckets (learned word embeddings) of the instruction encoder
     task_buckets: int = 256
+    #: embed the state (linear + LayerNorm + tanh to ``state_embed_dim``) also when there are
+    #: no cameras (LeRobot's gaussian_actor does); False: a state-only encoder feeds it raw
+    state_embed_without_images: bool = False
 
 
 IMAGE_ENCODERS = ("flatten", "pool")
