@@ -150,6 +150,10 @@ def test_settings_set_each_sides_runtime_options_and_keep_the_setup(tmp_path):
     assert tandem_publish_every(b_learner) == 1
     # the setup is the same in both: only the setting's options differ
     assert d_common == b_common
+    # --tandem-extra: an ablation's overrides reach Tandem's learner, nothing else changes
+    args.tandem_extra = ["buffer.persist=false"]
+    a_common, a_learner, _ = tandem_overrides(args, tmp_path, "defaults")
+    assert a_common == d_common and [o for o in a_learner if o not in d_learner] == ["buffer.persist=false"]
     assert [o for o in b_learner if o not in SETTINGS["best"]["tandem"]] == d_learner
     assert SETTINGS["defaults"]["lerobot_push_s"] == 4.0 and SETTINGS["best"]["lerobot_push_s"] == 0.0
 

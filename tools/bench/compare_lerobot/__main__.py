@@ -239,7 +239,7 @@ def tandem_overrides(args, out: Path, setting: str = "defaults") -> tuple[list[s
     learner = ["algo=sac", "algo.critic_encoder=shared", f"algo.critic_hidden_dims={h}",
                f"algo.batch_size={args.batch}", f"algo.utd_ratio={args.utd}", "algo.learning_starts=100",
                *SETTINGS[setting]["tandem"], *(task.get("tandem_best", []) if setting == "best" else []),
-               "algo.actor_lr=3e-4", "algo.critic_lr=3e-4", "algo.temp_lr=3e-4", "algo.tau=0.005",
+               *getattr(args, "tandem_extra", []), "algo.actor_lr=3e-4", "algo.critic_lr=3e-4", "algo.temp_lr=3e-4", "algo.tau=0.005",
                "algo.init_temperature=1.0", "algo.max_grad_norm=40", "device=cpu",
                "trainer.num_threads=1", "logging.every_s=1", "logging.wandb=disabled", "logging.live=false",
                "buffer.video=false", "trainer.checkpoint_every=0", "trainer.checkpoint_every_s=0",
@@ -368,6 +368,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--success-threshold", type=float, default=0.5)
     ap.add_argument("--success-window", type=int, default=10)
     ap.add_argument("--order", default="lerobot,tandem")
+    ap.add_argument("--tandem-extra", nargs="*", default=[],
+                    help="more learner overrides for Tandem's runs (ablations, e.g. buffer.persist=false)")
     ap.add_argument("--reanalyze", action="store_true",
                     help="recompute <out>/compare.json and the plot from its logs instead of running")
     args = ap.parse_args(argv)
