@@ -39,9 +39,7 @@ from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: what the box lacks (the GPU image holds torch, numpy, scipy, pandas, pyarrow, pillow,
-#: opencv, numba, matplotlib, accelerate, safetensors, huggingface-hub, aiohttp, rich, tqdm,
-#: msgpack, pyyaml, ...): (package, why)
+#: what the box lacks (the GPU image holds ``IMAGE``, below): (package, why)
 PACKAGES = (
     ("transformers", "lerobot's PI0 needs the lock's version (the image's is newer)"),
     ("tokenizers", "transformers' pin"),

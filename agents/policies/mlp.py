@@ -106,8 +106,7 @@ class MLPPolicy(nn.Module):
 
     def _draw_params(self, mean: torch.Tensor, log_std: torch.Tensor, generator: torch.Generator | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        eps = (torch.randn_like(mean) if generator is None
-               else torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype))
+        eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)  # None: global RNG
         u = mean + log_std.exp() * eps
         logp = (-0.5 * eps.pow(2) - log_std - 0.5 * math.log(2 * math.pi) - tanh_log_det(u)).sum(-1)
         return torch.tanh(u), logp, eps

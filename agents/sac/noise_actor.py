@@ -126,8 +126,7 @@ class NoiseActor(nn.Module):
         """Reparameterised (noise [B, H, d], log_prob [B]) (density of the scaled noise); the
         standard normals from ``generator`` when given, else torch's global RNG."""
         mean, log_std = self.dist_params(feats)
-        eps = (torch.randn_like(mean) if generator is None
-               else torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype))
+        eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)  # None: global RNG
         u = mean + log_std.exp() * eps
         logp = (-0.5 * eps.pow(2) - log_std - 0.5 * math.log(2 * math.pi) - tanh_log_det(u)
                 - math.log(self.scale)).sum(-1)
