@@ -69,8 +69,19 @@ def obs(i, n=2):
     return o
 
 
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
+def gen(seed, device="cpu"):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def device_of(policy) -> torch.device:
+    """Where the policy's act runs (a tiny OFT builds on the GPU when there is one; the server's
+    generator lives on that device, so the test's does too)."""
+    return next(policy.parameters()).device
+
+
+def rng_states() -> list[torch.Tensor]:
+    """torch's global RNG states: the CPU's and, with a GPU, the current device's."""
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if torch.cuda.is_available() else [])
 
 
 def chunk_arrays(c):
@@ -81,17 +92,18 @@ def chunk_arrays(c):
 def test_act_with_a_generator_draws_only_from_it(kind, ckpts, tmp_path):
     p = make(kind, ckpts, tmp_path)
     assert accepts_generator(p.act)
-    o = obs(1)
-    state = torch.get_rng_state()
-    a, b, c = p.act(o, generator=gen(5)), p.act(o, generator=gen(5)), p.act(o, generator=gen(6))
-    assert torch.equal(torch.get_rng_state(), state)  # the global RNG did not move
+    o, dev = obs(1), device_of(p)
+    state = rng_states()
+    a, b, c = (p.act(o, generator=gen(5, dev)), p.act(o, generator=gen(5, dev)),
+               p.act(o, generator=gen(6, dev)))
+    assert all(map(torch.equal, rng_states(), state))  # the global RNGs did not move
     for x, y in zip(chunk_arrays(a), chunk_arrays(b)):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert not torch.equal(a.actions, c.actions)
     # without one, the act draws from the global RNG as before (torch.manual_seed replays it)
     torch.manual_seed(7)
     d = p.act(o)
-    assert not torch.equal(torch.get_rng_state(), state)
+    assert not all(map(torch.equal, rng_states(), state))
     torch.manual_seed(7)
     torch.testing.assert_close(p.act(o, generator=None).actions, d.actions, rtol=0, atol=0)
 
