@@ -68,6 +68,17 @@ def train_grpo(out: Path, base: Path, seed: int, *, updates: int, actors: int, m
                              poll_s=1.0, label="grpo")
 
 
+#: the registered per-seed margin (docs/preregistered.md, claim 4)
+MARGIN = 0.10
+
+
+def seed_passes(r: dict, margin: float = MARGIN) -> bool:
+    """Claim 4's per-seed rule: GRPO's after >= start and more-BC after, each + ``margin``
+    (rounded to 2 places: 100 episodes)."""
+    after = r["grpo_after"]
+    return all(round(after - r[k], 2) >= margin for k in ("start", "more_bc_after"))
+
+
 def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actors: int = ACTORS,
              max_s: float = 900.0, control: bool = True, extra: tuple[str, ...] = ()) -> dict:
     """Every arm of one seed, one after the other (module docstring); the summary."""

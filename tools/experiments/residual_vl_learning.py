@@ -156,6 +156,17 @@ def more_bc(demos: Path, base: Path, seed: int, seconds: float) -> tuple[dict, i
     return policy.trainable_state_dict(), steps
 
 
+#: the registered per-seed margin (docs/preregistered.md, claim 3)
+MARGIN = 0.10
+
+
+def seed_passes(r: dict, margin: float = MARGIN) -> bool:
+    """Claim 3's per-seed rule: the residual's after >= start, more-BC after and the untrained
+    residual, each + ``margin`` (rounded to 2 places: 100 episodes)."""
+    after = r["residual_after"]
+    return all(round(after - r[k], 2) >= margin for k in ("start", "more_bc_after", "untrained_residual"))
+
+
 def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actors: int = ACTORS,
              max_s: float = 1200.0, extra: tuple[str, ...] = ()) -> dict:
     """Every arm of one seed (module docstring); the summary."""

@@ -1,0 +1,58 @@
+"""GRPO on ``env=point_reach_vl`` against its control, one registered seed (docs/preregistered.md,
+claim 4), through the real learner and two actor processes (CPU). The cheap plumbing of the same
+tool is tests/test_grpo_vl_learning.py (default suite).
+
+The run and the measurement are :mod:`tools.experiments.grpo_vl_learning`'s: seed 0's weak MLP
+(image + instruction; the state has no target), ``algo=grpo`` for the registered number of
+updates, then the more-BC control for the same wall-clock, every arm on the 100 held-out
+episodes. Asserted: the learner updated, and the seed passes by the registered rule
+(:func:`tools.experiments.grpo_vl_learning.seed_passes`: GRPO's after >= start + 0.10 and
+>= more-BC after + 0.10). Where the claim did not hold in its registered runs, the rule's
+assertion is marked xfail (not strict): it reports XPASS once a recipe passes. All five seeds:
+``python -m tools.experiments.grpo_vl_learning --out OUT --seeds 0 1 2 3 4`` (docs/learning.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# one seed: a GRPO run and its more-BC control of the same wall-clock, ~9-18 min on 2 cores
+# (the registered seeds took 522-1,085 s each):
+# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s tests/test_grpo_vl_claim.py
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400),
+              pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
+                                 reason="a 9-18-minute learning run: TANDEM_LEARNING_TESTS=1 uv run --frozen "
+                                        "pytest -q -s tests/test_grpo_vl_claim.py")]
+
+#: set when claim 4 did not hold in its registered runs (docs/preregistered.md, Outcomes)
+NOT_HOLDING: str | None = ("claim 4 did not hold in its registered runs (0/5 seeds; seed 0: 0.05 -> 0.15 against "
+                           "more-BC 0.18, docs/learning.md): kept as the check a better recipe must pass")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    from tools.experiments.grpo_vl_learning import run_seed
+    from tools.experiments.rs_vl_learning import prepare
+
+    import torch
+
+    torch.set_num_threads(1)  # as the tool's main runs the evaluations
+    out = tmp_path_factory.mktemp("grpo_vl")
+    return run_seed(out, prepare(out), 0)
+
+
+def test_grpo_trained(result):
+    print(f"\nGRPO, seed 0: {({k: v for k, v in result.items() if k != 'trace'})}")
+    from tools.experiments.grpo_vl_learning import UPDATES
+
+    assert result["updates"] >= UPDATES and result["more_bc_steps"] > 0
+
+
+def test_grpo_beats_its_control(result, request):
+    from tools.experiments.grpo_vl_learning import seed_passes
+
+    if NOT_HOLDING:
+        request.applymarker(pytest.mark.xfail(strict=False, reason=NOT_HOLDING))
+    assert seed_passes(result), result
