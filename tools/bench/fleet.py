@@ -3,20 +3,39 @@
     python -m tools.bench.fleet --loads state,camera --actors 16,64,256 --seconds 40 \\
         --json docs/fleet.json --png docs/fleet.png
 
-Per load and N, a fresh ``python -m learner`` on loopback (as a user runs it: buffer
-persistence on, the LeRobot episode store writing video, the wire gate) and N simulated robots
-in ``--processes`` processes (:mod:`tools.bench.fleet_actors`: the product's ActorLoop,
-LearnerClient and Spool on a thread each, in front of a stand-in stepping at ``--hz``; niced by
-``--robots-nice``, as they stand in for machines of their own). All
-start together, run ``--seconds`` (the first ``--warmup-s`` are not counted), finish their
+Per load and N (``--learner-per load``: per load), a fresh ``python -m learner`` on loopback
+(as a user runs it: buffer persistence on, the LeRobot episode store writing video, the wire
+gate) and N simulated robots in ``--processes`` processes (:mod:`tools.bench.fleet_actors`:
+the product's ActorLoop, LearnerClient and Spool on a thread each, in front of a stand-in
+stepping at ``--hz``; niced by ``--robots-nice``, as they stand in for machines of their own).
+All start together, run ``--seconds`` (the first ``--warmup-s`` are not counted), finish their
 episodes and wait for the acks. Loads:
 
 - ``state``: an 8-D state, the MLP policy (``algo=sac``), one act and one transition per step
   at 10 Hz;
-- ``camera``: 2 cameras at 224x224 and the state, a tiny PI0 on the CPU
-  (``algo=rejection_sampling``, :func:`tools.make_tiny_checkpoints.make_pi0`) serving chunks
-  of ``--chunk`` actions: one act every chunk (0.5 s at 10 Hz with 5), one transition with
-  both images per step.
+- ``camera``: 2 cameras at 224x224 and the state, ``algo=rejection_sampling``, chunks of
+  ``--chunk`` actions (one act every chunk: 0.5 s at 10 Hz with 5), one transition with both
+  images per step; ``--policy tiny-pi0`` (default): a tiny PI0
+  (:func:`tools.make_tiny_checkpoints.make_pi0`) that resizes the frames to 56x56 inside;
+  ``--policy pi0``: the full-size PI0 (~3B parameters, random weights, built in the learner
+  from no checkpoint as :func:`tools.bench.policy.build` builds it, nothing downloaded or
+  written), served by the fast path's CUDA graphs without ``torch.compile``, every batch
+  bucket up to ``inference.max_batch`` (``--serve-buckets``) captured before the service starts
+  (:mod:`tools.bench.fleet_gpu`; ``--pi0-arch tiny``: the same path at test sizes, on a CPU).
+
+``--device cuda`` puts the learner and its policy on the GPU (default ``cpu``); the JSON's
+``hardware`` then names the GPU (``torch.cuda.get_device_name``) and each point has ``gpu``:
+its utilization (mean, max) and peak memory over the window, from ``nvidia-smi`` once a
+second. ``--learner-per load`` starts one learner per load and runs every N against it, in
+the order given, new robot names each time, after waiting up to ``--settle-s`` for the last
+N's episodes to become durable (a full PI0's build and captures once, not per N);
+``--deadline-s`` skips the points that would end past it and ``--keep-going`` records a
+failed load and goes on (a single timed GPU call still writes its JSON). The GPU figures
+(one H200, its 16 cores for the robots and the learner; about 400 s, at most ~520)::
+
+    python -m tools.bench.fleet --device cuda --policy pi0 --loads camera,state --learner-per load \\
+        --processes 12 --seconds 30 --drain-s 15 --settle-s 15 --stop-wait-s 20 --deadline-s 480 \\
+        --keep-going --spool-dir /tmp/fleet-spools --json fleet_gpu.json --png fleet_gpu.png
 
 Training is held off (``algo.learning_starts`` / ``algo.env_steps_per_cycle`` past the run) so
 that the figures are the serving and ingest path's; ``--train`` lets the algorithm train as it
@@ -38,18 +57,17 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from tools.bench.common import ROOT, emit_json, quiet_logging
+from tools.bench.fleet_gpu import SERVE_BUCKETS, full_pi0_overrides, full_pi0_tokenizer, gpu_window, hardware, is_cuda
 from tools.bench.fleet_report import compare, plot, summarize, verdict
-from tools.bench.procstat import cpu_delta, label_cpu, task_cpu, thread_cpu
+from tools.bench.fleet_sample import Sampler, read_status, window
 from tools.experiments.learning_run import stop_processes
 
 STATE_DIM, ACTION_DIM = 8, 7
@@ -73,7 +91,7 @@ def _hydra_dict(d) -> str:
 
 def learner_overrides(load: str, args, run_dir: Path, ckpt: Path | None) -> list[str]:
     o = ["env=robot", f"env.spec={_hydra_dict(spec_block(load, args.episode_steps))}", f"run_dir={run_dir}",
-         "device=cpu", "logging.wandb=disabled", f"logging.every_s={args.status_every_s}", "logging.live=false",
+         f"device={args.device}", "logging.wandb=disabled", f"logging.every_s={args.status_every_s}", "logging.live=false",
          "transport.port=0", "transport.pub_port=0", "resume=never",
          # one torch thread: each learner thread's CPU is its own (a second OpenMP thread on 2
          # cores shared with the robots only spins)
@@ -83,9 +101,17 @@ def learner_overrides(load: str, args, run_dir: Path, ckpt: Path | None) -> list
         if not args.train:
             o.append("algo.learning_starts=1000000000")
     else:
-        o += ["algo=rejection_sampling", "policy=pi0", f"policy.checkpoint={ckpt}", f"policy.chunk_size={args.chunk}",
-              "policy.device=cpu", "policy.lora_rank=4", "algo.eval_episodes=0", "algo.pretrain_steps=0",
-              f"buffer.capacity={args.camera_capacity}",
+        o += ["algo=rejection_sampling", "policy=pi0"]
+        if args.policy == "pi0":  # full size from scratch (ckpt: its tokenizer), the policy's own LoRA rank
+            o += full_pi0_overrides(ckpt, args.serve_buckets) + [f"policy.chunk_size={args.chunk}",
+                                                                 f"policy.device={args.device}"]
+            if args.pi0_arch == "tiny":  # the test-size architecture: a CPU dry run of this path
+                from tools.make_tiny_checkpoints import TINY_PI0_ARCH
+                o.append(f"+policy.arch={_hydra_dict(TINY_PI0_ARCH)}")
+        else:
+            o += [f"policy.checkpoint={ckpt}", f"policy.chunk_size={args.chunk}", f"policy.device={args.device}",
+                  "policy.lora_rank=4"]
+        o += ["algo.eval_episodes=0", "algo.pretrain_steps=0", f"buffer.capacity={args.camera_capacity}",
               # what the config's note asks for: above actors x one episode's records
               f"buffer.max_staged_mb={max(1024, 2 * args.max_actors * args.episode_steps * 0.31):.0f}"]
         if not args.train:
@@ -119,108 +145,6 @@ def tiny_pi0(work: Path, chunk: int, episode_steps: int) -> Path:
     return ck
 
 
-# ---- /proc readings ------------------------------------------------------------------------------
-
-def machine_busy() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    tck = os.sysconf("SC_CLK_TCK")
-    idle = v[3] + (v[4] if len(v) > 4 else 0)
-    return (sum(v) - idle) / tck, sum(v) / tck
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def child_label(pid: int) -> str:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return "gone"
-    if "gate_main" in cmd:
-        return "wire-gate"
-    if "multiprocessing" in cmd or "spawn_main" in cmd:
-        return "resource-tracker" if "resource_tracker" in cmd else "encoder-workers"
-    return Path(cmd.split()[0]).name if cmd else "child"
-
-
-def rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def read_status(run_dir: Path) -> dict:
-    try:
-        st = json.loads((run_dir / "status.json").read_text())
-        st["_mtime"] = (run_dir / "status.json").stat().st_mtime
-        return st
-    except (OSError, ValueError):
-        return {}
-
-
-class Sampler:
-    """CPU seconds of the learner's threads (named from its status.json), of its child
-    processes by label, of the robots' processes and of the machine; peak RSS every second."""
-
-    def __init__(self, learner_pid: int, worker_pids: list[int], run_dir: Path):
-        self.pid, self.workers, self.run_dir = learner_pid, worker_pids, run_dir
-        self.peak = {"learner": 0.0, "children": 0.0, "robots": 0.0}
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._watch, daemon=True)
-        self._t.start()
-
-    def snapshot(self) -> dict:
-        st = read_status(self.run_dir)
-        kids: dict[str, float] = {}
-        for c in children(self.pid):
-            lab = child_label(c)
-            for k in [c, *children(c)]:
-                kids[lab] = kids.get(lab, 0.0) + sum(thread_cpu(pid=k).values())
-        robots = sum(sum(thread_cpu(pid=w).values()) for w in self.workers)
-        busy, total = machine_busy()
-        return {"t": time.monotonic(), "tasks": task_cpu(self.pid), "children": kids,
-                "robots": robots, "busy": busy, "total": total, "status": st}
-
-    def _watch(self) -> None:
-        while not self._stop.wait(1.0):
-            kids = sum(rss_mb(c) for c in children(self.pid))
-            cur = {"learner": rss_mb(self.pid), "children": kids,
-                   "robots": sum(rss_mb(w) for w in self.workers)}
-            self.peak = {k: max(v, cur[k]) for k, v in self.peak.items()}
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-def window(a: dict, b: dict, names: dict) -> dict:
-    """CPU (cores) of the window between two snapshots; ``names``: thread id -> Python thread
-    name (the learner's status.json; threads it does not name keep their kernel name)."""
-    dt = b["t"] - a["t"]
-    labels = {int(k): v for k, v in names.items()}
-    th = cpu_delta(label_cpu(a["tasks"], labels), label_cpu(b["tasks"], labels))
-    kids = cpu_delta(a["children"], b["children"])
-    ncpu = os.cpu_count() or 1
-    return {"seconds": dt,
-            "learner_threads": {k: round(v / dt, 3) for k, v in sorted(th.items(), key=lambda kv: -kv[1])},
-            "learner_children": {k: round(v / dt, 3) for k, v in kids.items()},
-            "robots": round((b["robots"] - a["robots"]) / dt, 3),
-            "machine_busy_cores": round((b["busy"] - a["busy"]) / max(1e-9, b["total"] - a["total"]) * ncpu, 3)}
-
-
 # ---- one point -----------------------------------------------------------------------------------
 
 def start_learner(overrides: list[str], run_dir: Path, root: Path, timeout_s: float) -> tuple[subprocess.Popen, dict]:
@@ -245,13 +169,51 @@ def start_learner(overrides: list[str], run_dir: Path, root: Path, timeout_s: fl
     raise RuntimeError(f"the learner did not start (exit {p.returncode}):\n{tail}")
 
 
-def run_point(load: str, n: int, args, work: Path, ckpt: Path | None) -> dict:
-    tag = f"{load}_n{n}" + (f"_{args.tag}" if args.tag else "")
-    run_dir = work / tag
+def start_shared(load: str, args, work: Path, ckpt: Path | None) -> dict:
+    """``--learner-per load``: one learner for every N of ``load`` (the full PI0's build and
+    graph captures once, not once per N)."""
+    run_dir = work / (f"{load}_all" + (f"_{args.tag}" if args.tag else ""))
     overrides = learner_overrides(load, args, run_dir, ckpt)
     chash = config_hash_of(overrides)
+    t0 = time.monotonic()
+    proc, st0 = start_learner(overrides, run_dir, Path(args.learner_root or ROOT), args.start_timeout_s)
+    return {"proc": proc, "st0": st0, "run_dir": run_dir, "chash": chash, "start_s": round(time.monotonic() - t0, 1)}
+
+
+def settle(run_dir: Path, limit_s: float) -> tuple[float, bool]:
+    """On a shared learner, before the next N: wait (at most ``limit_s``) until no episode waits
+    for the dataset and every record is acknowledged, so that the last N's backlog is not
+    counted against the next. (seconds waited, settled)"""
+    t0 = time.monotonic()
+    while True:
+        st = read_status(run_dir)
+        done = bool(st) and not st.get("dataset_pending") and not st.get("store_lag_records")
+        if done or time.monotonic() - t0 >= limit_s:
+            return round(time.monotonic() - t0, 1), done
+        time.sleep(0.5)
+
+
+def run_point(load: str, n: int, args, work: Path, ckpt: Path | None, shared: dict | None = None) -> dict:
+    """One (load, N): a fresh learner (``shared`` None, stopped at the end) or ``shared``'s."""
+    tag = f"{load}_n{n}" + (f"_{args.tag}" if args.tag else "")
+    extra: dict = {}
+    if shared is None:
+        run_dir = work / tag
+        overrides = learner_overrides(load, args, run_dir, ckpt)
+        chash = config_hash_of(overrides)
+    else:
+        run_dir, chash = shared["run_dir"], shared["chash"]
+        if shared["proc"].poll() is not None:
+            raise RuntimeError(f"the shared learner exited ({shared['proc'].returncode}), see {run_dir}.log")
+        extra["settle_s"], extra["settled"] = settle(run_dir, args.settle_s)
     load_before = os.getloadavg()
-    learner, st0 = start_learner(overrides, run_dir, Path(args.learner_root or ROOT), args.start_timeout_s)
+    if shared is None:
+        t_start = time.monotonic()
+        learner, st0 = start_learner(overrides, run_dir, Path(args.learner_root or ROOT), args.start_timeout_s)
+        extra["learner_start_s"] = round(time.monotonic() - t_start, 1)
+    else:
+        learner, st0 = shared["proc"], shared["st0"]
+        extra.update(learner_start_s=shared["start_s"], learner_shared=True)
     spool_root = Path(args.spool_dir) / tag
     shutil.rmtree(spool_root, ignore_errors=True)
     procs = max(1, min(args.processes, n))
@@ -267,7 +229,8 @@ def run_point(load: str, n: int, args, work: Path, ckpt: Path | None) -> dict:
     workers: list[subprocess.Popen] = []
     try:
         for i in range(procs):
-            ids = [f"robot{j:04d}" for j in range(i, n, procs)]
+            # a shared learner has seen the last N's robots: new names, their own sequence numbers
+            ids = [(f"n{n}-" if shared else "") + f"robot{j:04d}" for j in range(i, n, procs)]
             w = subprocess.Popen([sys.executable, "-m", "tools.bench.fleet_actors"], cwd=ROOT, env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  stderr=open(work / f"{tag}_robots{i}.log", "w"))
@@ -280,7 +243,8 @@ def run_point(load: str, n: int, args, work: Path, ckpt: Path | None) -> dict:
             errors += ready["errors"]
         if errors:
             raise RuntimeError(f"robots failed to connect: {errors[:3]}")
-        sampler = Sampler(learner.pid, [w.pid for w in workers], run_dir)
+        sampler = Sampler(learner.pid, [w.pid for w in workers], run_dir,
+                          gpu=args.device if is_cuda(args.device) else None)
         lead = 2.0
         for w in workers:
             w.stdin.write(f"go {lead}\n")
@@ -308,20 +272,31 @@ def run_point(load: str, n: int, args, work: Path, ckpt: Path | None) -> dict:
         for w in workers:
             if w.poll() is None:
                 w.kill()
-        stop_processes([learner], 60)
+        if shared is None:
+            stop_processes([learner], args.stop_wait_s)
         shutil.rmtree(spool_root, ignore_errors=True)
     point = summarize(load=load, n=n, hz=hz, chunk=args.chunk if load == "camera" else 1,
                       batch_records=args.batch_records,
                       robots=[r for o in outs for r in o["actors"]], window_s=outs[0]["window_s"],
                       cpu=window(a, b, names), status=(a["status"], b["status"], final), peak_rss=sampler.peak)
     point["errors"] = lost + point["errors"]
+    if sampler.gpu:
+        point["gpu"] = gpu_window(sampler.gpu_samples, a["t"], b["t"])
     point.update(processes=procs, load_avg_before=[round(x, 2) for x in load_before],
                  load_avg_after=[round(x, 2) for x in os.getloadavg()], learner_exit=learner.returncode,
-                 tag=args.tag or None)
+                 tag=args.tag or None, **extra)
     return point
 
 
-def main(argv=None) -> dict:
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loads", default="state,camera", help="comma-separated: state, camera")
     ap.add_argument("--actors", default="16,64,256", help="comma-separated N")
@@ -346,45 +321,94 @@ def main(argv=None) -> dict:
     ap.add_argument("--work", default=None, help="run dirs (default: a temporary folder)")
     ap.add_argument("--spool-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
+    ap.add_argument("--stop-wait-s", type=float, default=60.0, help="SIGINT, then kill the learner after this")
+    ap.add_argument("--device", default="cpu", help="the learner's device and its policy's: cpu | cuda | cuda:N")
+    ap.add_argument("--policy", default="tiny-pi0", choices=("tiny-pi0", "pi0"), help="camera load: tiny-pi0 (a "
+                    "test-size checkpoint, frames resized to 56 inside) | pi0 (full size, random weights, built "
+                    "in the learner; tools/bench/fleet_gpu.py)")
+    ap.add_argument("--pi0-arch", default="full", choices=("full", "tiny"), help="--policy pi0's sizes (tiny: "
+                    "the test-size architecture, a CPU dry run of the full-size path)")
+    ap.add_argument("--serve-buckets", default=list(SERVE_BUCKETS), type=_ints,
+                    help="--policy pi0: batch sizes whose CUDA graphs the learner captures before serving")
+    ap.add_argument("--learner-per", default="point", choices=("point", "load"), help="a fresh learner per N "
+                    "(point) or one per load, every N in the order given against it (load)")
+    ap.add_argument("--settle-s", type=float, default=30.0, help="--learner-per load: before each N, wait at "
+                    "most this long for the last N's episodes to become durable")
+    ap.add_argument("--keep-going", action="store_true", help="a load whose learner or point fails is "
+                    "recorded in the JSON's 'failed' and the next load goes on")
+    ap.add_argument("--deadline-s", type=float, default=0.0, help="skip the points that would start later "
+                    "than this many seconds minus --seconds and --drain-s after the start (0: none)")
     ap.add_argument("--tag", default="", help="label of this run (kept in the JSON)")
     ap.add_argument("--json", default="-", help="output JSON path ('-': one line on stdout)")
     ap.add_argument("--png", default=None, help="plot of N against latency and throughput")
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = parser()
     args = ap.parse_args(argv)
+    if args.learner_per == "load" and args.compare_root:
+        ap.error("--compare-root runs a fresh learner per point: use --learner-per point")
+    t_begin = time.monotonic()
     quiet_logging()
     loads = [x for x in args.loads.split(",") if x]
     ns = [int(x) for x in args.actors.split(",") if x]
     args.max_actors = max(ns)
+    hw = hardware(args.device)  # first: --device cuda without a GPU stops here
     work = Path(args.work or tempfile.mkdtemp(prefix="tandem-fleet-"))
     work.mkdir(parents=True, exist_ok=True)
-    ckpt = tiny_pi0(work, args.chunk, args.episode_steps) if "camera" in loads else None
+    ckpt = None
+    if "camera" in loads:
+        ckpt = full_pi0_tokenizer(work) if args.policy == "pi0" else tiny_pi0(work, args.chunk, args.episode_steps)
     # --compare-root: each point twice, interleaved, the learner from that tree first ("before")
     roots = ([("before", args.compare_root), ("after", args.learner_root)] if args.compare_root
              else [(args.tag, args.learner_root)])
-    points, base = [], []
+    points, base, skipped, failed = [], [], [], []
     for load in loads:
-        for n in ns:
-            for tag, root in roots:
-                args.tag, args.learner_root = tag, root
-                print(f"[fleet] {load} N={n} {tag}: load avg {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
-                p = run_point(load, n, args, work, ckpt)
-                print(f"[fleet]   act p50 {p['act_ms']['p50']:.1f} ms p99 {p['act_ms']['p99']:.1f} ms, "
-                      f"rate kept by {p['rate']['kept_fraction']:.0%}, batch {p['infer_batch']:.1f}, "
-                      f"ingest {p['ingest']['records_per_s']:.0f} rec/s", file=sys.stderr, flush=True)
-                (base if tag == "before" and args.compare_root else points).append(p)
-                if args.json != "-":  # what is done so far survives a later failure
-                    Path(args.json + ".partial").write_text(json.dumps({"points": points, "before": base}))
+        shared, mine = None, []
+        try:
+            for n in ns:
+                for tag, root in roots:
+                    args.tag, args.learner_root = tag, root
+                    left = args.deadline_s - (time.monotonic() - t_begin)
+                    if args.deadline_s and left < args.seconds + args.drain_s:
+                        skipped.append({"load": load, "actors": n, "tag": tag or None, "seconds_left": round(left)})
+                        say(f"[fleet] {load} N={n} skipped: {left:.0f} s left")
+                        continue
+                    if args.learner_per == "load" and shared is None:
+                        shared = start_shared(load, args, work, ckpt)
+                        say(f"[fleet] {load}: one learner for every N, started in {shared['start_s']} s")
+                    say(f"[fleet] {load} N={n} {tag}: load avg {os.getloadavg()[0]:.2f}")
+                    p = run_point(load, n, args, work, ckpt, shared)
+                    say(f"[fleet]   act p50 {p['act_ms']['p50']:.1f} ms p99 {p['act_ms']['p99']:.1f} ms, "
+                        f"rate kept by {p['rate']['kept_fraction']:.0%}, batch {p['infer_batch']:.1f}, "
+                        f"ingest {p['ingest']['records_per_s']:.0f} rec/s"
+                        + (f", GPU {p['gpu']['util_pct_mean']:.0f}% busy" if p.get("gpu") else ""))
+                    (base if tag == "before" and args.compare_root else points).append(p)
+                    mine.append(p)
+                    if args.json != "-":  # what is done so far survives a later failure
+                        Path(args.json + ".partial").write_text(json.dumps({"points": points, "before": base}))
+        except Exception as exc:
+            if not args.keep_going:
+                raise
+            failed.append({"load": load, "error": f"{type(exc).__name__}: {exc}"[-3000:]})
+            say(f"[fleet] {load} FAILED: {failed[-1]['error']}")
+        finally:
+            if shared is not None:
+                stop_processes([shared["proc"]], args.stop_wait_s)
+                for p in mine:
+                    p["learner_exit"] = shared["proc"].returncode
     out = {"command": "python -m tools.bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-           "hardware": {"cpus": os.cpu_count(), "gpu": None, "machine": platform.machine(),
-                        "kernel": platform.release(), "note": "2-core VM shared with other work, no GPU;"
-                        " the simulated robots run on the same cores as the learner"},
+           "hardware": hw,
            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "png")},
            "points": points, "saturation": verdict(points)}
+    out.update({k: v for k, v in (("skipped", skipped), ("failed", failed)) if v})
     if base:
         out["before"] = {"learner_root": args.compare_root, "points": base, "saturation": verdict(base),
                          "comparison": compare(base, points)}
     emit_json(out, args.json)
-    if args.png:
+    if args.png and points:
         plot(out, args.png)
     return out
 

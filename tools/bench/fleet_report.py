@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from tools.bench.common import percentile
+from tools.bench.fleet_gpu import title
 
 #: an actor kept its rate when it made this share of its steps in the window
 KEPT = 0.95
@@ -41,7 +42,9 @@ def summarize(*, load: str, n: int, hz: float, chunk: int, batch_records: int, r
     py_names = {*st_a.get("threads", {}).values(), *st_b.get("threads", {}).values(),
                 *final.get("threads", {}).values()}
     threads = cpu["learner_threads"]
-    server_p50 = [r["act_p50_ms"] for r in st_b.get("actors_table", []) if r.get("act_p50_ms") is not None]
+    ids = {r["actor"] for r in robots}  # (a shared learner also lists the last N's robots)
+    server_p50 = [r["act_p50_ms"] for r in st_b.get("actors_table", [])
+                  if r.get("act_p50_ms") is not None and r.get("actor") in ids]
     return {
         "load": load, "actors": n, "cpus": os.cpu_count(), "hz": hz, "chunk": chunk, "window_s": round(window_s, 2),
         "act_ms": {"p50": _pct(lat, 50), "p99": _pct(lat, 99), "max": _pct(lat, 100), "n": int(len(lat))},
@@ -74,12 +77,18 @@ def summarize(*, load: str, n: int, hz: float, chunk: int, batch_records: int, r
 def limits(p: dict) -> list[tuple[str, float]]:
     """(resource, share of its capacity) of one point, busiest first: each learner thread and
     the sum of its Python threads (one GIL: at most one core between them), the wire gate, the
-    encoder workers (their count's cores), the robots' processes and the whole machine."""
+    encoder workers (their count's cores), the busiest robot process (one GIL: the harness,
+    not the learner, when it is full), the learner's GPU (the share of time a kernel ran,
+    nvidia-smi) where it has one, and the whole machine."""
     c = p["cpu_cores"]
     out = [(f"learner thread {k}", v) for k, v in c["learner_threads"].items()]
     out.append(("learner Python threads together (GIL)", c["learner_python_threads"]))
     for k, v in c["learner_children"].items():
         out.append((k, v / (2.0 if k == "encoder-workers" else 1.0)))
+    if "robots_max_process" in c:
+        out.append(("one robot process (harness, GIL)", c["robots_max_process"]))
+    if p.get("gpu"):
+        out.append(("GPU busy (nvidia-smi utilization)", p["gpu"]["util_pct_mean"] / 100.0))
     cpus = max(1, int(round(p.get("cpus", 2))))
     out.append(("machine CPU (learner + robots + other work)", c["machine_busy_cores"] / cpus))
     return sorted(out, key=lambda kv: -kv[1])
@@ -96,7 +105,7 @@ def verdict(points: list[dict]) -> dict:
         first = bad[0] if bad else pts[-1]
         busy = [(k, round(v, 2)) for k, v in limits(first) if v >= BUSY] or \
             [(k, round(v, 2)) for k, v in limits(first)[:3]]
-        inside = [(k, round(v, 2)) for k, v in limits(first) if not k.startswith("machine")]
+        inside = [(k, round(v, 2)) for k, v in limits(first) if not k.startswith(("machine", "one robot"))]
         res[load] = {"kept_rate_up_to": max(ok) if ok else None,
                      "saturated_at": bad[0]["actors"] if bad else None,
                      "busiest_at_that_point": busy,
@@ -157,6 +166,9 @@ def plot(out: dict, path: str) -> None:
         if any(enc):
             axes[2].plot(n, enc, "v--", label=f"{load}: video encoders")
         axes[2].plot(n, [p["cpu_cores"]["robots"] for p in ps], "x:", label=f"{load}: robots (harness)")
+        if any(p.get("gpu") for p in ps):
+            axes[2].plot(n, [(p.get("gpu") or {}).get("util_pct_mean", 0) / 100.0 for p in ps], "D-", color=c,
+                         label=f"{load}: GPU busy (share)")
     for load in loads if "before" in out else ():  # the same points with the base learner
         ps = sorted((p for p in out["before"]["points"] if p["load"] == load), key=lambda p: p["actors"])
         axes[0].plot([p["actors"] for p in ps], [p["act_ms"]["p50"] for p in ps], "o:", color=colors.get(load),
@@ -174,7 +186,7 @@ def plot(out: dict, path: str) -> None:
         ax.minorticks_off()
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Tandem fleet bench · {out['date']} · {out['hardware']['cpus']}-core VM, no GPU", fontsize=10)
+    fig.suptitle(f"Tandem fleet bench · {out['date']} · {title(out)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

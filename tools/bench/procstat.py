@@ -1,4 +1,5 @@
 """Process-level measurement helpers (Linux /proc): CPU time per thread, page pre-faulting,
+child processes, resident memory, the machine's busy time,
 cProfile text."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import io
 import os
 import pstats
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -102,3 +104,35 @@ def stats_text(prof: cProfile.Profile, top: int, sort: str = "tottime") -> str:
     st = pstats.Stats(prof, stream=buf)
     st.sort_stats(sort).print_stats(top)
     return buf.getvalue()
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    tck = os.sysconf("SC_CLK_TCK")
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v) - idle) / tck, sum(v) / tck
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (/proc/<pid>/task/*/children)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` now, MB (0.0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
