@@ -16,7 +16,7 @@
 # every segment and every actor plays other start states); then exports the run's last
 # checkpoint as a policy folder (python -m tools.export --format lerobot: also a Tandem
 # policy.checkpoint), packs it as $OUT/policy.tgz.partNN (at most 15 MiB each) and copies the
-# run's metrics, status and logs to $OUT. A new segment starts a new learner from that policy:
+# run's metrics and status to $OUT, its logs as $OUT/seg<SEG>_logs.tgz. A new segment starts a new learner from that policy:
 # the optimizer, the replay of earlier segments and the counters are not carried; the demos
 # are mixed in every segment. `eval` runs the chain with RL=0 (TAG=eval<SEG>): the protocol
 # sweeps START and its report goes to $OUT/eval_<SEG>.json. Every other setting is
@@ -55,10 +55,14 @@ case "$mode" in
       env=libero_spatial env.image_size=64 policy=pi0_small "policy.checkpoint=$START" ${EXTRA_POL:-} \
       > "$R/res/export_seg$SEG.log" 2>&1 || { tail -n 20 "$R/res/export_seg$SEG.log" >&2; exit 3; }
     tar -czf - -C "$R/policy_$SEG" . | split -b 15M -d -a 2 - "$OUT/policy.tgz.part"
-    for f in "seg${SEG}_metrics.jsonl" "seg${SEG}_status.json" "seg${SEG}_learner.log" \
-             "seg${SEG}_actors.txt" "export_seg$SEG.log" timeline.txt; do
+    for f in "seg${SEG}_metrics.jsonl" "seg${SEG}_status.json"; do
       [ -f "$R/res/$f" ] && cp "$R/res/$f" "$OUT/"
     done
+    # the logs in one file: a lent box returns at most 8 files a call, the parts included
+    logs=(); for f in "seg${SEG}_learner.log" "seg${SEG}_actors.txt" "export_seg$SEG.log" timeline.txt; do
+      [ -f "$R/res/$f" ] && logs+=("$f")
+    done
+    [ ${#logs[@]} -gt 0 ] && tar -czf "$OUT/seg${SEG}_logs.tgz" -C "$R/res" "${logs[@]}"
     echo "segment $SEG: $(ls "$OUT"/policy.tgz.part* | wc -l) part(s) of the policy in $OUT" ;;
   eval)
     TAG="eval$SEG" START_CKPT="$START" RL=0 bash launch/libero_chain.sh || exit $?

@@ -79,6 +79,9 @@ def test_segments_hand_the_policy_over_in_parts_and_a_fresh_box_unpacks_them(tmp
     parts = sorted(out1.glob("policy.tgz.part*"))
     assert parts and "segment 1: 1 part(s)" in done.stdout
     assert "seg1 (rs): 5 s with" in (r1 / "res" / "timeline.txt").read_text()
+    assert len(list(out1.iterdir())) <= 8        # what a lent box returns from one call
+    with tarfile.open(out1 / "seg1_logs.tgz") as tar:
+        assert "timeline.txt" in tar.getnames()
 
     base = tmp_path / "base"                     # demos + protocol before, as carried to a new box
     base.mkdir()
