@@ -182,6 +182,13 @@ def bench_variant(variant: str, args, tmp: Path, save=lambda res: None) -> dict:
     with torch.inference_mode():
         inputs = policy.model_inputs(obs)
         noise = torch.randn(1, policy.chunk_size, d, device=policy.device)
+    eager = None
+    if not args.warmup_only:  # lerobot's actions first: each run's differences are saved with it
+        with torch.inference_mode():
+            policy.cfg.fast_serving, serving = "off", policy.cfg.fast_serving
+            eager = policy.forward_model(inputs, noise)
+            policy.cfg.fast_serving = serving
+        res["eager_abs_max"] = float(eager.abs().max())
     outs = {}
     for mode in args.modes:
         for lever in args.levers:
@@ -193,24 +200,23 @@ def bench_variant(variant: str, args, tmp: Path, save=lambda res: None) -> dict:
             try:
                 res["modes"][key] = r = bench_mode(policy, mode, obs, inputs, noise, args, sync, lever)
                 if "out" in r:
-                    outs[key] = r.pop("out")
+                    outs[key] = out = r.pop("out")
+                    r["max_abs_diff"] = float((out - eager).abs().max())
+                    if lever != "baseline" and mode in outs:
+                        r["max_abs_diff_vs_baseline"] = float((out - outs[mode]).abs().max())
+                print(f"[pi0_fast] {variant} {key}: act p50 {r['act_ms']['p50']:.2f} ms p99 {r['act_ms']['p99']:.2f}, "
+                      f"max |fast-lerobot| {r.get('max_abs_diff', float('nan')):.3g}", flush=True)
             except Exception as exc:  # noqa: BLE001 - recorded: compile / FP8 support varies
                 res["modes"][key] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+                print(f"[pi0_fast] {variant} {key}: {res['modes'][key]['error'][:300]}", flush=True)
             save(res)
     policy._fast = None
-    if not args.warmup_only:
+    late = args.deadline_s and time.perf_counter() - args.t0 + 15.0 > args.deadline_s
+    if not args.warmup_only and not late:
         with torch.inference_mode():
             policy.cfg.fast_serving, serving = "off", policy.cfg.fast_serving
-            eager = policy.forward_model(inputs, noise)
-            res["eager_abs_max"] = float(eager.abs().max())
             res["eager_forward_ms"] = timed(lambda: policy.forward_model(inputs, noise), sync, 20, 40)
             policy.cfg.fast_serving = serving
-        for key, out in outs.items():
-            r = res["modes"][key]
-            r["max_abs_diff"] = float((out - eager).abs().max())
-            base = outs.get(r["mode"])
-            if r["lever"] != "baseline" and base is not None:
-                r["max_abs_diff_vs_baseline"] = float((out - base).abs().max())
         if variant == "pi0" and not args.no_baseline:
             ns = argparse.Namespace(iters=20, warmup=3, max_iters=40, max_seconds=120.0)
             res["lerobot_select_action_ms"] = base = lerobot_baseline(policy, obs, ns, sync)
