@@ -23,6 +23,17 @@ row without RTC) and ``rtc_overhead`` (rtc act p50 / act p50).
 ``--warmup-only``: the warm-up timings and a short act timing, nothing else (run it a second
 time with the same ``--cache-dir`` to time a restart on a warm inductor cache).
 
+``--levers``: the precision levers of the fast path (agents/policies/pi0/fast_levers.py) side by
+side, each under every mode, in the same run on the same inputs and noise: ``baseline`` (as
+served today), ``bf16_vision`` (``policy.fast_vision_dtype=bf16``), ``bf16_vision_fp8`` (plus
+``policy.fast_expert_fp8=true``), ``fp8`` (FP8 alone). A lever's results sit under
+``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
+``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
+``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
+``--batches ""`` skips the batch 4 / 8 timings (each new batch shape of a compiled mode costs a
+compile); ``--deadline-s`` skips the (mode, lever) runs that would start too late to finish
+(recorded as skipped; the JSON is written after every run).
+
 Each timing runs at least ``--iters`` calls and then more until the 95% interval of the median
 (order statistics) is within +-5% of it, or ``--max-iters``; the interval is printed, with a
 warning when it stays wide. GPU clocks and other processes on the GPU are recorded.
@@ -54,16 +65,35 @@ def batch_of(obs: dict, b: int) -> dict:
     return {k: (v * b if isinstance(v, list) else v.repeat(b, *([1] * (v.dim() - 1)))) for k, v in obs.items()}
 
 
-def bench_mode(policy, mode: str, obs, inputs, noise, args, sync) -> dict:
+#: --levers: name -> the FastPiSampler arguments (vision_dtype, expert_fp8)
+LEVERS = {"baseline": (None, None), "bf16_vision": ("bf16", None), "bf16_vision_fp8": ("bf16", "true"),
+          "fp8": (None, "true")}
+
+
+def lever_kwargs(lever: str, device) -> dict:
+    from agents.policies.pi0.fast_levers import resolve_expert_fp8, resolve_vision_dtype
+
+    vision, fp8 = LEVERS[lever]
+    fp8 = resolve_expert_fp8(fp8 or False)
+    if fp8 == "cuda" and getattr(device, "type", device) != "cuda":
+        fp8 = "emulate"  # a CPU smoke run: the same quantization, float32 matmuls
+    return {"vision_dtype": resolve_vision_dtype(vision or "fp32"), "expert_fp8": fp8}
+
+
+def bench_mode(policy, mode: str, obs, inputs, noise, args, sync, lever: str = "baseline") -> dict:
     import torch
 
     from agents.policies.pi0.fast import FastPiSampler
 
     policy._fast = None
     torch.cuda.empty_cache() if policy.device.type == "cuda" else None
+    kw = lever_kwargs(lever, policy.device)
     policy._fast = fast = FastPiSampler(policy.inner.model, policy.variant, graphs=policy.device.type == "cuda",
-                                        compile=None if mode == "off" else mode)
-    res: dict = {"mode": mode, "warmup_s": {}, "warmup_compiled_graphs": {}}
+                                        compile=None if mode == "off" else mode, **kw)
+    res: dict = {"mode": mode, "lever": lever, "vision_dtype": str(kw["vision_dtype"]),
+                 "expert_fp8": kw["expert_fp8"], "warmup_s": {}, "warmup_compiled_graphs": {}}
+    if fast.levers is not None and fast.levers.fp8 is not None:
+        res["fp8_layers"], res["fp8_skipped"] = len(fast.levers.fp8.sites), fast.levers.fp8.skipped
     for b in args.warmup_buckets:
         compiles = fast.compiles
         res["warmup_s"].update(policy.warm_up([b]))
@@ -77,7 +107,7 @@ def bench_mode(policy, mode: str, obs, inputs, noise, args, sync) -> dict:
         res["forward_ms"] = timed(lambda: policy.forward_model(inputs, noise), sync, it, mx)
         res["out"] = policy.forward_model(inputs, noise)
         by_batch = {}
-        for b in (4, 8):
+        for b in args.batches:
             ib = policy.model_inputs(batch_of(obs, b))
             nb = torch.randn(b, *noise.shape[1:], device=noise.device)
             by_batch[b] = timed(lambda: policy.forward_model(ib, nb), sync, max(20, it // 4), max(40, mx // 4))
@@ -114,7 +144,7 @@ def bench_rtc(policy, obs, noise, sync, it: int, mx: int, act_ms: dict) -> dict:
            "rtc_act_ms": timed(lambda: policy.act(obs, noise=noise, rtc=one), sync, it, mx)}
     res["rtc_overhead"] = res["rtc_act_ms"]["p50"] / act_ms["p50"]
     by_batch = {}
-    for b in (4, 8):
+    for b in args.batches:
         ob = batch_of(obs, b)
         nb = torch.randn(b, *noise.shape[1:], device=noise.device)
         rows = rtc_rows(policy, b)
@@ -123,7 +153,7 @@ def bench_rtc(policy, obs, noise, sync, it: int, mx: int, act_ms: dict) -> dict:
     return res
 
 
-def bench_variant(variant: str, args, tmp: Path) -> dict:
+def bench_variant(variant: str, args, tmp: Path, save=lambda res: None) -> dict:
     import torch
 
     from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
@@ -139,6 +169,8 @@ def bench_variant(variant: str, args, tmp: Path) -> dict:
                       device=args.device, lora_rank=4)
     else:
         cfg = cfg_cls(tokenizer=str(build_tokenizer(tmp / f"{variant}_tok", kind="gemma")), device=args.device)
+    if str(args.device).startswith("cpu"):
+        cfg.fast_serving = "eager"  # a CPU smoke run times the fast computation (auto: lerobot's on a CPU)
     policy = cls(cfg, spec).eval()
     cuda = policy.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -150,22 +182,41 @@ def bench_variant(variant: str, args, tmp: Path) -> dict:
     with torch.inference_mode():
         inputs = policy.model_inputs(obs)
         noise = torch.randn(1, policy.chunk_size, d, device=policy.device)
-    for mode in args.modes:
-        try:
-            res["modes"][mode] = bench_mode(policy, mode, obs, inputs, noise, args, sync)
-        except Exception as exc:  # noqa: BLE001 - recorded: compile support varies
-            res["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
-    policy._fast = None
-    if not args.warmup_only:
+    eager = None
+    if not args.warmup_only:  # lerobot's actions first: each run's differences are saved with it
         with torch.inference_mode():
-            policy.cfg.fast_serving = "off"
+            policy.cfg.fast_serving, serving = "off", policy.cfg.fast_serving
             eager = policy.forward_model(inputs, noise)
-            res["eager_abs_max"] = float(eager.abs().max())
+            policy.cfg.fast_serving = serving
+        res["eager_abs_max"] = float(eager.abs().max())
+    outs = {}
+    for mode in args.modes:
+        for lever in args.levers:
+            key = mode if lever == "baseline" else f"{mode}+{lever}"
+            need = 30.0 if mode == "off" else 100.0  # a run's time at batch 1, a cold compile's included
+            if args.deadline_s and time.perf_counter() - args.t0 + need > args.deadline_s:
+                res["modes"][key] = {"skipped": f"deadline: {args.deadline_s:.0f} s"}
+                continue
+            try:
+                res["modes"][key] = r = bench_mode(policy, mode, obs, inputs, noise, args, sync, lever)
+                if "out" in r:
+                    outs[key] = out = r.pop("out")
+                    r["max_abs_diff"] = float((out - eager).abs().max())
+                    if lever != "baseline" and mode in outs:
+                        r["max_abs_diff_vs_baseline"] = float((out - outs[mode]).abs().max())
+                print(f"[pi0_fast] {variant} {key}: act p50 {r['act_ms']['p50']:.2f} ms p99 {r['act_ms']['p99']:.2f}, "
+                      f"max |fast-lerobot| {r.get('max_abs_diff', float('nan')):.3g}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - recorded: compile / FP8 support varies
+                res["modes"][key] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+                print(f"[pi0_fast] {variant} {key}: {res['modes'][key]['error'][:300]}", flush=True)
+            save(res)
+    policy._fast = None
+    late = args.deadline_s and time.perf_counter() - args.t0 + 15.0 > args.deadline_s
+    if not args.warmup_only and not late:
+        with torch.inference_mode():
+            policy.cfg.fast_serving, serving = "off", policy.cfg.fast_serving
             res["eager_forward_ms"] = timed(lambda: policy.forward_model(inputs, noise), sync, 20, 40)
-            policy.cfg.fast_serving = "auto"
-        for r in res["modes"].values():
-            if "out" in r:
-                r["max_abs_diff"] = float((r.pop("out") - eager).abs().max())
+            policy.cfg.fast_serving = serving
         if variant == "pi0" and not args.no_baseline:
             ns = argparse.Namespace(iters=20, warmup=3, max_iters=40, max_seconds=120.0)
             res["lerobot_select_action_ms"] = base = lerobot_baseline(policy, obs, ns, sync)
@@ -186,24 +237,28 @@ def report(v: str, r: dict) -> None:
     print(f"{v} on {r.get('device_name', 'cpu')} (model built in {r['build_s']:.0f} s, inductor cache "
           f"{r['inductor_cache']}):", flush=True)
     for mode, m in r["modes"].items():
-        if "error" in m:
-            print(f"  {mode}: FAILED {m['error']}", flush=True)
+        if "error" in m or "skipped" in m:
+            print(f"  {mode}: {'FAILED ' + m['error'] if 'error' in m else 'SKIPPED ' + m['skipped']}", flush=True)
             continue
         warm = ", ".join(f"{b}: {s:.1f} s ({m['warmup_compiled_graphs'][b]} graphs)" for b, s in m["warmup_s"].items())
         print(f"  {mode}: warm-up {m['warmup_total_s']:.1f} s [{warm}]", flush=True)
         a = m["act_ms"]
         line = f"    act p50 {a['p50']:.2f} ms (95% CI {a.get('ci95')}, p99 {a['p99']:.2f}, n {a['n']})"
         if "forward_ms" in m:
-            line += f"; forward p50 {m['forward_ms']['p50']:.2f} ms, batch 4 / 8: " + " / ".join(
-                f"{t['p50']:.2f}" for t in m["forward_by_batch"].values()) + " ms"
+            line += f"; forward p50 {m['forward_ms']['p50']:.2f} ms"
+            if m["forward_by_batch"]:
+                line += f", batch {' / '.join(map(str, m['forward_by_batch']))}: " + " / ".join(
+                    f"{t['p50']:.2f}" for t in m["forward_by_batch"].values()) + " ms"
         if "max_abs_diff" in m:
             line += f"; max |fast-lerobot| {m['max_abs_diff']:.3g}"
+        if "max_abs_diff_vs_baseline" in m:
+            line += f" (vs the baseline {m['max_abs_diff_vs_baseline']:.3g})"
         if "speedup_vs_select_action" in m:
             line += f"; {m['speedup_vs_select_action']:.1f}x lerobot select_action"
         print(line + (" (WARNING: wide interval)" if a["wide"] else ""), flush=True)
         if "rtc_act_ms" in m:
             print(f"    RTC: act p50 {m['rtc_act_ms']['p50']:.2f} ms ({m['rtc_overhead']:.2f}x plain act), capture "
-                  f"{m['rtc_capture_s']:.1f} s, act batch 4 / 8 (mixed delays): " + " / ".join(
+                  f"{m['rtc_capture_s']:.1f} s, act batch {' / '.join(map(str, m['rtc_forward_by_batch']))} (mixed delays): " + " / ".join(
                       f"{t['p50']:.2f}" for t in m["rtc_forward_by_batch"].values()) + " ms", flush=True)
     if "eager_forward_ms" in r:
         print(f"  lerobot sample_actions p50 {r['eager_forward_ms']['p50']:.2f} ms", flush=True)
@@ -227,6 +282,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # compiled is the default now
     ap.add_argument("--rtc", action="store_true", help="also time real-time chunking (per-row prefix and delay)")
+    ap.add_argument("--levers", default="baseline", help=f"comma list of {', '.join(LEVERS)}")
+    ap.add_argument("--batches", default="4,8", help='batch sizes timed beyond 1 ("": none)')
+    ap.add_argument("--deadline-s", type=float, default=0.0, help="skip runs that would end past this (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.cache_dir:
@@ -239,13 +297,24 @@ def main(argv=None) -> dict:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.warmup_buckets = [int(b) for b in args.warmup_buckets.split(",")]
+    args.levers = [x.strip() for x in args.levers.split(",") if x.strip()]
+    unknown = sorted(set(args.levers) - set(LEVERS))
+    if unknown:
+        ap.error(f"--levers: unknown {unknown}; valid: {list(LEVERS)}")
+    args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    args.t0 = time.perf_counter()
     out = {}
+
+    def save(v, res):
+        out[v] = res
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
     with tempfile.TemporaryDirectory() as tmp:
         for v in args.variants.split(","):
-            out[v] = bench_variant(v, args, Path(tmp))
-            report(v, out[v])
-            if args.json:
-                Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+            res = bench_variant(v, args, Path(tmp), lambda r, v=v: save(v, r))
+            save(v, res)
+            report(v, res)
     return out
 
 

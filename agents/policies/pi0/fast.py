@@ -43,6 +43,10 @@ server will use before it serves.
 
 The result equals lerobot's ``sample_actions`` on the same noise: to float32 round-off on a
 CPU (tests/test_pi0_fast.py), within bf16 tolerance on a GPU (the GPU test in the same file).
+Two precision levers, off by default (:mod:`agents.policies.pi0.fast_levers`; with both off none of
+their code runs): ``vision_dtype=torch.bfloat16`` runs SigLIP and the projector from a bf16 copy,
+``expert_fp8`` the expert's step linears in FP8 e4m3 (``torch._scaled_mm``, row-wise scales);
+:meth:`FastPiSampler.sync_weights` refreshes their copies in place before each call.
 RTC (real-time chunking, :mod:`agents.policies.pi0.rtc`): ``sample(..., rtc=...)`` with per-row
 tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
 Euler step as lerobot's ``RTCProcessor`` does and freezes the delayed steps; a batch of mixed
@@ -52,6 +56,7 @@ RTC batches beside the plain one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -61,6 +66,7 @@ from torch import nn
 
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
+from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.rtc import freeze, guide
 
 #: the per-row RTC tensors ``sample`` takes: prefix [B, H, D], weights [B, H, 1], frozen [B, H, 1]
@@ -156,7 +162,8 @@ class FastPiSampler:
 
     def __init__(self, model: nn.Module, variant: str, *, graphs: bool = True,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, compile: bool | str | None = False,
-                 cache_dir: str | None = CACHE_DIR):
+                 cache_dir: str | None = CACHE_DIR, vision_dtype: torch.dtype | None = None,
+                 expert_fp8: str | None = None):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention()
@@ -186,6 +193,9 @@ class FastPiSampler:
 
         self._velocity, self._embed_image, self._prefix_kv = (
             comp(self.velocity), comp(pwe.embed_image), comp(self.prefix_kv))
+        # opt-in precision levers (agents/policies/pi0/fast_levers.py): SigLIP in bf16, the
+        # expert's step linears in FP8; None (both off): the computation above, untouched
+        self.levers = Levers(model, vision_dtype, expert_fp8) if vision_dtype or expert_fp8 else None
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
     def _layers(self, lm: nn.Module, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor,
@@ -217,15 +227,16 @@ class FastPiSampler:
         pwe = self.model.paligemma_with_expert
         embs, pads = [], []
         dyn = self.compile == "dynamic"  # symbolic: batch (>= 2: dynamo's rule) and prompt length
-        if len(images) > 1 and len({tuple(i.shape) for i in images}) == 1:  # one SigLIP pass
-            cat = torch.cat(list(images), dim=0)
-            if dyn:
-                mark_dynamic((0,), cat)
-            feats = self._embed_image(cat).chunk(len(images), dim=0)
-        else:
-            if dyn:
-                mark_dynamic((0,), list(images))
-            feats = [self._embed_image(img) for img in images]
+        with self._swapped("vision"):
+            if len(images) > 1 and len({tuple(i.shape) for i in images}) == 1:  # one SigLIP pass
+                cat = torch.cat(list(images), dim=0)
+                if dyn:
+                    mark_dynamic((0,), cat)
+                feats = self._embed_image(cat).chunk(len(images), dim=0)
+            else:
+                if dyn:
+                    mark_dynamic((0,), list(images))
+                feats = [self._embed_image(img) for img in images]
         for e, m in zip(feats, img_masks, strict=True):
             embs.append(e)
             pads.append(m[:, None].expand(e.shape[0], e.shape[1]))
@@ -323,8 +334,21 @@ class FastPiSampler:
         t = times[step].expand(x.shape[0])
         if self.compile == "dynamic":
             mark_dynamic((0,), x, t)
-        return self._velocity(cache, pad, state, x, t, None if mods is None else [m[step:step + 1] for m in mods],
-                              features=features)
+        with self._swapped("expert"):
+            return self._velocity(cache, pad, state, x, t, None if mods is None else [m[step:step + 1] for m in mods],
+                                  features=features)
+
+    def _swapped(self, what: str):
+        """The levers' stand-ins ("vision": bf16 SigLIP, "expert": FP8 linears) while inside."""
+        if self.levers is None:
+            return contextlib.nullcontext()
+        return self.levers.vision_swapped() if what == "vision" else self.levers.expert_swapped()
+
+    def sync_weights(self, force: bool = False) -> None:
+        """Before a call, outside any graph: the levers' copies of weights written since (in
+        place: the graphs read them). Nothing without levers (the graphs read the parameters)."""
+        if self.levers is not None:
+            self.levers.sync(force)
 
     def _sample(self, images, img_masks, tokens, lang_masks, state, noise, num_steps: int,
                 rtc: dict | None = None, gws: tuple[float, ...] = ()) -> torch.Tensor:
@@ -361,6 +385,7 @@ class FastPiSampler:
         if rtc is not None and len(guidance) != num_steps:
             raise ValueError(f"RTC needs a guidance weight per Euler step ({num_steps}), got {len(guidance)}")
         gws = tuple(float(g) for g in guidance) if rtc is not None else ()
+        self.sync_weights()
         if not (self.graphs and noise.is_cuda) or self.bucket(noise.shape[0]) is None:  # no graph: eager
             return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps, rtc, gws)
         inputs = {"images": list(images), "img_masks": list(img_masks), "tokens": tokens,

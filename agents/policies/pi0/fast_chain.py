@@ -53,6 +53,7 @@ class FastPiChainSampler(FastPiSampler):
             raise ValueError(f"chain: k_star must be [{b}], got {list(k_star.shape)}")
         inputs = {"images": list(images), "img_masks": list(img_masks), "tokens": tokens, "lang_masks": lang_masks,
                   "state": state, "noise": noise, "eps": eps, "k_star": k_star}
+        self.sync_weights()
 
         def run(s: dict) -> tuple[torch.Tensor, ...]:
             return self._chain(s, num_steps, step)

@@ -57,6 +57,7 @@ from agents.policies import vla_common as vc
 from agents.policies.fast_common import resolve_compile, warm_up
 from agents.policies.pi0.flow_rl_config import validate_flow_config
 from agents.policies.pi0.fast import FastPiSampler
+from agents.policies.pi0.fast_levers import check_levers, lever_settings
 from agents.policies.pi0.norm import Normalizer, fit_stats, load_stats
 from agents.policies.pi0.prompt import PromptTokens, prompts
 from agents.policies.pi0.rtc import RtcRows, hold_frozen, rtc_inputs
@@ -139,6 +140,10 @@ class Pi0PolicyConfig:
     fast_compile: Any = "auto"
     #: batch sizes whose graphs ``warm_up`` compiles and captures before serving (others: lazily)
     fast_warmup_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    #: the fast path's SigLIP + projector: "fp32" (as lerobot holds them; TF32 GEMMs on a GPU) | "bf16" (a copy)
+    fast_vision_dtype: str = "fp32"
+    #: the fast path's expert step linears in FP8 e4m3: false | true (torch._scaled_mm, sm_89+) | emulate (fast_levers.py)
+    fast_expert_fp8: Any = False
     gradient_checkpointing: bool = False
     #: seed of the random initial weights (both learner copies must agree)
     seed: int = 0
@@ -166,6 +171,7 @@ class Pi0PolicyConfig:
         if self.fast_serving not in ("auto", "graphs", "eager", "off"):
             raise ValueError(f"policy.fast_serving must be auto, graphs, eager or off, got {self.fast_serving!r}")
         resolve_compile(self.fast_compile, False)  # raises on anything but auto / true / false
+        lever_settings(self)  # fast_vision_dtype, fast_expert_fp8
         if self.prompt_pad_multiple < 0:
             raise ValueError(f"policy.prompt_pad_multiple must be >= 0, got {self.prompt_pad_multiple}")
         if self.variant not in ("pi0", "pi05"):
@@ -211,6 +217,7 @@ class Pi0Policy(nn.Module):
         self.chunk_size, self.action_dim = int(cfg.chunk_size), spec.action_dim
         dev = vc.resolve_device(cfg.device)
         dtype = vc.resolve_dtype(cfg.dtype, dev)
+        check_levers(cfg, dev, self.who)  # FP8 that cannot run here fails now
         ckpt = Path(cfg.checkpoint) if cfg.checkpoint else None
         lr_cfg, arch, self.stats = self._config(ckpt, dev, dtype)
         self.cam_keys = self._camera_keys(lr_cfg)  # spec image key -> lerobot image key
@@ -392,7 +399,7 @@ class Pi0Policy(nn.Module):
         if getattr(self, "_fast", None) is None:
             g = cuda and mode in ("auto", "graphs")
             self._fast = self._fast_class(self.inner.model, self.variant, graphs=g,
-                                          compile=resolve_compile(self.cfg.fast_compile, g))
+                                          compile=resolve_compile(self.cfg.fast_compile, g), **lever_settings(self.cfg))
         return self._fast
 
     def warm_up(self, batch_sizes=None, *, max_batch: int | None = None) -> dict[int, float]:
