@@ -23,7 +23,8 @@
 # checkpoint), GPU_LOG (0: no nvidia-smi log, for a second chain beside this one), START_CKPT (the
 # policy the RL run and its protocol-after sweep start from; $R/sft), RS_S (seconds of RL, instead
 # of RS_MIN), RL (0: no RL run: the protocol after sweeps START_CKPT itself), AFTER (0: no
-# protocol-after sweep). launch/libero_segment.sh uses the last four to run RL in segments.
+# protocol-after sweep), BEFORE (0: no protocol-before sweep). launch/libero_segment.sh uses
+# START_CKPT, RS_S, RL and AFTER to run RL in segments.
 # Two variants side by side on a two-GPU box: the second chain waits for $R/before/eval_report.json,
 # has its learners on GPU 1 (TANDEM_LEARNER_GPU=1, read by gpu_box.sh) with other ports
 # (EXTRA_ENV="transport.port=5688 transport.pub_port=5689") and GPU_LOG=0: launch/libero_pair.sh.
@@ -65,9 +66,13 @@ sweep() {   # run_dir [actors]: LIBERO's protocol through the learner and N acto
   bash launch/gpu_box.sh stop --run-dir "$1"
 }
 
-log "protocol before RL"
-[ -f "$R/before/eval_report.json" ] || sweep "$R/before" "$N_BEFORE"
-cp "$R/before/eval_report.json" "$R/res/eval_before.json"
+if [ "${BEFORE:-1}" = 0 ]; then
+  log "no protocol before (BEFORE=0: the protocol runs elsewhere, e.g. libero_segment.sh eval)"
+else
+  log "protocol before RL"
+  [ -f "$R/before/eval_report.json" ] || sweep "$R/before" "$N_BEFORE"
+  cp "$R/before/eval_report.json" "$R/res/eval_before.json"
+fi
 
 RL_ACT="$ACT env.init_state_id=random"
 RL_POL=""   # policy overrides of the RL run and its protocol-after sweep (learner and actors)

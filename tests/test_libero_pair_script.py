@@ -107,3 +107,21 @@ def test_segments_hand_the_policy_over_in_parts_and_a_fresh_box_unpacks_them(tmp
 
     bad = _segment(tmp_path / "box3", "rl", SEG="4", START=str(tmp_path / "nothing"))
     assert bad.returncode == 2 and "holds no policy" in bad.stderr, bad.stderr
+
+
+def test_one_hold_runs_the_protocol_before_beside_the_rl_run(tmp_path):
+    """launch/libero_one_hold.sh: both chains run, the RL chain without a sweep before (BEFORE=0),
+    the sweep chain without RL, and the end marker holds both exit codes."""
+    r = tmp_path / "lr"
+    _done_stages(r, ["rs_expert"])
+    full = {**os.environ, "R": str(r), "TANDEM_PYTHON": "true", "GPU_LOG": "0", "VARIANT": "rs_expert",
+            "RS_S": "900"}
+    out = subprocess.run(["bash", str(ROOT / "launch" / "libero_one_hold.sh")], cwd=ROOT, env=full,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (r / "res" / "hold_done").read_text().strip() == "before=0 rl=0"
+    assert json.loads((r / "res" / "eval_after_rs_expert.json").read_text()) == {"tag": "rs_expert"}
+    assert json.loads((r / "res" / "eval_before.json").read_text()) == {"overall": {"success": 0.4}}
+    rl_log = (r / "chain_rs_expert.log").read_text()
+    assert "no protocol before (BEFORE=0" in rl_log and "rs_expert (rs_expert): 900 s" in rl_log, rl_log
+    assert "protocol before RL" in (r / "chain_before.log").read_text()
