@@ -155,6 +155,10 @@ class InferenceServer(threading.Thread):
         self._stop_event = threading.Event()
         self.batches = 0
         self.served = 0
+        #: requests dropped unserved because a newer one from the same sender was queued
+        #: (``_take``); ``_latest``: sender -> its newest queued req_id
+        self.superseded = 0
+        self._latest: dict[bytes, int] = {}
         self.batch_sizes: list[int] = []
         self.channel = act_channel
         if act_channel is not None:
@@ -203,6 +207,8 @@ class InferenceServer(threading.Thread):
         return out
 
     def submit(self, req: ActRequest) -> None:
+        # (one sender's requests arrive in order on one thread: the newest id is the last one)
+        self._latest[req.identity] = req.req_id
         self.requests.append(req)
         if threading.get_ident() != self._ident:
             with self._wake_lock:
@@ -257,9 +263,22 @@ class InferenceServer(threading.Thread):
                 ch.read(ready=True, limit=limit)
 
     def _take(self, reqs: list[ActRequest], n: int) -> int:
-        q = self.requests
+        """Move queued requests into ``reqs`` up to ``max_batch`` rows. A request that a newer
+        one from the same sender (routing id) has superseded is dropped unserved and counted in
+        ``superseded``: a client waits for its latest request only (it resends after its
+        timeout, with a new ``req_id``, and drops late replies), so under overload serving the
+        old one would spend the device on a reply nobody reads while the resend waits. (With one
+        active actor the act socket is read one request at a time, so a backlog of that one
+        sender's resends is served in turn; it matters where many senders queue.)"""
+        q, latest = self.requests, self._latest
         while q and n < self.max_batch:
             r = q.popleft()
+            newest = latest.get(r.identity)
+            if newest is not None and newest > r.req_id:
+                self.superseded += 1
+                continue
+            if newest == r.req_id:  # nothing newer from this sender is queued
+                del latest[r.identity]
             reqs.append(r)
             n += r.n
         return n

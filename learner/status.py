@@ -51,6 +51,7 @@ class LearnerStatus:
             "actors": lrn.service.active_actors(), "buffer": len(lrn.data.sink),
             "infer_batch": float(sum(sizes) / len(sizes)) if sizes else 0.0,
             "served": lrn.inference.served, "infer_batches": lrn.inference.batches,
+            "superseded_acts": lrn.inference.superseded,
             "rejected": lrn.service.counters["rejected"],
             "skipped_updates": sum(self.skipped_updates().values()),
             "weights_refused": lrn.weights.refused,

@@ -2,6 +2,7 @@
 a socket of their own, with the same validation as the main socket, over real loopback."""
 
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +30,22 @@ def obs(n=1, seed=0):
             "observation.images.front": rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8)}
 
 
+class SlowPolicy(MLPPolicy):
+    """The MLP, with every act taking ``delay_s``, or the next ``delays`` first (a policy slower
+    than its callers' patience)."""
+
+    delay_s = 0.0
+    delays: list[float] = []
+
+    def act(self, *args, **kwargs):
+        time.sleep(self.delays.pop(0) if self.delays else self.delay_s)
+        return super().act(*args, **kwargs)
+
+
 @pytest.fixture
 def learner():
     ctx = zmq.Context()
-    policy = MLPPolicy(MLPPolicyConfig(hidden_dims=(16,), cnn_channels=(4,), image_embed_dim=8), SPEC)
+    policy = SlowPolicy(MLPPolicyConfig(hidden_dims=(16,), cnn_channels=(4,), image_embed_dim=8), SPEC)
     box = {}
     svc = LearnerService(ctx=ctx, spec=SPEC, config_hash=HASH, ingest=Ingest(ReplayBuffer(100, SPEC)),
                          submit_act=lambda r: box["inf"].submit(r), get_version=lambda: 0,
@@ -149,3 +162,29 @@ def test_without_a_claimed_act_socket_the_welcome_names_none(ports):
         svc.join(2)
     finally:
         ctx.destroy(0)
+
+
+def test_a_request_superseded_by_its_senders_resend_is_dropped_unserved(learner):
+    """A client waits for its latest request only (it resends after its timeout with a new
+    req_id and drops late replies): a queued request with a newer one from the same sender
+    behind it is dropped, not served, so under overload the device serves the resends."""
+    svc, inf, ctx = learner
+    inf.policy.delays = [0.5]
+    peers = []
+    for i in range(3):
+        main = sock(ctx, svc.port)
+        peers.append(sock(ctx, svc.act_channel.port, hello(main, f"a{i}")["act_token"]))
+    first, resender, other = peers
+    first.send_multipart(act(1))  # occupies the server for 0.5 s
+    time.sleep(0.15)
+    for req_id in (7, 8, 9):      # a client resending while the server is busy
+        resender.send_multipart(act(req_id))
+    other.send_multipart(act(7))  # another sender's request with the same id is its own
+    assert first.poll(5000) and decode(first.recv_multipart())["req_id"] == 1
+    assert resender.poll(5000) and decode(resender.recv_multipart())["req_id"] == 9
+    assert other.poll(5000) and decode(other.recv_multipart())["req_id"] == 7
+    assert not resender.poll(500), "a superseded request was served"
+    assert inf.superseded == 2 and inf.served == 3
+    # the sender's next request is served as usual
+    assert rpc(resender, act(10))["req_id"] == 10
+    assert inf.superseded == 2
