@@ -17,6 +17,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${R:-/tmp/lr}; export R; mkdir -p "$R/res"
 TAG=${TAG:-${VARIANT:-rs}}
+# the kit first (a box that went back and came fresh has none): stop at once, not after the stages fail
+bash launch/gpu_box.sh check || { echo "hold: the kit check failed (launch/gpu_box.sh install)" >&2; exit 3; }
 # demos and SFT (the chain's first stages; no sweep, no RL)
 BEFORE=0 RL=0 AFTER=0 bash launch/libero_chain.sh > "$R/chain_prep.log" 2>&1
 [ -f "$R/sft/model.safetensors" ] || { echo "hold: no SFT checkpoint ($R/chain_prep.log)" >&2; tail -n 20 "$R/chain_prep.log" >&2; exit 1; }

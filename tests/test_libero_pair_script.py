@@ -125,3 +125,14 @@ def test_one_hold_runs_the_protocol_before_beside_the_rl_run(tmp_path):
     rl_log = (r / "chain_rs_expert.log").read_text()
     assert "no protocol before (BEFORE=0" in rl_log and "rs_expert (rs_expert): 900 s" in rl_log, rl_log
     assert "protocol before RL" in (r / "chain_before.log").read_text()
+
+
+def test_one_hold_stops_at_once_without_the_kit(tmp_path):
+    """A box that came fresh between calls has no kit: the hold stops with exit code 3 before
+    any stage runs (not after the stages fail one by one)."""
+    r = tmp_path / "lr"
+    full = {**os.environ, "R": str(r), "TANDEM_PYTHON": "false", "GPU_LOG": "0", "VARIANT": "rs_expert"}
+    out = subprocess.run(["bash", str(ROOT / "launch" / "libero_one_hold.sh")], cwd=ROOT, env=full,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "kit check failed" in out.stderr, out.stdout + out.stderr
+    assert not (r / "chain_prep.log").exists() and not (r / "res" / "hold_done").exists()

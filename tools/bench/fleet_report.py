@@ -69,7 +69,8 @@ def summarize(*, load: str, n: int, hz: float, chunk: int, batch_records: int, r
         "cpu_cores": {**cpu, "learner_python_threads": round(sum(v for k, v in threads.items() if k in py_names), 3)},
         "peak_rss_mb": {k: round(v, 1) for k, v in peak_rss.items()},
         "learner": {k: final.get(k) for k in ("rejected", "internal_errors", "dropped_episodes", "rejections",
-                                               "dataset_pending", "staged_mb", "duplicates", "wire_gate")},
+                                               "dataset_pending", "staged_mb", "duplicates", "wire_gate",
+                                               "served", "superseded_acts")},
         "errors": [r["error"] for r in robots if r["error"]][:5],
     }
 
