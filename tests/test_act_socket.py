@@ -35,10 +35,14 @@ class SlowPolicy(MLPPolicy):
     than its callers' patience)."""
 
     delay_s = 0.0
-    delays: list[float] = []
+    delays: tuple[float, ...] = ()
 
     def act(self, *args, **kwargs):
-        time.sleep(self.delays.pop(0) if self.delays else self.delay_s)
+        delay = self.delay_s
+        if self.delays:
+            delay, *rest = self.delays
+            self.delays = tuple(rest)
+        time.sleep(delay)
         return super().act(*args, **kwargs)
 
 
@@ -169,7 +173,7 @@ def test_a_request_superseded_by_its_senders_resend_is_dropped_unserved(learner)
     req_id and drops late replies): a queued request with a newer one from the same sender
     behind it is dropped, not served, so under overload the device serves the resends."""
     svc, inf, ctx = learner
-    inf.policy.delays = [0.5]
+    inf.policy.delays = (0.5,)
     peers = []
     for i in range(3):
         main = sock(ctx, svc.port)
