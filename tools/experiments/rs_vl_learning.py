@@ -25,7 +25,9 @@ takes at least 8 steps. The policy: the MLP with an image CNN and an instruction
 A file ``<out>/pause`` makes the tool wait before starting its next run (so that other work
 can use the cores in between); removing it resumes.
 
-``--arm both`` runs each seed's RS run and its control one after the other; the summary of
+Arm ``rs_expert`` (claim 7): the ``rs`` run with the env's scripted demonstrator correcting the
+actor's first episodes (:data:`EXPERT_O`). ``--arm both`` runs each seed's RS run and its
+control one after the other (``--arm claim7``: ``rs_expert`` and the control); the summary of
 every run (with ``uptime`` at its end) is appended to ``<out>/results.jsonl`` as it ends::
 
     python -m tools.experiments.rs_vl_learning --out /tmp/rs_vl --seeds 0 1 2 3 4 --arm both
@@ -55,7 +57,17 @@ PRETRAIN = 150
 ALGO_O = ["algo=rejection_sampling", f"algo.pretrain_steps={PRETRAIN}", "algo.env_steps_per_cycle=800",
           "algo.sft_steps_per_cycle=300", "algo.lr=3e-3", "algo.demo_ratio=0.3", "algo.batch_size=64",
           "algo.eval_episodes=10", "algo.eval_task_ids=[0,1]", "algo.eval_tolerance=0.1"]
-ARMS = {"rs": [], "demos": ["algo.demo_ratio=1.0"]}
+ARMS = {"rs": [], "demos": ["algo.demo_ratio=1.0"], "rs_expert": []}
+#: claim 7's corrector on the actor (``intervention.device=expert``, envs/intervention/expert.py):
+#: the env's scripted demonstrator watches the actor's first ``EXPERT_EPISODES`` episodes and
+#: drives the rest of an episode once the policy's action is farther than ``drift_threshold``
+#: (L2) from its own on ``drift_steps`` steps in a row; its steps reach the learner as
+#: intervened records, kept by rejection sampling (``keep_interventions``, HG-DAgger / Hi-ORS)
+EXPERT_EPISODES = 50
+EXPERT_O = ["intervention.device=expert", f"intervention.expert.episodes={EXPERT_EPISODES}",
+            "intervention.expert.drift_steps=3", "intervention.expert.drift_threshold=0.6"]
+#: the actor's overrides per arm (the learner's are :data:`ARMS`)
+ACTOR_ARMS = {"rs_expert": EXPERT_O}
 DEMOS = 10
 DEMO_SEED = 1000
 CYCLES = 5
@@ -120,7 +132,7 @@ def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, ma
                  "logging.every_s=2", "trainer.num_threads=1", "buffer.video=false", "buffer.commit_interval_s=2",
                  f"seed={seed}", f"trainer.checkpoint_every={PRETRAIN}", "trainer.checkpoint_every_s=0",
                  "trainer.keep_checkpoints=1000", *extra]
-    actor_o = ["actor_id=a0", "spool.fsync=false", "log_every_s=10", f"seed={seed}"]
+    actor_o = ["actor_id=a0", "spool.fsync=false", "log_every_s=10", f"seed={seed}", *ACTOR_ARMS.get(arm, [])]
     r = run_rs_cycles(run_dir, common, learner_o, actor_o, cycles=cycles, max_s=max_s,
                       label=f"{arm} seed {seed} ")
     status, hist = r["status"], r["history"]
@@ -138,19 +150,21 @@ def run(out: Path, demos: Path, *, seed: int, arm: str, cycles: int = CYCLES, ma
             "held_out_episodes": HELD_OUT,
             "cycles": len(hist) - 1, "gate_evals": [(h["version"], h["success"], h["decision"]) for h in hist],
             "online_episodes": rep.get("episodes"), "kept_episodes": rep.get("kept_episodes"),
-            "success_store": rep.get("success_store"), "updates": status.get("updates"),
+            "success_store": rep.get("success_store"), "intervened_episodes": rep.get("intervened_episodes"),
+            "intervened_steps": rep.get("intervened_steps"), "updates": status.get("updates"),
             "env_steps": status.get("env_steps"), "final_checkpoint": ckpts[-1].name, "wall_s": r["wall_s"],
             "load_1min": r["load_1min"], "run_dir": str(run_dir)}
 
 
 def main(argv=None) -> list[dict]:
     ap = seeds_parser(__doc__, 900.0)
-    ap.add_argument("--arm", choices=[*ARMS, "both"], default="both")
+    ap.add_argument("--arm", choices=[*ARMS, "both", "claim7"], default="both",
+                    help="both: rs and demos (claims 2 and 5); claim7: rs_expert and demos")
     ap.add_argument("--cycles", type=int, default=CYCLES)
     ap.add_argument("--policy", choices=list(POLICIES), default="mlp",
                     help="mlp: claim 2's MLP + CNN + instruction encoder; pi0: claim 5's tiny PI0 from scratch")
     args = ap.parse_args(argv)
-    arms = list(ARMS) if args.arm == "both" else [args.arm]
+    arms = {"both": ["rs", "demos"], "claim7": ["rs_expert", "demos"]}.get(args.arm, [args.arm])
     return run_seeds(args, prepare, lambda out, demos, seed: [
         (lambda arm=arm: run(out, demos, seed=seed, arm=arm, cycles=args.cycles, max_s=args.max_s,
                              extra=tuple(args.overrides), policy=args.policy)) for arm in arms])
