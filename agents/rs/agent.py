@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from agents import parallel
 from agents.base import Batch, BCPolicy, check_pair
@@ -249,7 +250,9 @@ class BCAgent:
         opt = self._make_optimizer()
         self._model, self.opt = accelerator.prepare(BCLoss(policy), opt)
         self._raw = policy
-        self._world = parallel.world(accelerator)
+        # the ranks the engine or DDP averages gradients over (torch.distributed's count: an
+        # accelerator on DeepSpeed's CPU accelerator reports 1 process while DeepSpeed reduces over all)
+        self._world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         # an engine flattens the parameters into its own partitions: a plain AdamW there
@@ -301,8 +304,10 @@ class BCAgent:
                 norm = self.accelerator.clip_grad_norm_(self._params, self.cfg.max_grad_norm)
                 metrics["grad_norm"] = float(norm)
             self.opt.step()
-        if self._world > 1:
-            loss_sum = parallel.mean_over_ranks(self.accelerator, loss_sum, self.device)
+        if self._world > 1:  # the whole batch's loss: the mean of the ranks' equal shares'
+            t = torch.tensor([loss_sum], dtype=torch.float32, device=self.device)
+            dist.all_reduce(t)
+            loss_sum = float(t) / self._world
         metrics.update(bc_loss=loss_sum, lr=float(lr))
         if "is_demo" in batch:
             metrics["demo_fraction"] = float(batch["is_demo"].float().mean())
