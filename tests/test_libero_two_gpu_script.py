@@ -180,3 +180,53 @@ def test_run_learner_takes_another_deepspeed_config_and_refuses_a_missing_one(tm
     assert "--deepspeed_config_file config/deepspeed/zero2.json" in out.stdout
     out = run("--gpus", "2", "deepspeed.stage=2", "deepspeed.config=nowhere.json")
     assert out.returncode == 2 and "no such file" in out.stderr
+
+
+# -- the whole script for real on a CPU at toy size --------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not os.environ.get("TANDEM_FAULT_TESTS"),
+                    reason="a 5-minute run on 2 cores (LIBERO, three learners, one of 2 ranks): TANDEM_FAULT_TESTS=1")
+def test_the_arms_for_real_on_a_cpu_at_toy_size(tmp_path):
+    """The script with the real learner, actor, LIBERO and tiny PI0 on a CPU: demos, SFT, then each
+    arm's RL for 40 s with CPU stand-ins for the GPUs (arm a: inference.device=cpu; arm b: 2 gloo
+    ranks, DDP); every arm trains, publishes and checkpoints, arm b's rank 1 makes every update,
+    and the comparison reads the real files."""
+    from test_envs_libero import _assets_available
+
+    from learner.checkpoint import latest_checkpoint, load_checkpoint
+    from tools.make_tiny_checkpoints import TINY_PI0_ARCH
+
+    if not _assets_available():
+        pytest.skip("no LIBERO assets (see envs/libero/assets.py)")
+    arch = "{" + ",".join(f"{k}:{v}" for k, v in dict(TINY_PI0_ARCH, vision_patch=8).items()) + "}"
+    r = tmp_path / "lr"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(R=str(r), TANDEM_PYTHON=sys.executable, ARMS_PY=sys.executable, GPU_LOG="0", TASKS="0", IMAGE="32",
+               K="1", STEPS="3", N_RL="1", BATCH="4", CYCLE_STEPS="16", CYCLE_SFT="2", RS_S="40", WORKERS="1",
+               EXTRA_ENV="env.max_episode_steps=12",
+               EXTRA_POL=f"policy.arch={arch} policy.image_size=32 policy.chunk_size=5 policy.fast_warmup_buckets=[]",
+               EXTRA_LRN="trainer.num_threads=1 logging.every_s=2", GPU_ONE="", LRN_A="inference.device=cpu",
+               LRN_B="gpus=2 device=cpu", TANDEM_RDZV_PORT=str(_free_port()))
+    out = subprocess.run(["bash", str(ROOT / "launch" / "libero_two_gpu.sh")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=880)
+    logs = "".join(p.read_text()[-2000:] for p in sorted(r.glob("chain_*.log")))
+    assert out.returncode == 0, out.stdout + out.stderr + logs
+    result = json.loads((r / "res" / "arms.json").read_text())
+    print("\n" + (r / "res" / "arms.md").read_text())
+    assert [f["arm"] for f in result["arms"]] == ["one", "a", "b"]
+    for f in result["arms"]:
+        st = json.loads((r / "res" / f"{f['arm']}_status.json").read_text())
+        assert st["updates"] >= 2 and st["version"] >= 1, (f["arm"], st["updates"], st["version"])
+        assert f["env_steps_per_s"] > 0 and f["act_p50_ms"] <= f["act_p99_ms"], f
+        assert f["actor_round_trip"]["actors"] == 1, f
+        state = load_checkpoint(latest_checkpoint(r / f["arm"] / "checkpoints"))
+        assert state["ranks"]["world"] == (2 if f["arm"] == "b" else 1)
+    rank1 = json.loads((r / "b" / "rank1.json").read_text())
+    assert rank1["updates"] == json.loads((r / "res" / "b_status.json").read_text())["updates"]
+
+
+def _free_port() -> int:
+    from tandem_testutil import free_port
+
+    return free_port()
