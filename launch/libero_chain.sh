@@ -17,7 +17,8 @@
 # in it, 3000 / 300), BATCH (BC batch, 64; PPO's minibatch, 128), CKPT_S (seconds between the RL
 # run's checkpoints, 60), WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids:
 # 10, init_states: 50}), TASKS (env.task_id, all), EXTRA_LRN (the learner's alone, e.g.
-# inference.device=cuda:1 to serve on a second GPU), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a
+# inference.device=cuda:1 to serve on a second GPU), RL_EXTRA (the RL run's learner alone, not the
+# sweeps': e.g. gpus=2 deepspeed.stage=2, which an evaluation refuses), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a
 # short time limit for a dry run on a CPU), CARRY (set: pack the RL run into $R/carry for the next
 # machine, where tools/carry_run.py unpacks it into $R/$TAG and a rerun goes on from its
 # checkpoint), GPU_LOG (0: no nvidia-smi log, for a second chain beside this one), START_CKPT (the
@@ -96,7 +97,7 @@ esac
 RL_SECONDS=${RS_S:-$((RS_MIN * 60))}
 [ "${RL:-1}" = 0 ] || log "$TAG ($VARIANT): $([ -n "${RS_S:-}" ] && echo "$RS_S s" || echo "$RS_MIN min") with $N_RL actors"
 if [ "${RL:-1}" != 0 ] && [ ! -f "$R/res/${TAG}_metrics.jsonl" ]; then
-  bash launch/gpu_box.sh start --actors "$N_RL" --run-dir "$V" $COMMON $RL_POL $RL_LRN \
+  bash launch/gpu_box.sh start --actors "$N_RL" --run-dir "$V" $COMMON $RL_POL $RL_LRN ${RL_EXTRA:-} \
     trainer.checkpoint_every_s="${CKPT_S:-60}" -- $COMMON $RL_POL $RL_ACT
   sleep "$RL_SECONDS"
   bash launch/gpu_box.sh stop --run-dir "$V"

@@ -67,7 +67,9 @@ for arm in $ARMS; do
     b) lrn=$LRN_B; pin="" ;;
   esac
   log "arm $arm: $RS_S s of $VARIANT, learner overrides '${lrn}', learner GPUs ${pin:-all}, actors render on GPU ${RENDER_GPU:-0}"
-  env TAG="$arm" RS_S="$RS_S" BEFORE="${BEFORE:-0}" AFTER="${AFTER:-0}" EXTRA_LRN="${EXTRA_LRN:-} $lrn" \
+  # the arm's overrides go to its RL learner alone (the protocol's sweeps run on one GPU: an
+  # evaluation refuses gpus=2)
+  env TAG="$arm" RS_S="$RS_S" BEFORE="${BEFORE:-0}" AFTER="${AFTER:-0}" RL_EXTRA="$lrn" \
     GPU_CSV="$R/res/${arm}_gpu.csv" TANDEM_LEARNER_GPU="$pin" TANDEM_RENDER_GPU="${RENDER_GPU:-0}" \
     bash launch/libero_chain.sh > "$R/chain_$arm.log" 2>&1
   rc=$?

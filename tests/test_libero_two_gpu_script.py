@@ -33,8 +33,8 @@ case " $* " in
   *" -m learner "*|*" -m accelerate.commands.launch "*|*" -m torch.distributed.run "*)
     for a in "$@"; do case "$a" in run_dir=*) run="${a#run_dir=}" ;; esac; done
     arm=$(basename "$run")
-    cp "$FAKE_DIR/${arm}_metrics.jsonl" "$run/metrics.jsonl"
-    cp "$FAKE_DIR/${arm}_status.json" "$run/status.json"
+    if [[ " $* " == *" mode=eval "* ]]; then echo '{"overall": {"success": 0.5}}' > "$run/eval_report.json"
+    else cp "$FAKE_DIR/${arm}_metrics.jsonl" "$run/metrics.jsonl"; cp "$FAKE_DIR/${arm}_status.json" "$run/status.json"; fi
     echo "learner fake training on cuda:0, serving on cuda:0 at 127.0.0.1:5588"
     trap 'exit 0' TERM INT
     while true; do sleep 0.1; done ;;
@@ -138,6 +138,21 @@ def test_the_arms_run_in_order_with_their_learners_and_the_same_actors(tmp_path)
     assert figs["a"]["env_steps_vs_baseline"] == pytest.approx(1.2, rel=0.01)
     md = (r / "res" / "arms.md").read_text()
     assert "| a | train GPU 0, serve GPU 1 |" in md and "(1.20x)" in md
+
+
+def test_the_protocol_after_an_arm_runs_on_one_gpu(tmp_path):
+    """AFTER=1: arm b's RL learner is a 2-rank launch, its protocol-after sweep one process (an
+    evaluation refuses gpus=2): the arm's overrides reach its RL learner alone."""
+    r, env = _prepared(tmp_path)
+    out = subprocess.run(["bash", str(ROOT / "launch" / "libero_two_gpu.sh")], cwd=ROOT,
+                         env={**env, "ARMS": "b", "AFTER": "1"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr + (r / "chain_b.log").read_text()[-3000:]
+    calls = [c for c in (tmp_path / "calls.txt").read_text().splitlines() if " -m actor " not in c and "learner" in c]
+    assert len(calls) == 2, calls
+    rl, sweep = calls
+    assert "gpus=2" in rl and "deepspeed.stage=2" in rl and "mode=eval" not in rl
+    assert "mode=eval" in sweep and "gpus=1" in sweep and "deepspeed" not in sweep and "accelerate" not in sweep
+    assert json.loads((r / "res" / "eval_after_b.json").read_text()) == {"overall": {"success": 0.5}}
 
 
 def test_arms_stop_without_the_kit_and_refuse_an_odd_batch_for_arm_b(tmp_path):
