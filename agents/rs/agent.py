@@ -208,14 +208,18 @@ def with_lr(batch: Batch, lr: float) -> Batch:
 class BCLoss(torch.nn.Module):
     """The policy's ``bc_loss`` as the ``forward`` of the module ``accelerator.prepare``
     returns, so the BC gradient is all-reduced across ranks (DDP) or goes through the
-    sharded engine; calling the unwrapped policy's ``bc_loss`` would skip both. Under a bf16
-    engine the forward runs under autocast to the weights' dtype (batches stay float32)."""
+    sharded engine; calling the unwrapped policy's ``bc_loss`` would skip both. Under a
+    DeepSpeed engine (``engine``) the forward runs under autocast to the weights' dtype when
+    the engine made them bf16 (batches stay float32); elsewhere the policy's own dtypes rule."""
 
-    def __init__(self, policy: torch.nn.Module):
+    def __init__(self, policy: torch.nn.Module, *, engine: bool = False):
         super().__init__()
         self.policy = policy
+        self.engine = engine
 
     def forward(self, batch: Batch) -> torch.Tensor:
+        if not self.engine:
+            return self.policy.bc_loss(batch)
         with parallel.low_precision_autocast(self.policy):
             return self.policy.bc_loss(batch).float()
 
@@ -248,7 +252,7 @@ class BCAgent:
                              "optimizer partitions would overwrite: set algo.eval_episodes=0, or run "
                              f"several ranks with {parallel.DDP_HINT}")
         opt = self._make_optimizer()
-        self._model, self.opt = accelerator.prepare(BCLoss(policy), opt)
+        self._model, self.opt = accelerator.prepare(BCLoss(policy, engine=self.engines), opt)
         self._raw = policy
         # the ranks the engine or DDP averages gradients over (torch.distributed's count: an
         # accelerator on DeepSpeed's CPU accelerator reports 1 process while DeepSpeed reduces over all)
