@@ -32,6 +32,7 @@ from actor.session import LearnerFinished, Session
 from actor.spool import Spool
 from data.core.codec import Message, encode, recv_frames, send_frames
 from data.core.jobs import Job
+from data.core.latency import LatencyHistogram
 from data.core.schema import EXTRA_PREFIX
 
 log = logging.getLogger("tandem.actor.client")
@@ -90,6 +91,8 @@ class LearnerClient:
         self._last_progress = 0.0
         self.weights_msg: Message | None = None
         self.last_act_ms, self.on_act_reply = 0.0, None
+        #: every act's round trip (request sent -> reply decoded), the whole run
+        self.act_hist = LatencyHistogram()
 
     # the session's state, read here by the actor's loop, its policies and tools
     sock = _from_session("sock")
@@ -281,7 +284,7 @@ class LearnerClient:
                 if msg is None:
                     continue
                 if msg.type == "act_reply" and msg.fields["req_id"] == req:
-                    self.last_act_ms = (time.perf_counter() - t0) * 1000.0
+                    self.note_act_ms((time.perf_counter() - t0) * 1000.0)
                     version = self.policy_version = msg.fields["policy_version"]
                     actions = np.array(msg.arrays["actions"])
                     if actions.dtype.kind != "f" or not np.isfinite(actions).all():
@@ -306,6 +309,11 @@ class LearnerClient:
                 self.reconnect(block=False)
                 raise ActError("no_reply", f"no act reply from the learner at {self.endpoint} in "
                                f"{misses} x {self.timeout_s:.1f}s (reconnecting)")
+
+    def note_act_ms(self, ms: float) -> None:
+        """An act's round trip, in ms: the last one and the run's histogram."""
+        self.last_act_ms = ms
+        self.act_hist.add(ms)
 
     def _reply_extras(self, msg: Message, n: int) -> dict[str, np.ndarray]:
         declared = self.spec.extras if self.spec else {}
@@ -379,4 +387,5 @@ class LearnerClient:
 
     def stats(self) -> dict[str, Any]:
         return {"unacked": len(self.spool), "spool_mb": self.spool.nbytes / 2**20, "reconnects": self.reconnects,
-                "version": self.policy_version, "dead_letters": self.spool.dead_letters}
+                "version": self.policy_version, "dead_letters": self.spool.dead_letters,
+                **self.act_hist.summary("act")}

@@ -105,6 +105,14 @@ def actor_seed(seed: int | None, actor_id: str) -> int:
     return zlib.crc32(str(actor_id).encode()) & 0x7FFFFFFF
 
 
+def _run_percentiles(client) -> tuple[str, str]:
+    """The run's act round-trip p50 and p99 for the log line ("-" before the first act)."""
+    hist = getattr(client, "act_hist", None)
+    if hist is None or not hist.n:
+        return "-", "-"
+    return f"{hist.quantile(0.5):.1f}", f"{hist.quantile(0.99):.1f}"
+
+
 class ActorLoop:
     def __init__(
         self,
@@ -363,11 +371,11 @@ class ActorLoop:
                 rate = (self.steps - last_steps) / (now - last_log)
                 log.info(
                     "steps %d | %.0f steps/s | episodes %d | return %.2f | success %.2f | version %d"
-                    " | unacked %d | dead letters %d | act %.1f ms | act failures %d", self.steps, rate,
-                    self.episodes, np.mean(self.returns) if self.returns else float("nan"),
+                    " | unacked %d | dead letters %d | act %.1f ms (run p50 %s, p99 %s) | act failures %d",
+                    self.steps, rate, self.episodes, np.mean(self.returns) if self.returns else float("nan"),
                     np.mean(self.successes) if self.successes else float("nan"),
                     version, len(spool), getattr(spool, "dead_letters", 0), self.client.last_act_ms,
-                    self.act_failures,
+                    *_run_percentiles(self.client), self.act_failures,
                 )
                 last_log, last_steps = now, self.steps
         self._flush(force=True)

@@ -67,7 +67,7 @@ class AsyncAct:
         c = self.client
         if msg.type == "act_reply" and msg.fields["req_id"] == self.req:
             self.close()
-            c.last_act_ms = (time.perf_counter() - self.t0) * 1000.0
+            c.note_act_ms((time.perf_counter() - self.t0) * 1000.0)
             version = c.policy_version = msg.fields["policy_version"]
             actions = np.array(msg.arrays["actions"])
             if actions.dtype.kind != "f" or not np.isfinite(actions).all():

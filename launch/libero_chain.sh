@@ -17,13 +17,15 @@
 # in it, 3000 / 300), BATCH (BC batch, 64; PPO's minibatch, 128), CKPT_S (seconds between the RL
 # run's checkpoints, 60), WORKERS (demo recording processes, 10), SWEEP (the protocol, {task_ids:
 # 10, init_states: 50}), TASKS (env.task_id, all), EXTRA_LRN (the learner's alone, e.g.
-# inference.device=cuda:1 to serve on a second GPU), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a
+# inference.device=cuda:1 to serve on a second GPU), RL_EXTRA (the RL run's learner alone, not the
+# sweeps': e.g. gpus=2 deepspeed.stage=2, which an evaluation refuses), EXTRA_ENV / EXTRA_POL (more overrides, e.g. a
 # short time limit for a dry run on a CPU), CARRY (set: pack the RL run into $R/carry for the next
 # machine, where tools/carry_run.py unpacks it into $R/$TAG and a rerun goes on from its
 # checkpoint), GPU_LOG (0: no nvidia-smi log, for a second chain beside this one), START_CKPT (the
 # policy the RL run and its protocol-after sweep start from; $R/sft), RS_S (seconds of RL, instead
 # of RS_MIN), RL (0: no RL run: the protocol after sweeps START_CKPT itself), AFTER (0: no
-# protocol-after sweep), BEFORE (0: no protocol-before sweep). launch/libero_segment.sh uses
+# protocol-after sweep), BEFORE (0: no protocol-before sweep), GPU_CSV (the nvidia-smi log,
+# $R/res/gpu.csv), IMAGE (the cameras' size, 64). launch/libero_segment.sh uses
 # START_CKPT, RS_S, RL and AFTER to run RL in segments.
 # Two variants side by side on a two-GPU box: the second chain waits for $R/before/eval_report.json,
 # has its learners on GPU 1 (TANDEM_LEARNER_GPU=1, read by gpu_box.sh) with other ports
@@ -36,12 +38,12 @@ R=${R:-/tmp/lr}; mkdir -p "$R/res"; PY=${TANDEM_PYTHON:-python3}
 eval "$(bash launch/gpu_box.sh env)"
 K=${K:-10}; STEPS=${STEPS:-2000}; RS_MIN=${RS_MIN:-5}; N=${N:-14}; N_RL=${N_RL:-$N}; N_BEFORE=${N_BEFORE:-$N}
 VARIANT=${VARIANT:-rs}; TAG=${TAG:-$VARIANT}; V="$R/$TAG"
-ENVB="env=libero_spatial env.task_id=${TASKS:-all} env.image_size=64"
+ENVB="env=libero_spatial env.task_id=${TASKS:-all} env.image_size=${IMAGE:-64}"
 ENVO="$ENVB ${EXTRA_ENV:-}"
 POL="policy=pi0_small ${EXTRA_POL:-}"
 log() { echo "[$(date +%T)] $*" | tee -a "$R/res/timeline.txt"; }
 gpu() { command -v nvidia-smi >/dev/null && [ "${GPU_LOG:-1}" != 0 ] || return 0
-        while true; do nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,noheader >> "$R/res/gpu.csv"; sleep 5; done; }
+        while true; do nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,noheader >> "${GPU_CSV:-$R/res/gpu.csv}"; sleep 5; done; }
 gpu & GPUPID=$!
 trap 'kill $GPUPID 2>/dev/null' EXIT
 
@@ -95,13 +97,16 @@ esac
 RL_SECONDS=${RS_S:-$((RS_MIN * 60))}
 [ "${RL:-1}" = 0 ] || log "$TAG ($VARIANT): $([ -n "${RS_S:-}" ] && echo "$RS_S s" || echo "$RS_MIN min") with $N_RL actors"
 if [ "${RL:-1}" != 0 ] && [ ! -f "$R/res/${TAG}_metrics.jsonl" ]; then
-  bash launch/gpu_box.sh start --actors "$N_RL" --run-dir "$V" $COMMON $RL_POL $RL_LRN \
+  bash launch/gpu_box.sh start --actors "$N_RL" --run-dir "$V" $COMMON $RL_POL $RL_LRN ${RL_EXTRA:-} \
     trainer.checkpoint_every_s="${CKPT_S:-60}" -- $COMMON $RL_POL $RL_ACT
   sleep "$RL_SECONDS"
   bash launch/gpu_box.sh stop --run-dir "$V"
   cp "$V/metrics.jsonl" "$R/res/${TAG}_metrics.jsonl"; cp "$V/status.json" "$R/res/${TAG}_status.json"
   cp "$V/learner.log" "$R/res/${TAG}_learner.log"
   cat "$V"/actor-*.log | grep -a "takeover\|HOLDING" | tail -20 > "$R/res/${TAG}_actors.txt" || true
+  # each actor's last progress line (its act round trip's p50 / p99 over the run)
+  for f in "$V"/actor-*.log; do [ -f "$f" ] && { grep -a "act failures" "$f" | tail -1 || true; }; done \
+    > "$R/res/${TAG}_actor_lines.txt"
   # the run in parts of <= 15 MiB, to carry it to the next machine (tools/carry_run.py unpack there)
   # (written aside, then renamed: a poll waiting for the file never reads it half-written)
   if [ -n "${CARRY:-}" ]; then

@@ -7,7 +7,8 @@
 # --gpus N (or the override gpus=N): N learner ranks, rank 0 owns the network, every rank
 # trains (learner/distributed.py). N=1 runs exactly one process as before. N>1 starts them
 # with `accelerate launch --multi_gpu`, plus DeepSpeed ZeRO (config/deepspeed/zero<S>.json)
-# when deepspeed.stage=S is 2 or 3; --cpu (or device=cpu) starts N CPU processes (gloo)
+# when deepspeed.stage=S is 2 or 3 (deepspeed.config=FILE: another DeepSpeed config of that stage,
+# e.g. config/deepspeed/zero2_fp32.json); --cpu (or device=cpu) starts N CPU processes (gloo)
 # with torchrun instead, to try the multi-rank learner without GPUs.
 # Several hosts: the same command on each, with --nodes M (hosts), --node-rank R (0..M-1; rank
 # 0 of node 0 owns the network), --main-addr (node 0's address, reachable from the others) and
@@ -21,11 +22,13 @@ source "$(dirname "$0")/common.sh"
 GPUS="${TANDEM_GPUS:-1}"
 CPU=0
 STAGE=0
+DS_CONFIG=""
 DEVICE_SET=0
 for a in "${TANDEM_ARGS[@]}"; do
   case "$a" in
     gpus=*) GPUS="${a#gpus=}" ;;
     deepspeed.stage=*) STAGE="${a#deepspeed.stage=}" ;;
+    deepspeed.config=*) DS_CONFIG="${a#deepspeed.config=}" ;;
     device=cpu) CPU=1; DEVICE_SET=1 ;;
     device=*) DEVICE_SET=1 ;;
     --cpu) CPU=1 ;;
@@ -70,7 +73,9 @@ LAUNCH=("${PY[@]}" -m accelerate.commands.launch --num_processes "$((GPUS * NODE
         --main_process_port "$PORT" --mixed_precision no --dynamo_backend no)
 case "$STAGE" in
   0) LAUNCH+=(--multi_gpu) ;;
-  2|3) LAUNCH+=(--use_deepspeed --deepspeed_config_file "config/deepspeed/zero$STAGE.json") ;;
+  2|3) DS_CONFIG="${DS_CONFIG:-config/deepspeed/zero$STAGE.json}"
+       [ -f "$DS_CONFIG" ] || { echo "deepspeed.config=$DS_CONFIG: no such file" >&2; exit 2; }
+       LAUNCH+=(--use_deepspeed --deepspeed_config_file "$DS_CONFIG") ;;
   *) echo "deepspeed.stage must be 0 (DDP), 2 or 3, got '$STAGE'" >&2; exit 2 ;;
 esac
 exec "${LAUNCH[@]}" -m learner "${ARGS[@]}" gpus="$GPUS" nodes="$NODES"

@@ -334,6 +334,7 @@ class Learner:
                 status = {k: v for k, v in self.status.full().items() if isinstance(v, (int, float))}
                 status["updates_per_s"] = (self.algo.updates - last_updates) / (now - last_log)
                 status.update(clock.period(now - last_log, self.algo.updates - last_updates))
+                status.update(self.actor_stats.take_period())  # act latency of this period
                 self.metrics.log({**status, **metrics}, step=self.algo.updates, console_keys=[
                     "updates", "updates_per_s", "version", "env_steps", "episodes", "return",
                     "success", "actors", "infer_batch"])

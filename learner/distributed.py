@@ -11,8 +11,9 @@ an update (followed by its data), a weights gather (ZeRO-3 publish), stop, or id
 heartbeat every ``distributed.heartbeat_s`` while there is nothing to train on, so that the
 followers' wait is bounded by the collective timeout) or a checkpoint (``CTRL_SAVE``: every
 rank writes its DeepSpeed engine state into the folder rank 0 names, rank 0 its own files,
-``latest`` moves once all finished; :mod:`learner.engine_state`). Versions, jobs and
-publishing stay on rank 0. On start rank 0 picks the checkpoint and broadcasts its path;
+``latest`` moves once all finished; :mod:`learner.engine_state`), or a weight sync
+(``CTRL_SYNC``: rank 0 changed its weights outside an update, rejection sampling's roll-back,
+and broadcasts them; DDP only). Versions, jobs and publishing stay on rank 0. On start rank 0 picks the checkpoint and broadcasts its path;
 every rank loads it (and its engine state), and a resume at another N is refused.
 
 Batch route: **rank 0 samples the global batch and scatters shares**. Rank 0's algorithm
@@ -20,7 +21,8 @@ draws exactly what one process would (``batch_size`` rows, or a whole PPO/GRPO r
 its agent's ``update``, on the way through :class:`RootRoute`: a header (keys, dtypes, shapes as
 JSON bytes in a uint8 tensor; strings as padded UTF-8 rows) is broadcast, then every tensor
 is split into N equal row blocks and ``torch.distributed.scatter``-ed; rank r gets rows
-[r n, (r+1) n). Off-policy batches must split evenly (``batch_size`` a multiple of N);
+[r n, (r+1) n). Off-policy and BC batches (SAC, rejection sampling) must split evenly
+(``batch_size`` a multiple of N);
 on-policy rounds are padded with ``mask = False`` rows. On GPUs (NCCL) the scatter runs from
 rank 0's GPU; ``python -m learner.distributed [rows] [image size]`` measures a scatter's cost.
 
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from learner.engine_state import all_ok, follow_save, restore_algo
-from learner.rank_control import CTRL_GATHER, CTRL_SAVE, CTRL_STOP, CTRL_UPDATE
+from learner.rank_control import CTRL_GATHER, CTRL_SAVE, CTRL_STOP, CTRL_SYNC, CTRL_UPDATE
 
 log = logging.getLogger("tandem.learner")
 
@@ -219,7 +221,8 @@ class _ReceiveStream:
 class RootRoute:
     """Rank 0's route of every update's data (:attr:`agents.core.AlgoLearner.route`): announces
     the update to the followers and scatters its data (a batch, or each batch of a stream);
-    the agent's own update then runs on block 0."""
+    the agent's own update then runs on block 0. :meth:`sync_weights` hands rank 0's
+    trainable weights to every rank (after an algorithm changed them outside an update)."""
 
     def __init__(self, ranks: Ranks):
         self._ranks = ranks
@@ -230,6 +233,22 @@ class RootRoute:
             return self._ranks.scatter_batch(data)
         self._ranks.send(CTRL_UPDATE, _STREAM)
         return _ScatterStream(data, self._ranks)
+
+    def sync_weights(self, policy: Any, *, reset_optimizer: bool = False) -> None:
+        """Every rank's trainable weights become rank 0's (the followers reset their
+        optimizer too when ``reset_optimizer``, as rank 0 did)."""
+        self._ranks.send(CTRL_SYNC, int(bool(reset_optimizer)))
+        broadcast_trainable(policy, self._ranks)
+
+
+def broadcast_trainable(policy: Any, ranks: Ranks) -> None:
+    """Rank 0's trainable parameters into every rank's (in place, in parameters() order;
+    every rank calls it together). Replicated weights only (DDP): a DeepSpeed engine keeps its
+    own fp32 copy, which the algorithms that sync refuse."""
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                ranks._coll(dist.broadcast, p.data, src=0)
 
 
 def gathered_trainable(policy: Any, accelerator: Any) -> dict[str, torch.Tensor]:
@@ -273,8 +292,11 @@ def follow(algo: Any, ranks: Ranks, status_path=None, every_s: float = 1.0) -> i
         elif code == CTRL_GATHER:
             gathered_trainable(algo.policy, ranks.accelerator)
         elif code == CTRL_SAVE:
-
             follow_save(ranks, algo)
+        elif code == CTRL_SYNC:
+            broadcast_trainable(algo.policy, ranks)
+            if arg:
+                algo.agent.reset_optimizer()
         if time.monotonic() - last >= every_s:
             write()
             last = time.monotonic()
@@ -283,9 +305,11 @@ def follow(algo: Any, ranks: Ranks, status_path=None, every_s: float = 1.0) -> i
 
 
 class _NoData:
-    """What a follower's builder gets for ``data``: the algorithm is built, never fed."""
+    """What a follower's builder gets for ``data``: the algorithm is built, never fed (no
+    training data: ``train`` False, so no jobs and no data checks)."""
 
     sink = store = sampler = queue = demo = None
+    train = False
 
 
 def check_world(cfg: Any, world: int, algo_name: str) -> None:
@@ -298,11 +322,9 @@ def check_world(cfg: Any, world: int, algo_name: str) -> None:
                          f"start it with launch/run_learner.sh {how}")
     if world > 1 and cfg.mode != "train":
         raise ValueError(f"mode={cfg.mode} does not train: run it with gpus=1")
-    if world > 1 and algo_name == "rejection_sampling":
-        raise ValueError("algo=rejection_sampling runs on one rank only (its evaluate/roll-back "
-                         "cycle is not distributed): run it with gpus=1")
     bs = int(cfg.algo.get("batch_size", 0) or 0)
-    if world > 1 and (algo_name == "sac" or algo_name.startswith("sac_")) and bs % world:
+    even = algo_name == "sac" or algo_name.startswith("sac_") or algo_name == "rejection_sampling"
+    if world > 1 and even and bs % world:
         raise ValueError(f"algo.batch_size={bs} must be a multiple of gpus={world} (every rank "
                          "trains on an equal share of each batch)")
 

@@ -56,6 +56,8 @@ class LearnerStatus:
             "skipped_updates": sum(self.skipped_updates().values()),
             "weights_refused": lrn.weights.refused,
             "duplicates": lrn.service.counters["duplicates"],
+            # the act latency over all actors and the whole run (learner/actor_stats.py)
+            **lrn.actor_stats.act_latency(),
         }
 
     def full(self, meter: str = "status") -> dict:
@@ -81,6 +83,7 @@ class LearnerStatus:
                       "restarts": service.gate.restarts, "exits": list(service.gate.exits),
                       **service.gate.stats},
                   skipped_updates_by_reason=self.skipped_updates(),
+                  act_latency_hist=lrn.actor_stats.act_histograms(),
                   checkpoints_refused=lrn.checkpoints.refused,
                   internal_errors=service.counters["internal_errors"],
                   rejection_logs_suppressed=service._warn.suppressed_total,  # noqa: SLF001

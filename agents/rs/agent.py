@@ -22,6 +22,14 @@ sees the padded copies of the last action). A window is admitted by its first st
 window starting at a person's step of a failed episode may carry policy steps after the
 person let go.
 
+Several ranks (``launch/run_learner.sh --gpus N``, DDP or DeepSpeed ZeRO): rank 0 samples the
+global batch (demos mixed in) and :class:`learner.distributed.RootRoute` scatters equal row
+blocks; the learning rate of each step travels inside the batch as the column :data:`BC_LR`
+(one value repeated per row), so every rank steps with rank 0's schedule; DDP / the engine
+average the gradients, so N ranks take the step one process takes on the whole batch. The
+keep/roll-back gate restores weights on rank 0 and broadcasts them (``sync_weights`` of the
+route), under DDP only (:class:`BCAgent` refuses the gate under DeepSpeed).
+
 What it has learned (the MLP and a tiny PI0 on ``env=point_reach``, with and without the
 scripted expert's corrections, and the pre-registered ``point_reach_vl`` runs against a
 demos-only control): docs/learning.md, with the commands (tools/experiments/rs_pi0_learning.py,
@@ -37,12 +45,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from agents import parallel
 from agents.base import Batch, BCPolicy, check_pair
 from agents.common.policy_calls import take, to_device
 
 LR_SCHEDULES = ("cycle", "run", "constant")
+#: the batch column that carries a BC step's learning rate to every rank ([B] float64, one value)
+BC_LR = "bc_lr"
 OUTCOMES = ("success", "return", "either")
 
 
@@ -187,17 +198,30 @@ def bc_inputs(batch: Batch) -> Batch:
     return batch
 
 
+def with_lr(batch: Batch, lr: float) -> Batch:
+    """``batch`` with its step's learning rate as the column :data:`BC_LR` (what the ranks'
+    shares all carry: :class:`learner.distributed.RootRoute` splits every column by rows)."""
+    rows = len(next(iter(batch.values())))
+    return {**batch, BC_LR: torch.full((rows,), float(lr), dtype=torch.float64)}
+
+
 class BCLoss(torch.nn.Module):
     """The policy's ``bc_loss`` as the ``forward`` of the module ``accelerator.prepare``
     returns, so the BC gradient is all-reduced across ranks (DDP) or goes through the
-    sharded engine; calling the unwrapped policy's ``bc_loss`` would skip both."""
+    sharded engine; calling the unwrapped policy's ``bc_loss`` would skip both. Under a
+    DeepSpeed engine (``engine``) the forward runs under autocast to the weights' dtype when
+    the engine made them bf16 (batches stay float32); elsewhere the policy's own dtypes rule."""
 
-    def __init__(self, policy: torch.nn.Module):
+    def __init__(self, policy: torch.nn.Module, *, engine: bool = False):
         super().__init__()
         self.policy = policy
+        self.engine = engine
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        return self.policy.bc_loss(batch)
+        if not self.engine:
+            return self.policy.bc_loss(batch)
+        with parallel.low_precision_autocast(self.policy):
+            return self.policy.bc_loss(batch).float()
 
 
 class BCAgent:
@@ -219,12 +243,24 @@ class BCAgent:
         self._params = [p for p in policy.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError(f"{type(policy).__name__} has no trainable parameters")
+        #: DeepSpeed ZeRO: the engine steps inside the backward, holds the optimizer state
+        #: (checkpointed per rank) and clips by its config's gradient_clipping
+        self.engines = parallel.uses_engines(accelerator)
+        if self.engines and cfg.eval_jobs():
+            raise ValueError("algo=rejection_sampling: the keep/roll-back gate (algo.eval_episodes > 0 or "
+                             "algo.eval_init_states) restores earlier weights, which a DeepSpeed engine's "
+                             "optimizer partitions would overwrite: set algo.eval_episodes=0, or run "
+                             f"several ranks with {parallel.DDP_HINT}")
         opt = self._make_optimizer()
-        self._model, self.opt = accelerator.prepare(BCLoss(policy), opt)
+        self._model, self.opt = accelerator.prepare(BCLoss(policy, engine=self.engines), opt)
         self._raw = policy
+        # the ranks the engine or DDP averages gradients over (torch.distributed's count: an
+        # accelerator on DeepSpeed's CPU accelerator reports 1 process while DeepSpeed reduces over all)
+        self._world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        fused = self.device.type in ("cpu", "cuda")
+        # an engine flattens the parameters into its own partitions: a plain AdamW there
+        fused = self.device.type in ("cpu", "cuda") and not self.engines
         return torch.optim.AdamW(self._params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
                                  fused=fused)
 
@@ -232,30 +268,51 @@ class BCAgent:
         """Forget the moments (after a roll-back): a fresh state for every parameter."""
         self.opt.state.clear()
 
-    def update(self, batch: Batch, lr: float) -> dict[str, float]:
-        """One BC step on ``batch`` at learning rate ``lr``; float metrics. With
-        ``micro_batch_size``, the gradient of the batch's loss is accumulated over pieces of
-        that many rows, each piece's loss weighted by its share of the rows."""
+    def update(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
+        """One BC step on ``batch`` at learning rate ``lr`` (None: the batch's :data:`BC_LR`
+        column, :func:`with_lr`); float metrics. With ``micro_batch_size``, the gradient of the
+        batch's loss is accumulated over pieces of that many rows, each piece's loss weighted
+        by its share of the rows. On N ranks ``batch`` is this rank's share and ``bc_loss``
+        the mean over the ranks (the whole batch's loss: the shares are equal)."""
+        if BC_LR in batch:
+            batch = dict(batch)
+            carried = batch.pop(BC_LR)
+            lr = float(carried[0]) if lr is None else lr
+        if lr is None:
+            raise ValueError(f"BCAgent.update needs a learning rate (lr= or the batch's {BC_LR!r} column)")
         batch = bc_inputs(to_device(batch, self.device))
         for g in self.opt.param_groups:
             g["lr"] = float(lr)
         self._raw.train()
-        self.opt.zero_grad(set_to_none=True)
-        pieces = self._pieces(batch)
-        loss_sum = 0.0
-        for i, (part, share) in enumerate(pieces):
-            last = i == len(pieces) - 1
-            with contextlib.nullcontext() if last else self.accelerator.no_sync(self._model):
-                loss = self._model(part)
-                self.accelerator.backward(loss * share if len(pieces) > 1 else loss)
-            loss_sum += float(loss.detach()) * share
-        metrics = {"bc_loss": loss_sum, "lr": float(lr)}
-        if len(pieces) > 1:
-            metrics["micro_batches"] = float(len(pieces))
-        if self.cfg.max_grad_norm is not None:
-            norm = self.accelerator.clip_grad_norm_(self._params, self.cfg.max_grad_norm)
-            metrics["grad_norm"] = float(norm)
-        self.opt.step()
+        metrics: dict[str, float] = {}
+        if self.engines:
+            self._pieces(batch)  # refuses micro_batch_size under an engine
+            loss = self._model(batch)
+            norm = parallel.backward_step(self.accelerator, self._model, loss, self._params, None)
+            loss_sum = float(loss.detach())
+            if norm is not None:
+                metrics["grad_norm"] = float(norm)
+        else:
+            self.opt.zero_grad(set_to_none=True)
+            pieces = self._pieces(batch)
+            loss_sum = 0.0
+            for i, (part, share) in enumerate(pieces):
+                last = i == len(pieces) - 1
+                with contextlib.nullcontext() if last else self.accelerator.no_sync(self._model):
+                    loss = self._model(part)
+                    self.accelerator.backward(loss * share if len(pieces) > 1 else loss)
+                loss_sum += float(loss.detach()) * share
+            if len(pieces) > 1:
+                metrics["micro_batches"] = float(len(pieces))
+            if self.cfg.max_grad_norm is not None:
+                norm = self.accelerator.clip_grad_norm_(self._params, self.cfg.max_grad_norm)
+                metrics["grad_norm"] = float(norm)
+            self.opt.step()
+        if self._world > 1:  # the whole batch's loss: the mean of the ranks' equal shares'
+            t = torch.tensor([loss_sum], dtype=torch.float32, device=self.device)
+            dist.all_reduce(t)
+            loss_sum = float(t) / self._world
+        metrics.update(bc_loss=loss_sum, lr=float(lr))
         if "is_demo" in batch:
             metrics["demo_fraction"] = float(batch["is_demo"].float().mean())
         return metrics
@@ -274,17 +331,29 @@ class BCAgent:
 
     # -- weights and checkpoints --------------------------------------------------------------
     def trainable(self) -> dict[str, torch.Tensor]:
+        """The trainable weights; under ZeRO-3 gathered whole (every rank calls it together)."""
+        if parallel.is_zero3(self.accelerator):
+            with parallel.zero3_gathered(self._params, self.accelerator):
+                return {k: v.detach().clone() for k, v in self._raw.trainable_state_dict().items()}
         return self._raw.trainable_state_dict()
 
     def load_trainable(self, state: dict[str, torch.Tensor]) -> None:
-        self._raw.load_trainable_state_dict(state)
+        with parallel.zero3_gathered(self._params, self.accelerator, modifier_rank=0):
+            self._raw.load_trainable_state_dict(state)
         self._raw.train()
+
+    def parallel_engines(self) -> list:
+        """The DeepSpeed engine training the policy, for checkpoints; [] without engines."""
+        return parallel.engines(self.accelerator, self._model)
 
     def state_dict(self) -> dict:
         """The trainable weights (a VLA's frozen backbone is rebuilt from its checkpoint) and
-        the optimizer."""
+        the optimizer (under an engine: the engine's own checkpoint, learner/engine_state.py)."""
+        if self.engines:
+            return {"policy": self.trainable()}
         return {"policy": self.trainable(), "opt": copy.deepcopy(self.opt.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         self.load_trainable(state["policy"])
-        self.opt.load_state_dict(copy.deepcopy(state["opt"]))
+        if "opt" in state and not self.engines:  # an engine loads its own
+            self.opt.load_state_dict(copy.deepcopy(state["opt"]))

@@ -12,6 +12,11 @@
    one is re-queued) and no person touched it. Success >= best - ``eval_tolerance``: kept
    (and the new best when >= best); otherwise the best weights are restored and published
    as a new version (a roll-back). Back to 3.
+
+On N ranks (:mod:`learner.distributed`) this cadence runs on rank 0 alone: it samples every
+global batch and hands it, with the step's learning rate (:func:`agents.rs.agent.with_lr`), to
+``route``, which scatters equal shares to the followers; those run only the BC steps. A
+roll-back's restored weights go to every rank through the route's ``sync_weights``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from typing import Callable
 import numpy as np
 
 from agents.core import direct_route
-from agents.rs.agent import BCAgent, RejectionSamplingConfig, cosine_lr, keep_version, scheduled_lr
+from agents.rs.agent import (BCAgent, RejectionSamplingConfig, cosine_lr, keep_version, scheduled_lr,
+                             with_lr)
 from agents.rs.data import RSData
 from agents.rs.jobs import EVAL_GROUP_BASE, EvalJobs
 from data.core.jobs import Job
@@ -77,7 +83,8 @@ class RSLearner:
         else:
             self.phase = "eval" if self.eval_jobs and cfg.eval_initial else "collect"
         self._baseline_pending = self.phase == "eval" or (self.phase == "pretrain" and cfg.eval_initial)
-        data.sink.on_eval = self._on_eval
+        if data.sink is not None:  # a follower rank's learner has no data (learner/distributed.py)
+            data.sink.on_eval = self._on_eval
         data.rs_status = self.status
 
     # -- counters ------------------------------------------------------------------------------
@@ -124,7 +131,7 @@ class RSLearner:
         t0 = time.perf_counter()
         batch = self.data.sampler.sample(self.cfg.batch_size, **self._kw)
         sample_s = time.perf_counter() - t0
-        m = self.agent.update(self.route(batch), lr)
+        m = self._update(batch, lr)
         m["sample_s"] = sample_s
         self.updates += 1
         self.sft_updates += 1
@@ -139,7 +146,7 @@ class RSLearner:
     def _pretrain_step(self) -> dict[str, float]:
         demo = self.data.demo
         lr = cosine_lr(self.pretrain_done, self.cfg.pretrain_steps, self.cfg.lr, self.cfg.lr_min)
-        m = self.agent.update(self.route(demo.sample(self.cfg.batch_size, **self._kw)), lr)
+        m = self._update(demo.sample(self.cfg.batch_size, **self._kw), lr)
         self.pretrain_done += 1
         self.updates += 1
         if self.pretrain_done >= self.cfg.pretrain_steps:
@@ -147,6 +154,14 @@ class RSLearner:
             log.info("pretrained on the demos for %d steps: version %d", self.pretrain_done, self.version)
             self._next_after_publish(baseline=self.cfg.eval_initial)
         m["pretrain_step"] = float(self.pretrain_done)
+        return m
+
+    def _update(self, batch: dict, lr: float) -> dict[str, float]:
+        """One BC step on the global ``batch`` through ``route`` (N ranks: scattered, the lr
+        with it); the demos' share is the whole batch's."""
+        m = self.agent.update(self.route(with_lr(batch, lr)))
+        if "is_demo" in batch:
+            m["demo_fraction"] = float(batch["is_demo"].float().mean())
         return m
 
     def _next_after_publish(self, *, baseline: bool) -> None:
@@ -226,6 +241,9 @@ class RSLearner:
         self.agent.load_trainable(self.best)
         if self.cfg.reset_optimizer_on_rollback:
             self.agent.reset_optimizer()
+        sync = getattr(self.route, "sync_weights", None)
+        if sync is not None:  # N ranks: every rank takes rank 0's restored weights (and reset)
+            sync(self.policy, reset_optimizer=bool(self.cfg.reset_optimizer_on_rollback))
         self._publish_version()
         return f"rolled back to v{self.best_version} (published as v{self.version})"
 
@@ -251,5 +269,6 @@ class RSLearner:
         self.counters = Counter(state["counters"])
         self.history = list(state["history"])
         self._baseline_pending = bool(state["baseline_pending"])
-        self._eval_steps_base = int(state["eval_steps"]) - self.data.sink.counters["eval_steps"]
+        seen = self.data.sink.counters["eval_steps"] if self.data.sink is not None else 0
+        self._eval_steps_base = int(state["eval_steps"]) - seen
         self._round = None
