@@ -17,11 +17,11 @@ def rows(name: str) -> list[dict]:
     return [json.loads(x) for x in (DOCS / name).read_text().splitlines() if x.strip()]
 
 
-def rs_passes(name: str) -> list[bool]:
+def rs_passes(name: str, arm: str = "rs") -> list[bool]:
     from tools.experiments.rs_vl_report import seed_passes
 
     by = {(r["arm"], int(r["seed"])): r for r in rows(name)}
-    return [seed_passes(by["rs", s], by["demos", s]) for s in sorted({s for _, s in by})]
+    return [seed_passes(by[arm, s], by["demos", s]) for s in sorted({s for _, s in by})]
 
 
 def passes(claim: int) -> list[bool]:
@@ -29,6 +29,8 @@ def passes(claim: int) -> list[bool]:
         return rs_passes("preregistered_rs_results.jsonl")
     if claim == 5:
         return rs_passes("preregistered_rs_pi0_vl_results.jsonl")
+    if claim == 7:
+        return rs_passes("preregistered_rs_expert_results.jsonl", "rs_expert")
     from tools.experiments import grpo_vl_learning, noise_vl_learning, residual_vl_learning
 
     tool, name = {3: (residual_vl_learning, "preregistered_residual_results.jsonl"),
@@ -45,7 +47,7 @@ def written_outcome(claim: int) -> tuple[bool, int, int]:
     return m[1] == "holds", int(m[2]), int(m[3])
 
 
-@pytest.mark.parametrize("claim", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("claim", [2, 3, 4, 5, 6, 7])
 def test_the_written_outcome_is_what_the_rule_gives_on_the_stored_runs(claim):
     got = passes(claim)
     holds, k, n = written_outcome(claim)
