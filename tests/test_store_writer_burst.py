@@ -18,7 +18,7 @@ import numpy as np
 from data.replay import ReplayBuffer
 from data.store import Episode, EpisodeStore, read_episodes
 from learner.ingest import Ingest
-from test_buffer_helpers import SPEC, episode_batch
+from test_buffer_helpers import SPEC, STATE_ONLY, episode_batch
 
 LENGTH = 8  # steps per episode (+ the is_last record)
 
@@ -147,3 +147,41 @@ def test_pool_and_lerobot_encoders_write_the_same_dataset_but_the_videos(tmp_pat
         x, y = da[i], db[i]
         assert x["task"] == y["task"] and int(x["actor_seq"]) == int(y["actor_seq"])
         assert np.abs((x["observation.images.wrist"] - y["observation.images.wrist"]).numpy()).max() < 0.05
+
+
+def test_close_writes_what_was_queued_and_does_not_wait_for_episodes_still_arriving(tmp_path):
+    """A learner that stops itself (``max_updates``, ``stop_at_success``) closes its store while
+    the actors still send: close writes the episodes queued when it was called and returns;
+    those arriving meanwhile stay unwritten and unacknowledged (the actors resend them). The
+    flush used to wait for an empty queue, which a sending actor never leaves: every such
+    learner waited out the whole close timeout (30 s) before exiting."""
+    store = EpisodeStore(tmp_path / "dataset", STATE_ONLY, fps=10, commit_interval_s=0.2).start()
+
+    def episode(e: int) -> Episode:
+        return Episode.from_batch(episode_batch("a0", 100 * e, e, LENGTH, spec=STATE_ONLY))
+
+    store.submit(episode(0))
+    assert store.flush(60)  # the dataset exists (lerobot imported)
+    for e in (1, 2):
+        store.submit(episode(e))
+    stop = threading.Event()
+
+    def actor() -> None:  # one more episode every 20 ms, until after the close
+        e = 3
+        while not stop.is_set():
+            store.submit(episode(e))
+            e += 1
+            time.sleep(0.02)
+
+    sender = threading.Thread(target=actor, daemon=True)
+    sender.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    store.close(timeout=20)
+    took = time.perf_counter() - t0
+    stop.set()
+    sender.join(5)
+    written = [int(e.columns["actor_episode"][0]) for e in read_episodes(store.root)]
+    assert written[:3] == [0, 1, 2] and written == list(range(len(written))), written
+    print(f"\nclose: {took:.2f} s, {len(written)} episodes written")
+    assert took < 10, f"close waited {took:.1f} s for episodes that kept arriving"

@@ -40,6 +40,8 @@ class CommitWorker:
         self._cv = threading.Condition()
         self._queue: deque[Episode] = deque()
         self._writing = 0
+        self._submitted = 0  # episodes queued so far
+        self._settled = 0    # of those, written or dropped (commits are in submission order)
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -76,6 +78,7 @@ class CommitWorker:
                          episode.actor_id)
                 return
             self._queue.append(episode)
+            self._submitted += 1
             self._cv.notify_all()
         self._prepare(episode)
 
@@ -92,11 +95,15 @@ class CommitWorker:
             return len(self._queue) + self._writing
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted episode is durable or dropped; False on timeout."""
+        """Wait until every episode submitted before this call is durable or dropped; False on
+        timeout. Episodes submitted meanwhile are not waited for: actors still sending (a
+        learner stopping at ``max_updates``) would otherwise keep the queue from ever emptying
+        and every close would wait out its whole timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
+            target = self._submitted
             self._cv.notify_all()
-            while self._queue or self._writing:
+            while self._settled < target:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -104,8 +111,9 @@ class CommitWorker:
         return True
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued (up to ``timeout``), then stop. Episodes left unwritten stay
-        unacknowledged: actors resend them to the next learner."""
+        """Write what is queued when called (up to ``timeout``), then stop. Episodes left
+        unwritten (also those submitted during the wait) stay unacknowledged: actors resend
+        them to the next learner."""
         if self._thread is not None:
             self.flush(timeout)
         with self._cv:
@@ -173,4 +181,5 @@ class CommitWorker:
                 log.exception("episode store: on_durable callback failed")
             with self._cv:
                 self._writing = 0
+                self._settled += len(batch)
                 self._cv.notify_all()
