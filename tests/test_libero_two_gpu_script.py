@@ -245,3 +245,24 @@ def _free_port() -> int:
     from tandem_testutil import free_port
 
     return free_port()
+
+
+def test_time_to_target_ignores_windows_still_filling_with_the_experts_corrections():
+    """The 2-GPU run's own files (docs/libero/two_gpu): 10 s into arms a and b the windows held
+    3-9 episodes, every one corrected by the expert (success 1.0, no more corrected episodes than
+    arm one's final 9); those lines are not the policy's success. Counted from the corrected
+    episodes' peak, a never reaches one's final 0.53 (it ends at 0.50) and b reaches it at the end."""
+    res = ROOT / "docs" / "libero" / "two_gpu"
+    rows = {a: libero_arms.read_metrics(res / f"{a}_metrics.jsonl") for a in ("one", "a", "b")}
+    early = [r for r in rows["a"] if r.get("success") is not None][0]
+    assert early["wall_s"] < 15 and early["success"] == 1.0 and early["interventions"] <= 9
+    result = libero_arms.compare(res, ["one", "a", "b"])
+    figs = {f["arm"]: f for f in result["arms"]}
+    assert result["target_success"] == 0.53 and result["target_max_interventions"] == 9
+    assert figs["one"]["time_to_target_s"] == figs["one"]["wall_s"]
+    assert figs["a"]["time_to_target_s"] is None
+    assert figs["b"]["time_to_target_s"] > 200
+    # the rule on made-up rows: a 1.0 while the windows fill does not count; after the peak it does
+    mk = lambda pairs: [{"wall_s": 10.0 * i, "success": s, "interventions": iv} for i, (s, iv) in enumerate(pairs)]  # noqa: E731
+    assert libero_arms.time_to(mk([(1.0, 2), (1.0, 8), (0.7, 3), (0.6, 1)]), 0.6, 2) == 30.0
+    assert libero_arms.time_to(mk([(0.5, 0), (0.6, 0)]), 0.6, 0) == 10.0   # no corrections at all

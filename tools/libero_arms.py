@@ -21,7 +21,8 @@ Per arm:
   success of the training episodes (``success``: the window of ``logging.stats_window``
   episodes per task) and its ``interventions`` then (episodes the expert corrected in the
   actors' windows); an arm reaches it at the first line whose success is at least the target
-  with no more interventions than the baseline's last line had (a window still full of the
+  with no more interventions than the baseline's last line had, from the line where the
+  corrected episodes in the windows peak on (a window still full of, or still filling with, the
   expert's corrections does not count as the policy's success). None: not reached;
 - GPU utilisation (mean, per GPU index) and the most memory used, over the arm's run, from
   its GPU log.
@@ -85,12 +86,16 @@ def final_success(rows: list[dict]) -> tuple[float | None, int]:
 
 def time_to(rows: list[dict], target: float, max_interventions: int) -> float | None:
     """The first ``wall_s`` at which ``success`` >= ``target`` with at most ``max_interventions``
-    corrected episodes in the actors' windows; None if never."""
-    for r in rows:
-        s, t = _num(r.get("success")), _num(r.get("wall_s"))
-        if s is None or t is None:
-            continue
-        if s >= target - 1e-12 and int(_num(r.get("interventions")) or 0) <= max_interventions:
+    corrected episodes in the actors' windows, counted from the line where those corrected episodes
+    peak: before it the windows are still filling with the expert's corrections (9 episodes, all
+    corrected, 10 s into a run, hold nothing of the policy's own). None if never."""
+    lines = [(float(r["wall_s"]), s, int(_num(r.get("interventions")) or 0))
+             for r in rows if (s := _num(r.get("success"))) is not None and _num(r.get("wall_s")) is not None]
+    if not lines:
+        return None
+    peak = max(range(len(lines)), key=lambda k: (lines[k][2], -k))   # the first line at the most
+    for t, s, iv in lines[peak:]:
+        if s >= target - 1e-12 and iv <= max_interventions:
             return t
     return None
 
