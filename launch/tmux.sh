@@ -21,6 +21,9 @@ while [ $# -gt 0 ]; do
 done
 command -v tmux >/dev/null || { echo "tmux not found: use launch/run_local.sh instead" >&2; exit 1; }
 SESSION="${TANDEM_TMUX_SESSION:-tandem}"
+# the panes have their own size: a COLUMNS/LINES exported by the calling terminal (or a test
+# runner: pytest-xdist's workers get 80x24) would make rich draw every pane at that width
+unset COLUMNS LINES
 TMUX_CMD=(tmux)
 [ -n "${TANDEM_TMUX_SOCKET:-}" ] && TMUX_CMD=(tmux -L "$TANDEM_TMUX_SOCKET")
 "${TMUX_CMD[@]}" new-session -d -s "$SESSION" -x "${TANDEM_TMUX_WIDTH:-200}" -y "${TANDEM_TMUX_HEIGHT:-60}" \

@@ -42,7 +42,7 @@ from tandem_testutil import assert_learning_run_lifts, run_learning_demo
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
                                  reason="Flow-Noise PPO learning run (~16 min on 2 cores)"
-                                        ": TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s "
+                                        ": TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s -n 0 "
                                         "tests/test_flow_ppo_learning.py")]
 
 UPDATES = 45

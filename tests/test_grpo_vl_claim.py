@@ -20,11 +20,11 @@ import pytest
 
 # one seed: a GRPO run and its more-BC control of the same wall-clock, ~9-18 min on 2 cores
 # (the registered seeds took 522-1,085 s each):
-# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s tests/test_grpo_vl_claim.py
+# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s -n 0 tests/test_grpo_vl_claim.py
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
                                  reason="a 9-18-minute learning run: TANDEM_LEARNING_TESTS=1 uv run --frozen "
-                                        "pytest -q -s tests/test_grpo_vl_claim.py")]
+                                        "pytest -q -s -n 0 tests/test_grpo_vl_claim.py")]
 
 #: set when claim 4 did not hold in its registered runs (docs/preregistered.md, Outcomes)
 NOT_HOLDING: str | None = ("claim 4 did not hold in its registered runs (0/5 seeds; seed 0: 0.05 -> 0.15 against "

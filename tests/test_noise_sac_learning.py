@@ -16,7 +16,7 @@ succeeds at least 0.2 more often than the base with its own N(0, I) noise, and a
 more often than the untrained noise actor evaluated the same way (its mean noise, ~0: the
 non-learning control, what a run whose actor never learns ends at). Training stops at 400
 online episodes, not at a time: under load the same learning takes longer (the 480 s cap
-only bounds a stuck run). Figures are printed (``pytest -s``). Measured, 2-core CPU shared
+only bounds a stuck run). Figures are printed (``pytest -s -n 0``). Measured, 2-core CPU shared
 with the full suite (load 4.4-7.6): base 0.30, untrained actor (mean) 0.32 -> 0.78 (z 4.8 and
 4.6), 404 episodes, 920 updates, 347 s of training, 545 s in all; an earlier run at load 5-6:
 0.30 -> 0.78, 413 episodes, 334 s in all. With a 200 s cap instead, at load 6-7, it reached

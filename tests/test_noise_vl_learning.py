@@ -21,11 +21,11 @@ import pytest
 
 # one seed: a noise-SAC run and its more-BC control of the same wall-clock, ~7-8 min on 2 cores
 # (the registered seeds took 388-468 s each):
-# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s tests/test_noise_vl_learning.py
+# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s -n 0 tests/test_noise_vl_learning.py
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
                                  reason="a 7-8-minute learning run: TANDEM_LEARNING_TESTS=1 uv run --frozen "
-                                        "pytest -q -s tests/test_noise_vl_learning.py")]
+                                        "pytest -q -s -n 0 tests/test_noise_vl_learning.py")]
 
 #: set when claim 6 did not hold in its registered runs (docs/preregistered.md, Outcomes)
 NOT_HOLDING: str | None = ("claim 6 did not hold in its registered runs (1/5 seeds; seed 0: 0.06 -> 0.13 against "

@@ -43,7 +43,7 @@ from tandem_testutil import assert_learning_run_lifts, run_learning_demo
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
                                  reason="GRPO learning run (~5 min on a free 16-core box, ~20+ on 2 loaded "
-                                        "cores): TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s "
+                                        "cores): TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s -n 0 "
                                         "tests/test_oft_grpo_learning.py")]
 
 UPDATES = 60

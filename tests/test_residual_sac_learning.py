@@ -14,7 +14,7 @@ Asserted, on the same 50 fixed evaluation seeds: the trained residual actor (its
 residual) succeeds at least 0.2 more often than the base alone, and at least 0.2 more often
 than the untrained residual actor evaluated the same way (the non-learning control). Training
 stops at a number of online episodes, not at a time (the 900 s cap only bounds a stuck run).
-Figures are printed (``pytest -s``). Measured, 2-core CPU shared with other helpers' runs
+Figures are printed (``pytest -s -n 0``). Measured, 2-core CPU shared with other helpers' runs
 (load 13-15): base 0.34, untrained residual (mean) 0.34 -> trained residual (mean) 0.70 (z 3.6
 vs each), 626 online episodes, 217 updates, 11,167 env steps, 262 s of training, 444 s in all;
 the online success window 0.3-0.45 over the first ~200 episodes, 0.55-0.85 after ~290. A

@@ -20,11 +20,11 @@ import pytest
 
 # one seed: a residual run and its more-BC control of the same wall-clock, ~8-12 min on 2 cores
 # (the registered seeds took 445-734 s each):
-# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s tests/test_residual_vl_learning.py
+# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s -n 0 tests/test_residual_vl_learning.py
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
                                  reason="an 8-12-minute learning run: TANDEM_LEARNING_TESTS=1 uv run --frozen "
-                                        "pytest -q -s tests/test_residual_vl_learning.py")]
+                                        "pytest -q -s -n 0 tests/test_residual_vl_learning.py")]
 
 #: set when claim 3 did not hold in its registered runs (docs/preregistered.md, Outcomes)
 NOT_HOLDING: str | None = ("claim 3 did not hold in its registered runs (3/5 seeds; seed 0: 0.05 -> 0.20 against "

@@ -20,11 +20,11 @@ import os
 import pytest
 
 # two learning runs of ~6 min each on 2 shared cores:
-# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s tests/test_rs_expert_vl_claim.py
+# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s -n 0 tests/test_rs_expert_vl_claim.py
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
                                  reason="two 6-minute learning runs: TANDEM_LEARNING_TESTS=1 uv run --frozen "
-                                        "pytest -q -s tests/test_rs_expert_vl_claim.py")]
+                                        "pytest -q -s -n 0 tests/test_rs_expert_vl_claim.py")]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ only bounds a stuck run).
    first EARLY cycles is higher than in run 1 by 0.1 (same seeds, demos and pretraining; the
    baselines differ by an episode or two, see the test).
 
-Measured (``pytest -s``; 2-core CPU shared with other learning runs, load 7.9-12.8, both
+Measured (``pytest -s -n 0``; 2-core CPU shared with other learning runs, load 7.9-12.8, both
 runs together 22 min 41 s, 1,361 s):
   run 1: 0.13 -> 0.27, 0.50, 0.63, 0.57 (v2-v5); 565 online episodes, 16,438 env steps, 502
   updates, 1,245 s;
@@ -42,11 +42,11 @@ from pathlib import Path
 import pytest
 
 # two concurrent learning runs (23 min on 2 cores at load 8-13), too long for the README's test
-# command: TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s tests/test_rs_pi0_learning.py
+# command: TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s -n 0 tests/test_rs_pi0_learning.py
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
                                  reason="two concurrent PI0 learning runs: TANDEM_LEARNING_TESTS=1 uv run --frozen "
-                                        "pytest -q -s tests/test_rs_pi0_learning.py")]
+                                        "pytest -q -s -n 0 tests/test_rs_pi0_learning.py")]
 
 CYCLES = 4
 EARLY = 2

@@ -20,11 +20,11 @@ import os
 import pytest
 
 # per policy, two learning runs of ~4 (MLP) or ~7 (PI0) min each on 2 shared cores:
-# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s tests/test_rs_vl_learning.py
+# TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s -n 0 tests/test_rs_vl_learning.py
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
                                  reason="four 4-7-minute learning runs: TANDEM_LEARNING_TESTS=1 uv run --frozen "
-                                        "pytest -q -s tests/test_rs_vl_learning.py")]
+                                        "pytest -q -s -n 0 tests/test_rs_vl_learning.py")]
 
 #: the policies whose claim did not hold in its registered runs (docs/preregistered.md, Outcomes)
 NOT_HOLDING = {"mlp": "claim 2", "pi0": "claim 5"}
