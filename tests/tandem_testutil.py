@@ -3,16 +3,34 @@
 
 import json
 import math
+import os
 import socket
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now that this process has not handed out before, nor within 2 of
+    one (a learner binds ``port + 2`` too): the OS gives a just-released port back at once, so
+    two calls in a row returned the same one. Under pytest-xdist each worker takes only ports
+    from its own blocks of 16 (block number modulo the number of workers; Linux's ``bind`` to
+    port 0 gives ports of one parity only, so a split by parity would starve a worker), and
+    never the last 3 of a block, so a port + 2 stays in the block: workers never pick the same."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    n = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), 1)
+    mine = int(worker[2:]) % n if worker.startswith("gw") and worker[2:].isdigit() else 0
+    for _ in range(2000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if (port // 16) % n == mine and port % 16 < 13 and not any(port + d in _HANDED_OUT for d in range(-2, 3)):
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free loopback port found in 2,000 tries")
 
 
 def two_proportion_z(p1: float, p0: float, n: int) -> float:
