@@ -19,15 +19,18 @@ import os
 
 import pytest
 
-# one seed: a PPO run and its more-BC control of the same wall-clock, ~12-15 min on 2 cores:
+# one seed: a PPO run and its more-BC control of the same wall-clock, ~8-15 min on 2 cores
+# (the registered seeds took 477-572 s each at load ~1-2.5; a pilot 871 s at load 5-7):
 # TANDEM_LEARNING_TESTS=1 uv run --frozen pytest -q -s tests/test_flow_ppo_vl_claim.py
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400),
               pytest.mark.skipif(not os.environ.get("TANDEM_LEARNING_TESTS"),
-                                 reason="a 12-15-minute learning run: TANDEM_LEARNING_TESTS=1 uv run --frozen "
+                                 reason="an 8-15-minute learning run: TANDEM_LEARNING_TESTS=1 uv run --frozen "
                                         "pytest -q -s tests/test_flow_ppo_vl_claim.py")]
 
 #: set when claim 8 did not hold in its registered runs (docs/preregistered.md, Outcomes)
-NOT_HOLDING: str | None = None
+NOT_HOLDING: str | None = ("claim 8 did not hold in its registered runs (seeds 0 and 1 failed, so at most 3/5; seed 0: "
+                           "0.19 -> 0.19 against more-BC 0.27, docs/learning.md): kept as the check a better recipe "
+                           "must pass")
 
 
 @pytest.fixture(scope="module")
