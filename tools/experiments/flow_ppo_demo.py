@@ -52,6 +52,13 @@ PPO_O = ["algo=ppo", "algo.batch_episodes=32", "algo.min_batch_chunks=0", "algo.
          "algo.max_staleness=1"]
 
 
+def split_policy_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the ``policy.*`` overrides, the rest): the first go to the actors too (an actor must build
+    the learner's policy), the rest to the learner alone."""
+    shared = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith("policy.")]
+    return shared, [o for o in overrides if o not in shared]
+
+
 def demo_windows(env_cfg, episodes: int, seed: int, horizon: int) -> dict:
     """Scripted episodes cut into every step's action window [N, H, A] (+ ``action_is_pad``)."""
     from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE, TASK
@@ -152,8 +159,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     common = [*ENV_O, "policy=pi0", f"policy.checkpoint={ckpt}", f"policy.chunk_size={CHUNK}",
               "policy.flow_rl=noise", "policy.num_inference_steps=4", f"policy.device={a.device}"]
     common += FLOW_O
-    # policy.* overrides are the actors' too (an actor must build the learner's policy)
-    shared = [o for o in a.overrides if o.split("=", 1)[0].lstrip("+~").startswith("policy.")]
+    shared, rest = split_policy_overrides(a.overrides)
     common += shared
     t1 = time.monotonic()
     start = start_eval(common, env_cfg, a.start_episodes, seed=900_000 + 1000 * a.seed) if a.start_episodes else []
@@ -161,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     algo = (PPO_O if a.algo == "ppo" else
             ["algo=grpo", "algo.group_size=8", "algo.batch_groups=2", "algo.minibatch_size=64", "algo.epochs=2",
              "algo.lr=3e-5", "algo.loss_agg=episode_mean", "algo.job_timeout_s=60", "algo.round_timeout_s=120"])
-    algo += [o for o in a.overrides if o not in shared]
+    algo = [*algo, *rest]  # not += : PPO_O is this module's list
     res = run(out, common, algo, minutes=rl_minutes(a, t0), actors=a.actors,
               updates=a.updates, target=a.target, window=a.window,
               seed=a.seed, device=a.device)
