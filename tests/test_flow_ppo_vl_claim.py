@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400),
                                         "pytest -q -s -n 0 tests/test_flow_ppo_vl_claim.py")]
 
 #: set when claim 8 did not hold in its registered runs (docs/preregistered.md, Outcomes)
-NOT_HOLDING: str | None = ("claim 8 did not hold in its registered runs (seeds 0 and 1 failed, so at most 3/5; seed 0: "
+NOT_HOLDING: str | None = ("claim 8 did not hold in its registered runs (0/5 seeds; seed 0: "
                            "0.19 -> 0.19 against more-BC 0.27, docs/learning.md): kept as the check a better recipe "
                            "must pass")
 
