@@ -20,6 +20,7 @@ def test_grpo_arm_runs_from_the_base_and_its_checkpoint_loads(tmp_path):
     from safetensors.torch import load_file
 
     from tools.experiments.grpo_vl_learning import ALGO_O, train_grpo
+    from tools.experiments.learning_run import timed_control
     from tools.experiments.residual_vl_learning import make_base, mlp, more_bc
     from tools.experiments.rs_vl_learning import prepare
 
@@ -38,5 +39,9 @@ def test_grpo_arm_runs_from_the_base_and_its_checkpoint_loads(tmp_path):
     assert set(trained) == set(start)
     assert any(not torch.equal(trained[k], start[k]) for k in start), "GRPO's updates left the base's weights"
 
-    weights, steps = more_bc(demos, base, seed=0, seconds=2.0)
+    # the control as the claim tools run it (learning_run.timed_control): 2 s of more BC, scored
+    kept = []
+    control = timed_control(lambda: more_bc(demos, base, seed=0, seconds=2.0), lambda w: kept.append(w) or 0.5)
+    weights, steps = kept[0], control["more_bc_steps"]
     assert steps > 0 and set(weights) == set(start)
+    assert control["more_bc_after"] == 0.5 and len(control["more_bc_load_1min"]) == 2

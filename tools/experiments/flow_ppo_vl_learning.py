@@ -40,13 +40,12 @@ wait before its next seed. Each seed's summary (``uptime`` at its end included) 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Sequence
 
 from tools.experiments.flow_ppo_demo import FLOW_O, PPO_O, split_policy_overrides
-from tools.experiments.learning_run import run_seeds, seeds_parser, train_to_updates, trained_policy
+from tools.experiments.learning_run import run_seeds, seeds_parser, timed_control, train_to_updates, trained_policy
 from tools.experiments.noise_vl_learning import BASE_STEPS, DEMOS, held_out, make_base, more_bc, pi0, policy_o
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, prepare
 
@@ -110,10 +109,7 @@ def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actor
                "ppo_checkpoint": r["checkpoint"], "ppo_wall_s": r["wall_s"], "ppo_load_1min": r["load_1min"],
                "trace": r["trace"], "overrides": list(extra), "run_dir": r["run_dir"]}
     if control:
-        bc_load0 = round(os.getloadavg()[0], 2)
-        bc_policy, bc_steps = more_bc(demos, base, seed, r["wall_s"])
-        summary.update(more_bc_after=held_out(bc_policy), more_bc_steps=bc_steps,
-                       more_bc_load_1min=[bc_load0, round(os.getloadavg()[0], 2)])
+        summary.update(timed_control(lambda: more_bc(demos, base, seed, r["wall_s"]), held_out))
     summary["seed_wall_s"] = round(time.monotonic() - t0, 1)
     return summary
 

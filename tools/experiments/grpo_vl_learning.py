@@ -34,11 +34,10 @@ to ``<out>/results.jsonl``::
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import free_port, run_seeds, run_until_updates, seeds_parser
+from tools.experiments.learning_run import free_port, run_seeds, run_until_updates, seeds_parser, timed_control
 from tools.experiments.residual_vl_learning import held_out, make_base, mlp, more_bc, policy_o
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, prepare
 
@@ -94,10 +93,7 @@ def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actor
                "grpo_checkpoint": r["checkpoint"], "grpo_wall_s": r["wall_s"], "grpo_load_1min": r["load_1min"],
                "trace": r["trace"], "overrides": list(extra), "run_dir": r["run_dir"]}
     if control:
-        bc_load0 = round(os.getloadavg()[0], 2)
-        bc_weights, bc_steps = more_bc(demos, base, seed, r["wall_s"])
-        summary.update(more_bc_after=held_out(mlp(bc_weights)), more_bc_steps=bc_steps,
-                       more_bc_load_1min=[bc_load0, round(os.getloadavg()[0], 2)])
+        summary.update(timed_control(lambda: more_bc(demos, base, seed, r["wall_s"]), lambda w: held_out(mlp(w))))
     summary["seed_wall_s"] = round(time.monotonic() - t0, 1)
     return summary
 

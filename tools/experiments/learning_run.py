@@ -228,6 +228,17 @@ def run_until_updates(run_dir: Path, common: Sequence[str], learner_o: Sequence[
             "wall_s": round(wall, 1), "load_1min": loads, "trace": trace, "run_dir": str(run_dir)}
 
 
+def timed_control(train: Callable[[], tuple], score: Callable[[object], float]) -> dict:
+    """The same-wall-clock control of a learning claim: ``train()`` (more BC for the RL arm's
+    seconds) -> (model, steps taken); the summary's ``more_bc_after`` (``score(model)``),
+    ``more_bc_steps`` and ``more_bc_load_1min`` (before training, after scoring: the steps a
+    timed control takes depend on the machine's load)."""
+    load0 = round(os.getloadavg()[0], 2)
+    model, steps = train()
+    after = score(model)
+    return {"more_bc_after": after, "more_bc_steps": steps, "more_bc_load_1min": [load0, round(os.getloadavg()[0], 2)]}
+
+
 def seeds_parser(doc: str, max_s: float) -> argparse.ArgumentParser:
     """The arguments every pre-registered claim's tool takes: ``--out``, ``--seeds``, ``--max-s``
     (bounds a stuck run only) and extra learner overrides after ``--``."""

@@ -40,11 +40,10 @@ appended to ``<out>/results.jsonl``::
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import (evaluate_policy, run_seeds, seeds_parser, train_to_updates,
+from tools.experiments.learning_run import (evaluate_policy, run_seeds, seeds_parser, timed_control, train_to_updates,
                                             trained_policy)
 from tools.experiments.residual_vl_learning import timed_bc
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, prepare
@@ -185,13 +184,10 @@ def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actor
     print(f"[seed {seed}] start {start} base N(0,I) {base_sampled} untrained {untrained} premise {prem}", flush=True)
     r = train_noise(out, base, seed, updates=updates, actors=actors, max_s=max_s, extra=extra)
     after = held_out(noise_policy(base, seed, r["policy"], extra))
-    bc_load0 = round(os.getloadavg()[0], 2)
-    bc_policy, bc_steps = more_bc(demos, base, seed, r["wall_s"])
-    bc_after = held_out(bc_policy)
+    control = timed_control(lambda: more_bc(demos, base, seed, r["wall_s"]), held_out)
     st = r["status"]
     return {"seed": seed, "start": start, "base_sampled": base_sampled, "untrained_noise_actor": untrained,
-            "noise_after": after, "more_bc_after": bc_after, "more_bc_steps": bc_steps,
-            "more_bc_load_1min": [bc_load0, round(os.getloadavg()[0], 2)], "premise": prem,
+            "noise_after": after, **control, "premise": prem,
             "held_out_episodes": HELD_OUT, "base_steps": base_steps, "online_episodes": st.get("episodes"),
             "env_steps": st.get("env_steps"), "updates": st.get("updates"),
             "online_success_window": st.get("success"), "noise_checkpoint": r["checkpoint"],

@@ -33,11 +33,10 @@ seed's summary (``uptime`` at its end included) is appended to ``<out>/results.j
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import (evaluate_policy, run_seeds, seeds_parser, train_to_updates,
+from tools.experiments.learning_run import (evaluate_policy, run_seeds, seeds_parser, timed_control, train_to_updates,
                                             trained_policy)
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, PRETRAIN, prepare
 
@@ -176,12 +175,9 @@ def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actor
     untrained = held_out(residual_policy(base, seed, extra=extra))
     r = train_residual(out, base, seed, updates=updates, actors=actors, max_s=max_s, extra=extra)
     after = held_out(residual_policy(base, seed, r["policy"], extra))
-    bc_load0 = round(os.getloadavg()[0], 2)
-    bc_weights, bc_steps = more_bc(demos, base, seed, r["wall_s"])
-    bc_after = held_out(mlp(bc_weights))
+    control = timed_control(lambda: more_bc(demos, base, seed, r["wall_s"]), lambda w: held_out(mlp(w)))
     st = r["status"]
-    return {"seed": seed, "start": start, "untrained_residual": untrained, "residual_after": after,
-            "more_bc_after": bc_after, "more_bc_steps": bc_steps, "more_bc_load_1min": [bc_load0, round(os.getloadavg()[0], 2)],
+    return {"seed": seed, "start": start, "untrained_residual": untrained, "residual_after": after, **control,
             "held_out_episodes": HELD_OUT, "online_episodes": st.get("episodes"), "env_steps": st.get("env_steps"),
             "updates": st.get("updates"), "online_success_window": st.get("success"),
             "residual_checkpoint": r["checkpoint"], "residual_wall_s": r["wall_s"],
