@@ -44,6 +44,7 @@ from learner.distributed import (RankError, Ranks, RootRoute, check_shared_run_d
                                  gathered_trainable, make_accelerator, needs_gather)
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
+from learner.serving_window import ServingWindow
 from learner.ingest import Ingest
 from learner.eval_sweep import EvalSweep
 from learner.jobs import JobQueue
@@ -151,6 +152,15 @@ class Learner:
         # built with that GPU current: policies that say "cuda" (lerobot's PI0) land on it too
         with torch.cuda.device(self.serving_device) if self.serving_device.type == "cuda" else contextlib.nullcontext():
             serving = registry.build_trained_policy(self.builder, cfg.policy, env).to(self.serving_device).eval()
+        # time-slicing the one GPU (learner/serving_window.py): training waits at its next layer
+        # while a batch is served
+        self.window = None
+        if cfg.inference.get("serving_window"):
+            if self.serving_device != self.device:
+                raise ValueError(f"inference.serving_window=true time-slices one device, but serving runs on "
+                                 f"{self.serving_device} and training on {self.device}: drop one of the two")
+            self.window = ServingWindow()
+            self.window.attach(policy)
         self.jobs = self.builder.jobs() or (JobQueue.from_config(list(cfg.jobs)) if cfg.jobs else None)
         self.sweep = None  # mode=eval with eval.sweep: every (task, init state) once, as jobs
         if cfg.mode == "eval" and cfg.eval.get("sweep"):
@@ -178,7 +188,7 @@ class Learner:
             compile_artifacts=cfg.inference.get("compile_artifacts"),
             # its own generator (seed + an offset): serving never draws from the global RNG that
             # training draws from, so the acts served while it trains do not change its stream
-            seed=int(cfg.seed))
+            seed=int(cfg.seed), window=self.window)
         self.weights = WeightPublisher(self.inference.set_weights, self.service.publish)
         self._stop = threading.Event()
         self.checkpoints = Checkpointer(

@@ -70,6 +70,7 @@ from data.core.schema import RTC_DELAY, RTC_PENDING, RTC_PREFIX, TASK
 from data.core.transitions import extras_to_numpy
 from learner.act_channel import ActChannel
 from learner.act_intake import ActRequest
+from learner.serving_window import ServingWindow
 
 log = logging.getLogger("tandem.learner.inference")
 
@@ -117,12 +118,15 @@ class InferenceServer(threading.Thread):
         cuda_stream: str = "priority",
         compile_artifacts: str | None = None,
         seed: int = 0,
+        window: ServingWindow | None = None,
     ):
         super().__init__(name="tandem-inference", daemon=True)
         if cuda_stream not in CUDA_STREAMS:
             raise ValueError(f"inference.cuda_stream must be one of {', '.join(CUDA_STREAMS)}, got {cuda_stream!r}")
         #: priority | own | shared (module docstring); ignored off a GPU
         self.cuda_stream = cuda_stream
+        #: held open around every batch: a trainer hooked to it waits at its next layer
+        self.window = window
         #: folder of portable compile artefacts: loaded before the warm-up, saved after it
         self.compile_artifacts = compile_artifacts or None
         self.policy = policy
@@ -346,20 +350,25 @@ class InferenceServer(threading.Thread):
             self._apply_pending()  # the newest weights serve this batch
             if not reqs:
                 continue
-            det0 = reqs[0].deterministic
-            if len(reqs) == 1 or all(r.deterministic == det0 for r in reqs):
-                groups = ((det0, reqs),)
-            else:
-                groups = tuple((det, [r for r in reqs if r.deterministic == det]) for det in (False, True))
-            for det, group in groups:
-                if group:
-                    try:
-                        self._serve(group, det)
-                    except Exception as exc:  # a bad batch must not kill serving
-                        log.exception("inference failed")
-                        for r in group:
-                            self.reply(r.identity, encode("error", {
-                                "code": "inference_failed", "message": f"{type(exc).__name__}: {exc}"}))
+            with self.window.serving() if self.window is not None else contextlib.nullcontext():
+                self._serve_all(reqs)
+
+    def _serve_all(self, reqs: list[ActRequest]) -> None:
+        """One gathered batch: grouped by deterministic or sampled, each group one forward."""
+        det0 = reqs[0].deterministic
+        if len(reqs) == 1 or all(r.deterministic == det0 for r in reqs):
+            groups = ((det0, reqs),)
+        else:
+            groups = tuple((det, [r for r in reqs if r.deterministic == det]) for det in (False, True))
+        for det, group in groups:
+            if group:
+                try:
+                    self._serve(group, det)
+                except Exception as exc:  # a bad batch must not kill serving
+                    log.exception("inference failed")
+                    for r in group:
+                        self.reply(r.identity, encode("error", {
+                            "code": "inference_failed", "message": f"{type(exc).__name__}: {exc}"}))
 
     def _rtc_rows(self, group: list[ActRequest]) -> RtcRows:
         """The batch's RTC rows: each request's prefix, delay and pending count; a request

@@ -13,7 +13,8 @@ serving stream in ``--streams``, in a rotated order):
 - ``train``: training alone: updates/s and the step's p50 / p99;
 - ``both``: the two at once.
 
-Per policy, actor load and stream, the medians over the repeats give
+Per policy, actor load (``--period``: one or several, each its ``by_period`` entry) and stream,
+the medians over the repeats give
 ``update_ratio`` = updates/s (both) / updates/s (train) (target >= 0.8) and
 ``act_p99_ratio`` = act p99 (both) / act p99 (serve) (target <= 1.3).
 
@@ -47,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from learner.serving_window import ServingWindow
 from tools.bench.common import LoopbackLearner, bench_spec, emit_json, gpu_state, median, p50_p99, random_obs
 from tools.bench.policy import build
 from tools.bench.policy_actors import HASH, TASK, run_actors
@@ -142,7 +144,8 @@ def stream_overlap(trace: dict) -> dict:
     return {"kernel_s_by_stream": busy, "overlap_s": overlap / 1e6, "streams": len(busy)}
 
 
-def _phase(kind: str, *, learner, trainer, args, spec, cams, counters, sync, reset_peak, trace_to=None) -> dict:
+def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, sync, reset_peak,
+           trace_to=None) -> dict:
     import torch
 
     reset_peak()
@@ -158,7 +161,7 @@ def _phase(kind: str, *, learner, trainer, args, spec, cams, counters, sync, res
         def actors():
             try:
                 box["r"] = run_actors(args.actors, learner.port, args.seconds, spec.state_dim, cams, counters,
-                                      period=args.period, started=go.set)
+                                      period=period, started=go.set)
             finally:
                 go.set()
                 done.set()
@@ -200,58 +203,73 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
     serving, _ = build(name, args.tiny, args.device, tmp / "serve", spec)
     training, _ = build(name, args.tiny, args.device, tmp / "train", spec)
     serving.eval()
-    learners, pubs = {}, {}
+    learners, pubs, windows = {}, {}, {}
     for mode in args.streams:
+        windows[mode] = ServingWindow() if mode == "window" else None
         ll = LoopbackLearner(serving, spec, HASH, buffer_capacity=8, device=torch.device(args.device),
                              get_version=lambda m=mode: pubs[m].version, get_weights=lambda m=mode: pubs[m].latest(),
                              service_kw={"peer_timeout_s": 600.0},
                              inference_kw={"max_batch": 64, "batch_window_ms": args.batch_window_ms,
-                                           "cuda_stream": mode})
+                                           "cuda_stream": "priority" if mode == "window" else mode,
+                                           "window": windows[mode]})
         pubs[mode] = WeightPublisher(ll.inference.set_weights, ll.service.publish)
         pubs[mode].publish(training.trainable_state_dict(), version=1)
         ll.start()
         learners[mode] = ll
     cams = {c: list(s) for c, s in spec.cameras.items()}
-    out: dict = {"runs": [], "streams": {}}
+    out: dict = {"runs": [], "by_period": {}}
     try:
         trainer = Trainer(training, spec, args.train_batch, pubs[args.streams[0]].publish, args.publish_every, sync)
         trainer.run_until(seconds=min(5.0, args.seconds))  # warm-up: allocator, kernels
-        for rep in range(args.repeats):
-            for i, mode in enumerate(args.streams):
-                ll, trainer.publish = learners[mode], pubs[mode].publish
-                order = PHASES[(rep + i) % 3:] + PHASES[:(rep + i) % 3]
-                last = rep == args.repeats - 1
-                for kind in order + (("both_traced",) if args.trace and last else ()):
-                    trace_to = None
-                    if kind == "both_traced":
-                        trace_to = Path(args.trace) / f"{name}_{mode}_a{args.actors}.json"
-                        trace_to.parent.mkdir(parents=True, exist_ok=True)
-                    r = _phase("both" if trace_to else kind, learner=ll, trainer=trainer, args=args, spec=spec,
-                               cams=cams, counters=lambda inf=ll.inference: (inf.batches, inf.served), sync=sync,
-                               reset_peak=reset_peak, trace_to=trace_to)
-                    r.update(repeat=rep, stream=mode, phase=kind)
-                    out["runs"].append(r)
-                    print(f"  {name} rep {rep} {mode:8s} {kind:5s} " + _line(r), file=sys.stderr, flush=True)
+        for period in args.periods:
+            for rep in range(args.repeats):
+                for i, mode in enumerate(args.streams):
+                    ll, trainer.publish = learners[mode], pubs[mode].publish
+                    hooks = windows[mode].attach(training) if windows[mode] is not None else []
+                    order = PHASES[(rep + i) % 3:] + PHASES[:(rep + i) % 3]
+                    last = rep == args.repeats - 1
+                    for kind in order + (("both_traced",) if args.trace and last else ()):
+                        trace_to = None
+                        if kind == "both_traced":
+                            trace_to = Path(args.trace) / f"{name}_{mode}_a{args.actors}_p{period:g}.json"
+                            trace_to.parent.mkdir(parents=True, exist_ok=True)
+                        r = _phase("both" if trace_to else kind, learner=ll, trainer=trainer, args=args,
+                                   period=period, spec=spec, cams=cams,
+                                   counters=lambda inf=ll.inference: (inf.batches, inf.served), sync=sync,
+                                   reset_peak=reset_peak, trace_to=trace_to)
+                        r.update(repeat=rep, stream=mode, phase=kind, period_s=period)
+                        if windows[mode] is not None:  # cumulative over the mode's phases so far
+                            r["window"] = windows[mode].stats()
+                        out["runs"].append(r)
+                        print(f"  {name} period {period:g} rep {rep} {mode:8s} {kind:5s} " + _line(r),
+                              file=sys.stderr, flush=True)
+                    for h in hooks:
+                        h.remove()
     finally:
         for ll in learners.values():
             ll.close()
-    for mode in args.streams:
-        runs = [r for r in out["runs"] if r["stream"] == mode]
-
-        def med(kind, f):
-            return median([f(r) for r in runs if r["phase"] == kind])
-        s = {"updates_per_s_train": med("train", lambda r: r["train"]["updates_per_s"]),
-             "updates_per_s_both": med("both", lambda r: r["train"]["updates_per_s"]),
-             "act_p50_ms_serve": med("serve", lambda r: r["act"]["p50_ms"]),
-             "act_p99_ms_serve": med("serve", lambda r: r["act"]["p99_ms"]),
-             "act_p50_ms_both": med("both", lambda r: r["act"]["p50_ms"]),
-             "act_p99_ms_both": med("both", lambda r: r["act"]["p99_ms"]),
-             "gil_wait_p99_ms": {k: med(k, lambda r: r["gil_wait_ms"]["p99"]) for k in PHASES}}
-        s["update_ratio"] = s["updates_per_s_both"] / s["updates_per_s_train"]
-        s["act_p99_ratio"] = s["act_p99_ms_both"] / s["act_p99_ms_serve"]
-        s["meets_targets"] = s["update_ratio"] >= 0.8 and s["act_p99_ratio"] <= 1.3
-        out["streams"][mode] = s
+    for period in args.periods:
+        out["by_period"][f"{period:g}"] = {mode: summarize([r for r in out["runs"]
+                                                            if r["stream"] == mode and r["period_s"] == period])
+                                           for mode in args.streams}
     return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The medians over the repeats of one policy, load and stream setting, and the two ratios."""
+    def med(kind, f):
+        return median([f(r) for r in runs if r["phase"] == kind])
+    s = {"updates_per_s_train": med("train", lambda r: r["train"]["updates_per_s"]),
+         "updates_per_s_both": med("both", lambda r: r["train"]["updates_per_s"]),
+         "act_p50_ms_serve": med("serve", lambda r: r["act"]["p50_ms"]),
+         "act_p99_ms_serve": med("serve", lambda r: r["act"]["p99_ms"]),
+         "act_p50_ms_both": med("both", lambda r: r["act"]["p50_ms"]),
+         "act_p99_ms_both": med("both", lambda r: r["act"]["p99_ms"]),
+         "gil_wait_p99_ms": {k: med(k, lambda r: r["gil_wait_ms"]["p99"]) for k in PHASES}}
+    s["update_ratio"] = s["updates_per_s_both"] / s["updates_per_s_train"]
+    s["act_p99_ratio"] = s["act_p99_ms_both"] / s["act_p99_ms_serve"]
+    s["meets_targets"] = s["update_ratio"] >= 0.8 and s["act_p99_ratio"] <= 1.3
+    return s
 
 
 def _line(r: dict) -> str:
@@ -271,11 +289,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="tiny test-size models (CPU smoke test)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--actors", type=int, default=8)
-    ap.add_argument("--period", type=float, default=0.0,
-                    help="s between one actor's requests (0: closed loop; 0.5: a robot's chunk rate)")
+    ap.add_argument("--period", default="0",
+                    help="s between one actor's requests (0: closed loop; 0.5: a robot's chunk rate); "
+                         "several, comma-separated, run one after another on the same built policies")
     ap.add_argument("--seconds", type=float, default=20.0, help="per phase")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--streams", default="priority,shared", help="inference.cuda_stream settings to compare")
+    ap.add_argument("--streams", default="priority,shared",
+                    help="inference.cuda_stream settings to compare, and 'window': priority plus a serving "
+                         "window (learner/serving_window.py) hooked to the trained copy")
     ap.add_argument("--train-batch", type=int, default=16)
     ap.add_argument("--publish-every", type=int, default=25)
     ap.add_argument("--batch-window-ms", type=float, default=2.0)
@@ -289,23 +310,25 @@ def main(argv=None) -> dict:
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.streams = [s for s in args.streams.split(",") if s]
+    args.periods = [float(p) for p in str(args.period).split(",") if p]
     if args.tiny and args.device == "cpu":
         torch.set_num_threads(1)
     spec = bench_spec(8, 7, ["image", "wrist_image"], args.image_size, has_task=True)
     out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-           "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "period_s": args.period,
+           "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "periods_s": args.periods,
            "seconds": args.seconds, "repeats": args.repeats, "train_batch": args.train_batch,
            "publish_every": args.publish_every, "gpu_before": gpu_state(), "policies": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.policies.split(","):
             print(f"== {name} ({'tiny' if args.tiny else 'full size'}, {out['device']}), {args.actors} actors, "
-                  f"period {args.period} s", file=sys.stderr, flush=True)
+                  f"period(s) {args.periods} s", file=sys.stderr, flush=True)
             out["policies"][name] = r = bench_one(name, args, spec, Path(tmp) / name)
-            for mode, s in r["streams"].items():
-                print(f"  {name} {mode}: updates/s {s['updates_per_s_both']:.2f} of {s['updates_per_s_train']:.2f} "
-                      f"alone ({s['update_ratio']:.2f}x, target >= 0.8); act p99 {s['act_p99_ms_both']:.1f} of "
-                      f"{s['act_p99_ms_serve']:.1f} ms alone ({s['act_p99_ratio']:.2f}x, target <= 1.3)",
-                      file=sys.stderr, flush=True)
+            for period, by in r["by_period"].items():
+                for mode, s in by.items():
+                    print(f"  {name} period {period} {mode}: updates/s {s['updates_per_s_both']:.2f} of "
+                          f"{s['updates_per_s_train']:.2f} alone ({s['update_ratio']:.2f}x, target >= 0.8); act p99 "
+                          f"{s['act_p99_ms_both']:.1f} of {s['act_p99_ms_serve']:.1f} ms alone "
+                          f"({s['act_p99_ratio']:.2f}x, target <= 1.3)", file=sys.stderr, flush=True)
     out["gpu_after"] = gpu_state()
     if args.json:
         emit_json(out, args.json)

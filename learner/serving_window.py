@@ -1,0 +1,106 @@
+"""Serving windows: one GPU time-sliced between serving and training at layer granularity.
+
+When the learner serves and trains on the same GPU, a CUDA stream's priority orders only the
+blocks waiting to be scheduled: training's kernels already queued or running keep their SMs,
+and an act that arrives in the middle of an update step waits behind them (on an H200, PI0 at a
+robot's rate: act p99 2.6x that of serving alone with a priority stream; docs/benchmarks.md).
+A serving window closes that gap from the training side:
+
+- the inference thread holds the window open from a batch's first request to its replies
+  (:meth:`ServingWindow.serving`);
+- the trained module calls :meth:`ServingWindow.checkpoint` at every layer boundary: forward
+  pre-hooks on every element of each ``nn.ModuleList`` (the transformer layers) and a hook
+  after each trainable parameter's gradient is accumulated (the backward, layer by layer,
+  on autograd's thread) (:meth:`ServingWindow.attach`);
+- at a checkpoint the trainer never runs more than ``lead`` checkpoints ahead of the GPU (it
+  waits on the CUDA event recorded ``lead`` checkpoints back), and while a window is open it
+  launches nothing until the window closes (at most ``max_wait_s`` per checkpoint, so a
+  serving thread that stalls cannot stop training).
+
+An act then waits for at most ``lead`` layers of training work, not a whole step; training pays
+the windows' length plus the small bubbles of the bounded lead. Off a GPU the lead is not
+bounded (CPU work is not queued) and only the window applies. ``inference.serving_window=true``
+turns it on in the learner (serving and training on the same device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from typing import Iterator
+
+import torch
+
+
+class ServingWindow:
+    def __init__(self, *, lead: int = 2, max_wait_s: float = 0.5):
+        if lead < 1:
+            raise ValueError(f"serving window: lead must be >= 1 checkpoint, got {lead}")
+        if max_wait_s <= 0:
+            raise ValueError(f"serving window: max_wait_s must be > 0, got {max_wait_s}")
+        self.lead, self.max_wait_s = int(lead), float(max_wait_s)
+        self._cv = threading.Condition()
+        self._open = 0  # batches being served now
+        self._events: deque = deque()
+        #: how many checkpoints waited for a window, for how long in all, and how many gave up
+        self.waits, self.waited_s, self.timeouts, self.checkpoints = 0, 0.0, 0, 0
+        self.windows = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._open > 0
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """The inference thread, around one batch from its first request to its replies."""
+        with self._cv:
+            self._open += 1
+            self.windows += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._open -= 1
+                if not self._open:
+                    self._cv.notify_all()
+
+    def checkpoint(self) -> None:
+        """The trainer (main thread or autograd's), between two layers' work."""
+        self.checkpoints += 1
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            ev = torch.cuda.Event()
+            ev.record()  # on this thread's current stream: the trainer's
+            self._events.append(ev)
+            while len(self._events) > self.lead:
+                self._events.popleft().synchronize()
+        if not self._open:  # read without the lock: a window opening now is seen at the next one
+            return
+        t0 = time.perf_counter()
+        with self._cv:
+            ok = self._cv.wait_for(lambda: not self._open, timeout=self.max_wait_s)
+        self.waits += 1
+        self.timeouts += not ok
+        self.waited_s += time.perf_counter() - t0
+
+    def attach(self, module: torch.nn.Module) -> list:
+        """Hooks on ``module``: a checkpoint before every element of each ``nn.ModuleList`` runs
+        and after each trainable parameter's gradient is accumulated. Returns the handles
+        (``h.remove()`` detaches them)."""
+        handles = []
+        for m in module.modules():
+            if isinstance(m, torch.nn.ModuleList):
+                for layer in m:
+                    handles.append(layer.register_forward_pre_hook(lambda _m, _a: self.checkpoint()))
+        for p in module.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(lambda _p: self.checkpoint()))
+        if not handles:
+            raise ValueError(f"serving window: {type(module).__name__} has no nn.ModuleList layers and no "
+                             "trainable parameters to hook")
+        return handles
+
+    def stats(self) -> dict:
+        return {"windows": self.windows, "checkpoints": self.checkpoints, "waits": self.waits,
+                "waited_s": self.waited_s, "timeouts": self.timeouts}
