@@ -31,12 +31,14 @@ def passes(claim: int) -> list[bool]:
         return rs_passes("preregistered_rs_pi0_vl_results.jsonl")
     if claim == 7:
         return rs_passes("preregistered_rs_expert_results.jsonl", "rs_expert")
-    from tools.experiments import flow_ppo_vl_learning, grpo_vl_learning, noise_vl_learning, residual_vl_learning
+    from tools.experiments import (flow_ppo_vl_learning, grpo_vl_learning, noise_vl_learning, oft_grpo_vl_learning,
+                                   residual_vl_learning)
 
     tool, name = {3: (residual_vl_learning, "preregistered_residual_results.jsonl"),
                   4: (grpo_vl_learning, "preregistered_grpo_results.jsonl"),
                   6: (noise_vl_learning, "preregistered_noise_results.jsonl"),
-                  8: (flow_ppo_vl_learning, "preregistered_flow_ppo_results.jsonl")}[claim]
+                  8: (flow_ppo_vl_learning, "preregistered_flow_ppo_results.jsonl"),
+                  9: (oft_grpo_vl_learning, "preregistered_oft_grpo_results.jsonl")}[claim]
     return [tool.seed_passes(r) for r in sorted(rows(name), key=lambda r: r["seed"])]
 
 
@@ -48,7 +50,7 @@ def written_outcome(claim: int) -> tuple[bool, int, int]:
     return m[1] == "holds", int(m[2]), int(m[3])
 
 
-@pytest.mark.parametrize("claim", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("claim", [2, 3, 4, 5, 6, 7, 8, 9])
 def test_the_written_outcome_is_what_the_rule_gives_on_the_stored_runs(claim):
     got = passes(claim)
     holds, k, n = written_outcome(claim)
