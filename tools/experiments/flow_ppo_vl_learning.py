@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tools.experiments.flow_ppo_demo import FLOW_O, PPO_O, split_policy_overrides
-from tools.experiments.learning_run import run_seeds, seeds_parser, timed_control, train_to_updates, trained_policy
+from tools.experiments.learning_run import online_claim_args, run_seeds, timed_control, train_to_updates, trained_policy
 from tools.experiments.noise_vl_learning import BASE_STEPS, DEMOS, held_out, make_base, more_bc, pi0, policy_o
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, prepare
 
@@ -115,12 +115,8 @@ def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actor
 
 
 def parse_args(argv=None):
-    ap = seeds_parser(__doc__, 1200.0)
-    ap.add_argument("--updates", type=int, default=UPDATES, help="learner updates (rounds) of the PPO run")
-    ap.add_argument("--actors", type=int, default=ACTORS)
-    ap.add_argument("--base-steps", type=int, default=BASE_STEPS, help="BC steps of the weak base")
-    ap.add_argument("--arms", choices=["all", "ppo"], default="all", help="ppo: no more-BC control (pilots)")
-    return ap.parse_args(argv)
+    return online_claim_args(__doc__, "ppo", argv, updates=UPDATES, actors=ACTORS, base_steps=BASE_STEPS,
+                             base_what="BC")
 
 
 def main(argv=None) -> list[dict]:

@@ -250,6 +250,19 @@ def seeds_parser(doc: str, max_s: float) -> argparse.ArgumentParser:
     return ap
 
 
+def online_claim_args(doc: str, arm: str, argv, *, updates: int, actors: int, base_steps: int,
+                      base_what: str) -> argparse.Namespace:
+    """:func:`seeds_parser`'s arguments plus those of a claim whose RL arm runs the learner for a
+    number of updates from a weak base: ``--updates``, ``--actors``, ``--base-steps`` and
+    ``--arms all|<arm>`` (``<arm>``: no more-BC control, for pilots)."""
+    ap = seeds_parser(doc, 1200.0)
+    ap.add_argument("--updates", type=int, default=updates, help=f"learner updates (rounds) of the {arm} run")
+    ap.add_argument("--actors", type=int, default=actors)
+    ap.add_argument("--base-steps", type=int, default=base_steps, help=f"{base_what} steps of the weak base")
+    ap.add_argument("--arms", choices=["all", arm], default="all", help=f"{arm}: no more-BC control (pilots)")
+    return ap.parse_args(argv)
+
+
 def run_seeds(args: argparse.Namespace, prepare: Callable[[Path], Path],
               runs: Callable[[Path, Path, int], Sequence[Callable[[], dict]]], *,
               hide: Sequence[str] = ()) -> list[dict]:

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from tools.experiments.learning_run import run_seeds, seeds_parser, timed_control, train_to_updates
+from tools.experiments.learning_run import online_claim_args, run_seeds, timed_control, train_to_updates
 from tools.experiments.noise_vl_learning import held_out
 from tools.experiments.oft_grpo_demo import ALGO_O as DEMO_ALGO_O
 from tools.experiments.oft_grpo_demo import env_ranged_stats
@@ -179,12 +179,8 @@ def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actor
 
 
 def parse_args(argv=None):
-    ap = seeds_parser(__doc__, 1200.0)
-    ap.add_argument("--updates", type=int, default=UPDATES, help="learner updates (rounds) of the GRPO run")
-    ap.add_argument("--actors", type=int, default=ACTORS)
-    ap.add_argument("--base-steps", type=int, default=BASE_STEPS, help="SFT steps of the weak base")
-    ap.add_argument("--arms", choices=["all", "grpo"], default="all", help="grpo: no more-BC control (pilots)")
-    return ap.parse_args(argv)
+    return online_claim_args(__doc__, "grpo", argv, updates=UPDATES, actors=ACTORS, base_steps=BASE_STEPS,
+                             base_what="SFT")
 
 
 def main(argv=None) -> list[dict]:
