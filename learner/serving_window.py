@@ -44,6 +44,9 @@ class ServingWindow:
         self._cv = threading.Condition()
         self._open = 0  # batches being served now
         self._events: deque = deque()
+        #: whether checkpoints record CUDA events: decided at the first one (CUDA is up by then
+        #: on a GPU learner), not looked up at every layer
+        self._cuda: bool | None = None
         #: how many checkpoints waited for a window, for how long in all, and how many gave up
         self.waits, self.waited_s, self.timeouts, self.checkpoints = 0, 0.0, 0, 0
         self.windows = 0
@@ -69,7 +72,9 @@ class ServingWindow:
     def checkpoint(self) -> None:
         """The trainer (main thread or autograd's), between two layers' work."""
         self.checkpoints += 1
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if self._cuda is None:
+            self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._cuda:
             ev = torch.cuda.Event()
             ev.record()  # on this thread's current stream: the trainer's
             self._events.append(ev)

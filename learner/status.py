@@ -59,7 +59,7 @@ class LearnerStatus:
             # the act latency over all actors and the whole run (learner/actor_stats.py)
             **lrn.actor_stats.act_latency(),
             # inference.serving_window: seconds training waited for served batches
-            **({"window_waited_s": lrn.window.waited_s} if getattr(lrn, "window", None) is not None else {}),
+            **({"window_waited_s": lrn.window.waited_s} if lrn.window is not None else {}),
         }
 
     def full(self, meter: str = "status") -> dict:
@@ -89,7 +89,7 @@ class LearnerStatus:
                   checkpoints_refused=lrn.checkpoints.refused,
                   internal_errors=service.counters["internal_errors"],
                   rejection_logs_suppressed=service._warn.suppressed_total,  # noqa: SLF001
-                  serving_window=lrn.window.stats() if getattr(lrn, "window", None) is not None else None,
+                  serving_window=lrn.window.stats() if lrn.window is not None else None,
                   stopped=lrn.stopped, pid=os.getpid(),  # threads: for per-thread CPU (/proc)
                   threads={str(t.native_id): t.name for t in threading.enumerate() if t.native_id})
         tmp = lrn.run_dir / ".status.json.tmp"

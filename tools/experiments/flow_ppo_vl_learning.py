@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Sequence
 
 from tools.experiments.flow_ppo_demo import FLOW_O, PPO_O, split_policy_overrides
-from tools.experiments.learning_run import online_claim_args, run_seeds, timed_control, train_to_updates, trained_policy
+from tools.experiments.learning_run import (online_claim_args, passes_by_margin, run_seeds, timed_control,
+                                            train_to_updates, trained_policy)
 from tools.experiments.noise_vl_learning import BASE_STEPS, DEMOS, held_out, make_base, more_bc, pi0, policy_o
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, prepare
 
@@ -58,8 +59,7 @@ MARGIN = 0.10
 def seed_passes(r: dict, margin: float = MARGIN) -> bool:
     """Claim 8's per-seed rule: PPO's after >= start and more-BC after, each + ``margin``
     (rounded to 2 places: 100 episodes)."""
-    after = r["ppo_after"]
-    return all(round(after - r[k], 2) >= margin for k in ("start", "more_bc_after"))
+    return passes_by_margin(r, "ppo_after", ("start", "more_bc_after"), margin)
 
 
 def flow_o(base: Path, extra: Sequence[str] = ()) -> list[str]:

@@ -37,7 +37,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import free_port, run_seeds, run_until_updates, seeds_parser, timed_control
+from tools.experiments.learning_run import (free_port, passes_by_margin, run_seeds, run_until_updates, seeds_parser,
+                                            timed_control)
 from tools.experiments.residual_vl_learning import held_out, make_base, mlp, more_bc, policy_o
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, prepare
 
@@ -74,8 +75,7 @@ MARGIN = 0.10
 def seed_passes(r: dict, margin: float = MARGIN) -> bool:
     """Claim 4's per-seed rule: GRPO's after >= start and more-BC after, each + ``margin``
     (rounded to 2 places: 100 episodes)."""
-    after = r["grpo_after"]
-    return all(round(after - r[k], 2) >= margin for k in ("start", "more_bc_after"))
+    return passes_by_margin(r, "grpo_after", ("start", "more_bc_after"), margin)
 
 
 def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actors: int = ACTORS,

@@ -250,6 +250,12 @@ def seeds_parser(doc: str, max_s: float) -> argparse.ArgumentParser:
     return ap
 
 
+def passes_by_margin(r: dict, after: str, over: Sequence[str], margin: float) -> bool:
+    """A registered per-seed rule: ``r[after]`` >= each of ``r[k]`` for ``k`` in ``over`` plus
+    ``margin``, the differences rounded to 2 places (100 held-out episodes)."""
+    return all(round(r[after] - r[k], 2) >= margin for k in over)
+
+
 def online_claim_args(doc: str, arm: str, argv, *, updates: int, actors: int, base_steps: int,
                       base_what: str) -> argparse.Namespace:
     """:func:`seeds_parser`'s arguments plus those of a claim whose RL arm runs the learner for a

@@ -43,8 +43,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import (evaluate_policy, run_seeds, seeds_parser, timed_control, train_to_updates,
-                                            trained_policy)
+from tools.experiments.learning_run import (evaluate_policy, passes_by_margin, run_seeds, seeds_parser,
+                                            timed_control, train_to_updates, trained_policy)
 from tools.experiments.residual_vl_learning import timed_bc
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, prepare
 
@@ -74,8 +74,7 @@ MARGIN = 0.10
 def seed_passes(r: dict, margin: float = MARGIN) -> bool:
     """Claim 6's per-seed rule: the noise actor's after >= start, more-BC after and the
     untrained noise actor, each + ``margin`` (rounded to 2 places: 100 episodes)."""
-    after = r["noise_after"]
-    return all(round(after - r[k], 2) >= margin for k in ("start", "more_bc_after", "untrained_noise_actor"))
+    return passes_by_margin(r, "noise_after", ("start", "more_bc_after", "untrained_noise_actor"), margin)
 
 
 def policy_o(base: Path) -> list[str]:

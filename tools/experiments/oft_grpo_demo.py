@@ -28,12 +28,31 @@ from typing import Sequence
 
 ENV_O = ["env=point_reach", "env.num_tasks=1", "env.randomize_targets=true", "env.state_has_target=true"]
 CHUNK = 4
+LORA_RANK = 8
 #: the recipe (tests/test_oft_grpo_learning.py): 4 groups of 8 per update, 2 epochs of token-level
 #: clipped ratios at lr 3e-4, every episode weighted alike. Bigger rounds (8 groups) or lr 1e-4
 #: rose no better per episode in the same time (half the updates; docs/learning.md)
 ALGO_O = ["algo=grpo", "algo.group_size=8", "algo.batch_groups=4", "algo.lr=3e-4", "algo.epochs=2",
           "algo.minibatch_size=32", "algo.loss_agg=episode_mean", "algo.job_timeout_s=60",
           "algo.round_timeout_s=120"]
+
+
+def tiny_oft(folder: Path, spec, seed: int) -> Path:
+    """The tiny OFT checkpoint folder (chunk ``CHUNK``, 32x32 images, weights drawn from ``seed``)
+    with the env's ranges as its dataset statistics (:func:`env_ranged_stats`)."""
+    from tools.make_tiny_checkpoints import make_openvla_oft
+
+    ckpt = make_openvla_oft(folder, spec, chunk_size=CHUNK, image_size=32, seed=seed)
+    env_ranged_stats(ckpt, spec.action_dim, spec.state_dim)
+    return ckpt
+
+
+def oft_policy_o(ckpt: Path, init: Path | None = None) -> list[str]:
+    """The policy overrides of the tiny OFT at ``ckpt`` as the recipe trains it (LoRA ``LORA_RANK``,
+    the proprio projector and the LM head), from the ``init`` trainable weights when given."""
+    return ["policy=openvla_oft_discrete", f"policy.checkpoint={ckpt}", f"policy.chunk_size={CHUNK}",
+            f"policy.lora_rank={LORA_RANK}", "policy.trainable_heads=[proprio_projector,model.language_model.lm_head]",
+            "policy.device=cpu", "policy.value_head_dim=0", *([f"policy.init_trainable={init}"] if init else [])]
 
 
 def env_ranged_stats(ckpt: Path, action_dim: int, state_dim: int) -> None:
@@ -59,18 +78,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out = start_out(a.out)
     from envs.registry import env_spec
     from tools import sft
-    from tools.make_tiny_checkpoints import make_openvla_oft
     from tools.record_demos import env_config, record_demos
 
     t0 = time.monotonic()
     env_cfg = env_config(ENV_O)
     spec = env_spec(env_cfg)
-    ckpt = make_openvla_oft(out / "oft", spec, chunk_size=CHUNK, image_size=32, seed=a.seed)
-    env_ranged_stats(ckpt, spec.action_dim, spec.state_dim)
+    ckpt = tiny_oft(out / "oft", spec, a.seed)
     record_demos(env_cfg, out / "demos", a.demos, seed=1000)
-    policy_o = [*ENV_O, "policy=openvla_oft_discrete", f"policy.checkpoint={ckpt}", f"policy.chunk_size={CHUNK}",
-                "policy.lora_rank=8", "policy.trainable_heads=[proprio_projector,model.language_model.lm_head]",
-                "policy.device=cpu", "policy.value_head_dim=0"]
+    policy_o = [*ENV_O, *oft_policy_o(ckpt)]
     init = out / "sft.safetensors"
     weak = sft.main(["--demos", str(out / "demos"), "--steps", str(a.sft_steps), "--lr", "5e-3",
                      "--out", str(init), "--eval-episodes", "20", "--seed", str(a.seed), *policy_o, "device=cpu"])

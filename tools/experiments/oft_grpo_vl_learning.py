@@ -47,15 +47,15 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from tools.experiments.learning_run import online_claim_args, run_seeds, timed_control, train_to_updates
+from tools.experiments.learning_run import (online_claim_args, passes_by_margin, run_seeds, timed_control,
+                                            train_to_updates)
 from tools.experiments.noise_vl_learning import held_out
 from tools.experiments.oft_grpo_demo import ALGO_O as DEMO_ALGO_O
-from tools.experiments.oft_grpo_demo import env_ranged_stats
+from tools.experiments.oft_grpo_demo import CHUNK, LORA_RANK, tiny_oft  # noqa: F401 (LORA_RANK: the docstring's)
+from tools.experiments.oft_grpo_demo import oft_policy_o as policy_o
 from tools.experiments.residual_vl_learning import timed_bc
 from tools.experiments.rs_vl_learning import DEMOS, ENV_O, HELD_OUT, prepare
 
-CHUNK = 4
-LORA_RANK = 8
 BASE_STEPS = 400
 BASE_LR = 5e-3
 BATCH = 32
@@ -70,16 +70,7 @@ MARGIN = 0.10
 def seed_passes(r: dict, margin: float = MARGIN) -> bool:
     """Claim 9's per-seed rule: GRPO's after >= start and more-BC after, each + ``margin``
     (rounded to 2 places: 100 episodes)."""
-    after = r["grpo_after"]
-    return all(round(after - r[k], 2) >= margin for k in ("start", "more_bc_after"))
-
-
-def policy_o(ckpt: Path, init: Path | None = None) -> list[str]:
-    """The learner's, actors' and evaluations' policy overrides: the tiny OFT at ``ckpt`` (the
-    demo's trainable set), starting from the ``init`` trainable weights when given."""
-    return ["policy=openvla_oft_discrete", f"policy.checkpoint={ckpt}", f"policy.chunk_size={CHUNK}",
-            f"policy.lora_rank={LORA_RANK}", "policy.trainable_heads=[proprio_projector,model.language_model.lm_head]",
-            "policy.device=cpu", "policy.value_head_dim=0", *([f"policy.init_trainable={init}"] if init else [])]
+    return passes_by_margin(r, "grpo_after", ("start", "more_bc_after"), margin)
 
 
 def oft(ckpt: Path, init: Path | None = None, state: dict | None = None, seed: int = 0):
@@ -104,13 +95,9 @@ def oft(ckpt: Path, init: Path | None = None, state: dict | None = None, seed: i
 def make_oft(out: Path, seed: int) -> Path:
     """The tiny OFT checkpoint folder (weights from ``seed``, the env's ranges as statistics)."""
     from envs.registry import env_spec
-    from tools.make_tiny_checkpoints import make_openvla_oft
     from tools.sft import learner_config
 
-    spec = env_spec(learner_config(ENV_O).env)
-    ckpt = make_openvla_oft(out / f"oft_seed{seed}", spec, chunk_size=CHUNK, image_size=32, seed=seed)
-    env_ranged_stats(ckpt, spec.action_dim, spec.state_dim)
-    return ckpt
+    return tiny_oft(out / f"oft_seed{seed}", env_spec(learner_config(ENV_O).env), seed)
 
 
 def make_base(out: Path, demos: Path, seed: int, steps: int = BASE_STEPS) -> tuple[Path, Path]:

@@ -36,8 +36,8 @@ import math
 import time
 from pathlib import Path
 
-from tools.experiments.learning_run import (evaluate_policy, run_seeds, seeds_parser, timed_control, train_to_updates,
-                                            trained_policy)
+from tools.experiments.learning_run import (evaluate_policy, passes_by_margin, run_seeds, seeds_parser,
+                                            timed_control, train_to_updates, trained_policy)
 from tools.experiments.rs_vl_learning import ENV_O, HELD_OUT, HELD_OUT_SEED, POLICY_O, PRETRAIN, prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,8 +162,7 @@ MARGIN = 0.10
 def seed_passes(r: dict, margin: float = MARGIN) -> bool:
     """Claim 3's per-seed rule: the residual's after >= start, more-BC after and the untrained
     residual, each + ``margin`` (rounded to 2 places: 100 episodes)."""
-    after = r["residual_after"]
-    return all(round(after - r[k], 2) >= margin for k in ("start", "more_bc_after", "untrained_residual"))
+    return passes_by_margin(r, "residual_after", ("start", "more_bc_after", "untrained_residual"), margin)
 
 
 def run_seed(out: Path, demos: Path, seed: int, *, updates: int = UPDATES, actors: int = ACTORS,
