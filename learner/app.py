@@ -44,7 +44,7 @@ from learner.distributed import (RankError, Ranks, RootRoute, check_shared_run_d
                                  gathered_trainable, make_accelerator, needs_gather)
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
-from learner.serving_window import ServingWindow
+from learner.serving_window import LEAD, ServingWindow
 from learner.ingest import Ingest
 from learner.eval_sweep import EvalSweep
 from learner.jobs import JobQueue
@@ -152,14 +152,14 @@ class Learner:
         # built with that GPU current: policies that say "cuda" (lerobot's PI0) land on it too
         with torch.cuda.device(self.serving_device) if self.serving_device.type == "cuda" else contextlib.nullcontext():
             serving = registry.build_trained_policy(self.builder, cfg.policy, env).to(self.serving_device).eval()
-        # time-slicing the one GPU (learner/serving_window.py): training waits at its next layer
+        # time-slicing the one GPU (learner/serving_window.py): training waits at its next matmul
         # while a batch is served
         self.window = None
         if cfg.inference.get("serving_window"):
             if self.serving_device != self.device:
                 raise ValueError(f"inference.serving_window=true time-slices one device, but serving runs on "
                                  f"{self.serving_device} and training on {self.device}: drop one of the two")
-            self.window = ServingWindow()
+            self.window = ServingWindow(lead=int(cfg.inference.get("serving_window_lead", LEAD)))
             self.window.attach(policy)
         self.jobs = self.builder.jobs() or (JobQueue.from_config(list(cfg.jobs)) if cfg.jobs else None)
         self.sweep = None  # mode=eval with eval.sweep: every (task, init state) once, as jobs

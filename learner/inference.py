@@ -164,6 +164,9 @@ class InferenceServer(threading.Thread):
         self.superseded = 0
         self._latest: dict[bytes, int] = {}
         self.batch_sizes: list[int] = []
+        #: the last forwards: (perf_counter at the batch's start, requests, ms from its start
+        #: to its actions on the host)
+        self.recent: deque[tuple[float, int, float]] = deque(maxlen=4096)
         self.channel = act_channel
         if act_channel is not None:
             act_channel.claim()
@@ -347,10 +350,12 @@ class InferenceServer(threading.Thread):
     def _loop(self) -> None:
         while not self._stop_event.is_set():
             reqs = self._gather()
-            self._apply_pending()  # the newest weights serve this batch
             if not reqs:
+                self._apply_pending()
                 continue
+            # (a serving window covers the weights' load too: its copies run alone, as the act)
             with self.window.serving() if self.window is not None else contextlib.nullcontext():
+                self._apply_pending()  # the newest weights serve this batch
                 self._serve_all(reqs)
 
     def _serve_all(self, reqs: list[ActRequest]) -> None:
@@ -451,6 +456,7 @@ class InferenceServer(threading.Thread):
         self.batch_sizes.append(len(group))
         if len(self.batch_sizes) > 1000:
             del self.batch_sizes[:500]
+        self.recent.append((t0, len(group), infer_ms))
         if len(group) == 1:
             r = group[0]
             self.reply(r.identity, encode(

@@ -55,19 +55,24 @@ def test_gil_probe_sees_a_thread_that_holds_the_interpreter():
 @bench
 def test_train_serve_runs_every_phase_on_the_cpu(tmp_path):
     out = main(["--tiny", "--device", "cpu", "--policies", "pi0", "--actors", "2", "--seconds", "2",
-                "--repeats", "1", "--streams", "shared,window", "--train-batch", "2", "--image-size", "32",
+                "--repeats", "1", "--streams", "shared,window:3", "--train-batch", "2", "--image-size", "32",
                 "--trace", str(tmp_path / "trace"), "--json", str(tmp_path / "out.json")])
     r = out["policies"]["pi0"]
     phases = {x["phase"]: x for x in r["runs"] if x["stream"] == "shared"}
-    win = {x["phase"]: x for x in r["runs"] if x["stream"] == "window"}
+    win = {x["phase"]: x for x in r["runs"] if x["stream"] == "window:3"}
     assert "window" not in phases["both"]                   # shared: no window
     assert win["both"]["window"]["windows"] > 0 and win["both"]["window"]["waits"] > 0
+    assert win["both"]["window"]["lead"] == 3
     assert win["both"]["act"]["chunks_per_s"] > 0 and win["both"]["train"]["updates"] > 0
     assert set(phases) == {"serve", "train", "both", "both_traced"}
     assert phases["train"]["train"]["updates"] > 0 and "act" not in phases["train"]
     assert phases["serve"]["act"]["chunks_per_s"] > 0 and "train" not in phases["serve"]
     both = phases["both"]
     assert both["train"]["updates"] > 0 and both["act"]["chunks_per_s"] > 0
+    # the server's record of the phase holds exactly the actors' timed requests
+    srv = both["act"]["server"]
+    assert sum(int(b) * c for b, c in srv["batch_sizes"].items()) == round(both["act"]["chunks_per_s"] * 2)
+    assert 0 < srv["forward_p50_ms"] <= srv["forward_p99_ms"] <= srv["forward_max_ms"] <= both["act"]["max_ms"]
     assert both["cpu"].get("tandem-inference", 0) > 0 and both["cpu"].get("MainThread", 0) > 0
     assert (tmp_path / "trace" / "pi0_shared_a2_p0.json").exists()
     s = r["by_period"]["0"]["shared"]

@@ -1,4 +1,4 @@
-"""learner/serving_window.py: training waits at its next layer while a batch is served
+"""learner/serving_window.py: training waits at its next matmul while a batch is served
 (``inference.serving_window``), with real threads, a real module's hooks and a real learner."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_bad_settings_are_named():
         ServingWindow(lead=0)
     with pytest.raises(ValueError, match="max_wait_s"):
         ServingWindow(max_wait_s=0)
-    with pytest.raises(ValueError, match="Identity.*no nn.ModuleList"):
+    with pytest.raises(ValueError, match="Identity.*no nn.Linear"):
         ServingWindow().attach(torch.nn.Identity())
 
 
@@ -70,16 +70,47 @@ class Layers(torch.nn.Module):
         return x
 
 
-def test_hooks_checkpoint_every_layer_forward_and_every_gradient_and_detach():
+def test_hooks_checkpoint_every_matmul_forward_and_every_gradient_and_detach():
     torch.manual_seed(0)
     m, w = Layers(4), ServingWindow()
     handles = w.attach(m)
     m(torch.randn(2, 8)).sum().backward()
-    assert w.checkpoints == 4 + 8          # 4 layers' forward, 8 parameters' gradients
+    assert w.checkpoints == 4 + 8          # 4 Linears' forward, 8 parameters' gradients
     for h in handles:
         h.remove()
     m(torch.randn(2, 8)).sum().backward()
     assert w.checkpoints == 12
+
+
+class Indexed(torch.nn.Module):
+    """Layers indexed and their sub-modules called directly (as lerobot's PI0 does), LoRA on
+    each, only the adapters trained."""
+
+    def __init__(self, n=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8), "b": torch.nn.Linear(8, 8)})
+                                          for _ in range(n))
+
+    def forward(self, x):
+        for i in range(len(self.layers)):
+            layer = self.layers[i]
+            x = layer["b"](torch.tanh(layer["a"](x)))
+        return x
+
+
+def test_layers_called_by_index_still_checkpoint_at_each_matmul_and_adapters_are_not_sites():
+    from agents.policies.vla_common import add_lora
+
+    torch.manual_seed(0)
+    m = Indexed(3)
+    add_lora(m, rank=2, alpha=4, dropout=0.0, target_regex=r"layers\.\d+\.(a|b)")
+    for name, p in m.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    w = ServingWindow()
+    w.attach(m)
+    m(torch.randn(2, 8)).sum().backward()
+    # 6 base Linears' forward (the adapters' own Linears are not sites), 12 adapter gradients
+    assert w.checkpoints == 6 + 12
 
 
 def test_a_training_step_does_not_finish_while_a_window_is_open():
@@ -143,9 +174,12 @@ def test_on_a_gpu_the_trainer_runs_at_most_lead_checkpoints_ahead():
     window that opens waits for at most that many layers of already-launched training work."""
     m, w = Layers(4).cuda(), ServingWindow(lead=2)
     w.attach(m)
-    x = torch.randn(4096, 8, device="cuda")
+    x = torch.randn(1 << 16, 8, device="cuda")
+    seen = []
+    for p in m.parameters():  # after each gradient's own checkpoint: how many are still queued
+        p.register_post_accumulate_grad_hook(lambda _p: seen.append(w.in_flight()))
     for _ in range(3):
-        m(x).sum().backward()
-        assert len(w._events) <= 2   # noqa: SLF001
+        m(x).pow(2).sum().backward()
     torch.cuda.synchronize()
-    assert w.checkpoints == 3 * 12
+    assert w.checkpoints == 3 * 12 and len(seen) == 3 * 8
+    assert max(seen) <= 2 and w.in_flight() == 0

@@ -84,5 +84,6 @@ def run_actors(n: int, port: int, seconds: float, state_dim: int, cams: dict, co
     lat = np.concatenate([o["lat_ms"] for o in outs])
     chunks = sum(o["n"] for o in outs)
     return {"actors": n, "chunks": chunks, "chunks_per_s": chunks / seconds, "lat_p50_ms": percentile(lat, 50),
-            "lat_p99_ms": percentile(lat, 99), "reply_shape": outs[0]["shape"],
+            "lat_p99_ms": percentile(lat, 99), "lat_p90_ms": percentile(lat, 90), "lat_max_ms": float(lat.max()),
+            "reply_shape": outs[0]["shape"],
             "mean_batch": (c1[1] - c0[1]) / max(1, c1[0] - c0[0])}

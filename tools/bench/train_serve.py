@@ -158,10 +158,14 @@ def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, s
     else:
         go, done, box = threading.Event(), threading.Event(), {}
 
+        def started():
+            box["t_go"] = time.perf_counter()
+            go.set()
+
         def actors():
             try:
                 box["r"] = run_actors(args.actors, learner.port, args.seconds, spec.state_dim, cams, counters,
-                                      period=period, started=go.set)
+                                      period=period, started=started)
             finally:
                 go.set()
                 done.set()
@@ -182,7 +186,16 @@ def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, s
             raise RuntimeError("the actor processes failed")
         r = box["r"]
         res["act"] = {"p50_ms": r["lat_p50_ms"], "p99_ms": r["lat_p99_ms"], "chunks_per_s": r["chunks_per_s"],
-                      "mean_batch": r["mean_batch"]}
+                      "mean_batch": r["mean_batch"], "p90_ms": r["lat_p90_ms"], "max_ms": r["lat_max_ms"]}
+        # the server's side of the same acts: each forward from its batch's start to its actions
+        # on the host (what is left of an act's time was spent before its batch started)
+        fw = [(n, ms) for t, n, ms in list(learner.inference.recent) if t >= box["t_go"]]
+        if fw:
+            ms = np.asarray([m for _, m in fw])
+            res["act"]["server"] = {"batches": len(fw), "forward_p50_ms": float(np.percentile(ms, 50)),
+                                    "forward_p99_ms": float(np.percentile(ms, 99)), "forward_max_ms": float(ms.max()),
+                                    "batch_sizes": {str(b): int(c) for b, c in
+                                                    zip(*np.unique([n for n, _ in fw], return_counts=True))}}
     wall = time.perf_counter() - t0
     res["gil_wait_ms"] = probe.finish()
     res["cpu"] = {k: round(v / wall, 3) for k, v in cpu_delta(cpu0, thread_cpu()).items()}
@@ -205,12 +218,12 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
     serving.eval()
     learners, pubs, windows = {}, {}, {}
     for mode in args.streams:
-        windows[mode] = ServingWindow() if mode == "window" else None
+        windows[mode] = window_for(mode)
         ll = LoopbackLearner(serving, spec, HASH, buffer_capacity=8, device=torch.device(args.device),
                              get_version=lambda m=mode: pubs[m].version, get_weights=lambda m=mode: pubs[m].latest(),
                              service_kw={"peer_timeout_s": 600.0},
                              inference_kw={"max_batch": 64, "batch_window_ms": args.batch_window_ms,
-                                           "cuda_stream": "priority" if mode == "window" else mode,
+                                           "cuda_stream": "priority" if windows[mode] is not None else mode,
                                            "window": windows[mode]})
         pubs[mode] = WeightPublisher(ll.inference.set_weights, ll.service.publish)
         pubs[mode].publish(training.trainable_state_dict(), version=1)
@@ -255,6 +268,17 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
     return out
 
 
+def window_for(mode: str) -> ServingWindow | None:
+    """The serving window of a ``--streams`` entry: ``window`` (the learner's default lead),
+    ``window:N`` (a lead of N checkpoints); None for a plain stream setting."""
+    if mode != "window" and not mode.startswith("window:"):
+        return None
+    lead = mode.partition(":")[2]
+    if lead and not lead.isdigit():
+        raise ValueError(f"--streams {mode!r}: the window's lead must be a whole number of checkpoints")
+    return ServingWindow(lead=int(lead)) if lead else ServingWindow()
+
+
 def summarize(runs: list[dict]) -> dict:
     """The medians over the repeats of one policy, load and stream setting, and the two ratios."""
     def med(kind, f):
@@ -266,6 +290,9 @@ def summarize(runs: list[dict]) -> dict:
          "act_p50_ms_both": med("both", lambda r: r["act"]["p50_ms"]),
          "act_p99_ms_both": med("both", lambda r: r["act"]["p99_ms"]),
          "gil_wait_p99_ms": {k: med(k, lambda r: r["gil_wait_ms"]["p99"]) for k in PHASES}}
+    for kind in ("serve", "both"):  # the server's side: a forward from its batch's start
+        fw = [r["act"]["server"]["forward_p99_ms"] for r in runs if r["phase"] == kind and "server" in r["act"]]
+        s[f"forward_p99_ms_{kind}"] = median(fw) if fw else None
     s["update_ratio"] = s["updates_per_s_both"] / s["updates_per_s_train"]
     s["act_p99_ratio"] = s["act_p99_ms_both"] / s["act_p99_ms_serve"]
     s["meets_targets"] = s["update_ratio"] >= 0.8 and s["act_p99_ratio"] <= 1.3
@@ -277,9 +304,16 @@ def _line(r: dict) -> str:
     if "train" in r:
         parts.append(f"updates/s {r['train']['updates_per_s']:.2f} (step p50 {r['train']['step_ms']['p50']:.0f} ms)")
     if "act" in r:
-        parts.append(f"act p50 {r['act']['p50_ms']:.1f} p99 {r['act']['p99_ms']:.1f} ms, "
-                     f"{r['act']['chunks_per_s']:.1f} chunks/s, batch {r['act']['mean_batch']:.2f}")
+        a = r["act"]
+        parts.append(f"act p50 {a['p50_ms']:.1f} p99 {a['p99_ms']:.1f} max {a['max_ms']:.1f} ms, "
+                     f"{a['chunks_per_s']:.1f} chunks/s, batch {a['mean_batch']:.2f}")
+        if "server" in a:
+            parts.append(f"forward p50 {a['server']['forward_p50_ms']:.1f} p99 {a['server']['forward_p99_ms']:.1f} ms")
     parts.append(f"probe wait p99 {r['gil_wait_ms']['p99']:.2f} ms")
+    if "window" in r:  # cumulative over the stream's phases
+        w = r["window"]
+        parts.append(f"window so far: {w['windows']} windows, training waited {w['waited_s']:.1f} s at "
+                     f"{w['waits']} of {w['checkpoints']} checkpoints")
     return "; ".join(parts)
 
 
@@ -295,8 +329,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seconds", type=float, default=20.0, help="per phase")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", default="priority,shared",
-                    help="inference.cuda_stream settings to compare, and 'window': priority plus a serving "
-                         "window (learner/serving_window.py) hooked to the trained copy")
+                    help="inference.cuda_stream settings to compare, and 'window' or 'window:LEAD': priority "
+                         "plus a serving window (learner/serving_window.py) hooked to the trained copy")
     ap.add_argument("--train-batch", type=int, default=16)
     ap.add_argument("--publish-every", type=int, default=25)
     ap.add_argument("--batch-window-ms", type=float, default=2.0)
