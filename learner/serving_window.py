@@ -3,9 +3,8 @@
 When the learner serves and trains on the same GPU, a CUDA stream's priority orders only the
 blocks waiting to be scheduled: training's kernels already queued or running keep their SMs
 (Hopper's GEMMs are persistent: one kernel holds every SM until its last tile), and an act that
-arrives in the middle of an update step waits behind them (on an H200, PI0 at a robot's rate:
-act p99 2.6x that of serving alone with a priority stream; docs/benchmarks.md). A serving
-window closes that gap from the training side:
+arrives in the middle of an update step waits behind them (docs/benchmarks.md, "Training while
+serving on one device"). A serving window closes that gap from the training side:
 
 - the inference thread holds the window open from a batch's first request to its replies,
   new weights loaded in it (:meth:`ServingWindow.serving`);
