@@ -3,7 +3,8 @@
 Each case is a fresh process that builds a policy's serving copy (tools.bench.policy.build: full
 size with random weights, or ``--tiny``) and constructs the learner's ``InferenceServer``, whose
 warm-up compiles and captures the batch buckets it will serve (``--max-batch``), then serves one
-act. Measured per case: ``build_s``, ``warmup_s`` (the server's construction), ``first_act_ms``
+act. Measured per case: ``build_s``, ``warmup_s`` (the server's construction: loading the artefacts,
+then each bucket's compile and capture, ``warmup_buckets_s``), ``first_act_ms``
 and ``to_serving_s`` (process start to the first act served).
 
 - ``cold``: an empty inductor cache (a machine that never compiled); what it compiled is saved
@@ -60,6 +61,7 @@ def child(a) -> None:
             torch.cuda.synchronize()
         first = (time.perf_counter() - t2) * 1000.0
     print(json.dumps({"build_s": build_s, "warmup_s": warmup_s, "buckets": sorted(inf.warmup_s),
+                      "warmup_buckets_s": {str(b): round(t, 2) for b, t in sorted(inf.warmup_s.items())},
                       "first_act_ms": first, "to_serving_s": time.time() - t_start}))
 
 
