@@ -186,6 +186,7 @@ class Learner:
             act_channel=self.service.act_channel,  # acts on their own socket (learner/act_channel.py)
             rtc=self.rtc, cuda_stream=str(cfg.inference.get("cuda_stream", "priority")),
             compile_artifacts=cfg.inference.get("compile_artifacts"),
+            warmup=str(cfg.inference.get("warmup", "staged")),
             # its own generator (seed + an offset): serving never draws from the global RNG that
             # training draws from, so the acts served while it trains do not change its stream
             seed=int(cfg.seed), window=self.window)

@@ -29,14 +29,14 @@ ahead of training's queued ones and its copy back waits only for its own work; `
 stream at normal priority; ``shared`` serves on the thread's default stream, where an act queues
 behind every kernel the trainer has already launched on the same GPU.
 
-A policy with a ``warm_up(max_batch=...)`` method (PI0 / PI0.5: compile and capture the CUDA
-graphs of the batch sizes it will serve) is warmed up when the server is built, with the serving
-device current: that is before the learner starts its service, so no actor's act waits behind
-a compile. With ``compile_artifacts`` (a folder: ``inference.compile_artifacts``), the portable
-compile artefacts for this GPU and torch are loaded from it before the warm-up and what the
-warm-up compiled is saved there after it (:mod:`agents.policies.fast_common`): copied with a
-checkpoint to a machine that never compiled, the warm-up there reads kernels instead of
-compiling them.
+A policy with a ``warm_up`` method (PI0 / PI0.5 and OFT's fast paths: compile and capture the
+CUDA graphs of the batch sizes it will serve) is warmed up by :mod:`learner.warmup` when the
+server is built, with the serving device current: that is before the learner starts its
+service. ``warmup="staged"`` (the default) warms only the smallest bucket then, caps batches at
+the largest bucket warmed, and warms the others on this thread between batches; ``"all"`` warms
+every bucket first. With ``compile_artifacts`` (a folder: ``inference.compile_artifacts``) the
+portable compile artefacts for this GPU and torch are loaded from it before the warm-up and
+what it compiled is saved there after it.
 
 Randomness. The server owns a ``torch.Generator`` on its device, seeded with ``seed +``
 :data:`SERVING_SEED_OFFSET` (the learner passes the run's seed), and hands it to every
@@ -71,6 +71,7 @@ from data.core.transitions import extras_to_numpy
 from learner.act_channel import ActChannel
 from learner.act_intake import ActRequest
 from learner.serving_window import ServingWindow
+from learner.warmup import Warmup
 
 log = logging.getLogger("tandem.learner.inference")
 
@@ -117,6 +118,7 @@ class InferenceServer(threading.Thread):
         rtc: RtcSettings | None = None,
         cuda_stream: str = "priority",
         compile_artifacts: str | None = None,
+        warmup: str = "staged",
         seed: int = 0,
         window: ServingWindow | None = None,
     ):
@@ -127,8 +129,6 @@ class InferenceServer(threading.Thread):
         self.cuda_stream = cuda_stream
         #: held open around every batch: a trainer hooked to it waits at its next layer
         self.window = window
-        #: folder of portable compile artefacts: loaded before the warm-up, saved after it
-        self.compile_artifacts = compile_artifacts or None
         self.policy = policy
         #: the generator every act draws from (module docstring, "Randomness")
         self.generator = torch.Generator(device=device)
@@ -179,39 +179,11 @@ class InferenceServer(threading.Thread):
         self._ident: int | None = None
         self._wake_lock = threading.Lock()  # the pipe is closed when the thread ends
         self._wake_open = True
-        #: {batch size: seconds} of the policy's warm-up ({} when it has none)
-        self.warmup_s = self.warm_up()
-
-    def warm_up(self) -> dict[int, float]:
-        """The policy's ``warm_up`` (if it has one), on the serving device and under the same
-        autocast as ``_serve``; a failure is logged and serving goes on (graphs then come lazily)."""
-        fn = getattr(self.policy, "warm_up", None)
-        if not callable(fn):
-            return {}
-        cuda = self.device.type == "cuda"
-        t0 = time.perf_counter()
-        if self.compile_artifacts:
-            from agents.policies.fast_common import load_compile_artifacts
-            load_compile_artifacts(self.compile_artifacts, self.device)
-        try:
-            # its acts draw from the global RNG (the policies' warm_up passes no generator): put back
-            with torch.random.fork_rng(devices=[self.device] if cuda else []), \
-                    (torch.cuda.device(self.device) if cuda else contextlib.nullcontext()), \
-                    (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
-                     else contextlib.nullcontext()):
-                out = dict(fn(max_batch=self.max_batch) or {})
-        except Exception:  # noqa: BLE001 - a warm-up must not stop the learner
-            log.exception("policy warm-up failed; graphs will be built on first use")
-            return {}
-        if out:
-            log.info("serving warm-up: batch sizes %s ready in %.1f s", sorted(out), time.perf_counter() - t0)
-        if self.compile_artifacts:
-            from agents.policies.fast_common import save_compile_artifacts
-            try:
-                save_compile_artifacts(self.compile_artifacts, self.device)
-            except OSError as exc:
-                log.warning("compile artefacts not saved to %s: %s", self.compile_artifacts, exc)
-        return out
+        #: the policy's warm-up (learner/warmup.py): the first bucket (staged) or all now
+        self.warmup = Warmup(policy, device=device, max_batch=max_batch, autocast_dtype=autocast_dtype,
+                             compile_artifacts=compile_artifacts, mode=warmup)
+        #: {batch size: seconds} of the policy's warm-up so far ({} when it has none)
+        self.warmup_s = self.warmup.start()
 
     def submit(self, req: ActRequest) -> None:
         # (one sender's requests arrive in order on one thread: the newest id is the last one)
@@ -270,15 +242,15 @@ class InferenceServer(threading.Thread):
                 ch.read(ready=True, limit=limit)
 
     def _take(self, reqs: list[ActRequest], n: int) -> int:
-        """Move queued requests into ``reqs`` up to ``max_batch`` rows. A request that a newer
+        """Move queued requests into ``reqs`` up to ``warmup.cap`` rows (``max_batch`` once warmed). A request that a newer
         one from the same sender (routing id) has superseded is dropped unserved and counted in
         ``superseded``: a client waits for its latest request only (it resends after its
         timeout, with a new ``req_id``, and drops late replies), so under overload serving the
         old one would spend the device on a reply nobody reads while the resend waits. (With one
         active actor the act socket is read one request at a time, so a backlog of that one
         sender's resends is served in turn; it matters where many senders queue.)"""
-        q, latest = self.requests, self._latest
-        while q and n < self.max_batch:
+        q, latest, cap = self.requests, self._latest, self.warmup.cap
+        while q and n < cap:
             r = q.popleft()
             newest = latest.get(r.identity)
             if newest is not None and newest > r.req_id:
@@ -292,6 +264,7 @@ class InferenceServer(threading.Thread):
 
     def _gather(self) -> list[ActRequest]:
         reqs: list[ActRequest] = []
+        cap = self.warmup.cap  # max_batch, or the largest bucket warmed while the warm-up is staged
         n = self._take(reqs, 0)
         if not reqs:
             # one active actor: read its request without asking the socket whether another
@@ -301,15 +274,15 @@ class InferenceServer(threading.Thread):
             n = self._take(reqs, 0)
             if not reqs:
                 return []
-            if n >= self.max_batch or len(reqs) >= want > 0:
+            if n >= cap or len(reqs) >= want > 0:
                 return reqs
-        elif n >= self.max_batch:
+        elif n >= cap:
             return reqs
         want = self.active_actors()  # (senders just read count as active now)
         if len(reqs) >= want:  # every active actor's request is here: no lingering
             return reqs
         deadline = time.perf_counter() + self.window_s
-        while n < self.max_batch and len(reqs) < want:
+        while n < cap and len(reqs) < want:
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
@@ -352,11 +325,15 @@ class InferenceServer(threading.Thread):
             reqs = self._gather()
             if not reqs:
                 self._apply_pending()
+                if self.warmup.pending:  # idle: warm the next bucket (staged warm-up)
+                    self.warmup.next()
                 continue
             # (a serving window covers the weights' load too: its copies run alone, as the act)
             with self.window.serving() if self.window is not None else contextlib.nullcontext():
                 self._apply_pending()  # the newest weights serve this batch
                 self._serve_all(reqs)
+            if self.warmup.pending and self.requests and sum(r.n for r in reqs) >= self.warmup.cap:
+                self.warmup.next()  # batches are being cut by the cap: the next bucket now
 
     def _serve_all(self, reqs: list[ActRequest]) -> None:
         """One gathered batch: grouped by deterministic or sampled, each group one forward."""

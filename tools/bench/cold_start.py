@@ -5,7 +5,9 @@ size with random weights, or ``--tiny``) and constructs the learner's ``Inferenc
 warm-up compiles and captures the batch buckets it will serve (``--max-batch``), then serves one
 act. Measured per case: ``build_s``, ``warmup_s`` (the server's construction: loading the artefacts,
 then each bucket's compile and capture, ``warmup_buckets_s``), ``first_act_ms``
-and ``to_serving_s`` (process start to the first act served).
+and ``to_serving_s`` (process start to the first act served), ``all_buckets_s`` (to every
+bucket warmed: with ``--warmup staged``, the learner's default, the server serves after the
+smallest and warms the rest between batches; ``all`` warms every one first).
 
 - ``cold``: an empty inductor cache (a machine that never compiled); what it compiled is saved
   as portable artefacts (``inference.compile_artifacts``) in the run's folder;
@@ -50,7 +52,7 @@ def child(a) -> None:
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         inf = InferenceServer(policy, reply=lambda *x: None, active_actors=lambda: 1, device=torch.device(a.device),
-                              max_batch=a.max_batch, compile_artifacts=a.artifacts)
+                              max_batch=a.max_batch, compile_artifacts=a.artifacts, warmup=a.warmup)
         warmup_s = time.perf_counter() - t1
         obs = {k: torch.from_numpy(v).to(a.device) for k, v in random_obs(spec.state_dim, spec.cameras).items()}
         obs["task"] = [TASK]
@@ -60,9 +62,13 @@ def child(a) -> None:
         if a.device.startswith("cuda"):
             torch.cuda.synchronize()
         first = (time.perf_counter() - t2) * 1000.0
+        to_serving = time.time() - t_start
+        while inf.warmup.pending:  # staged: the other buckets, as the server's thread would between batches
+            inf.warmup.next()
+        all_ready = time.time() - t_start
     print(json.dumps({"build_s": build_s, "warmup_s": warmup_s, "buckets": sorted(inf.warmup_s),
                       "warmup_buckets_s": {str(b): round(t, 2) for b, t in sorted(inf.warmup_s.items())},
-                      "first_act_ms": first, "to_serving_s": time.time() - t_start}))
+                      "first_act_ms": first, "to_serving_s": to_serving, "all_buckets_s": all_ready}))
 
 
 def main(argv=None) -> dict:
@@ -72,6 +78,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--warmup", default="staged", choices=("staged", "all"), help="inference.warmup")
+    ap.add_argument("--cases", default=",".join(c for c, _ in CASES),
+                    help="which of cold, artefacts, warm (artefacts and warm need cold first)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--artifacts", default=None, help=argparse.SUPPRESS)
@@ -83,22 +92,29 @@ def main(argv=None) -> dict:
     if a.device is None:
         import torch
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    out: dict = {"policy": a.policy, "tiny": a.tiny, "device": a.device, "max_batch": a.max_batch, "cases": {}}
+    cases = [c for c in a.cases.split(",") if c]
+    if not set(cases) <= {c for c, _ in CASES} or "cold" not in cases:
+        raise SystemExit(f"--cases {a.cases!r}: cold and any of artefacts, warm")
+    out: dict = {"policy": a.policy, "tiny": a.tiny, "device": a.device, "max_batch": a.max_batch,
+                 "warmup": a.warmup, "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
         art = Path(tmp) / "artefacts"
         for case, cache in CASES:
+            if case not in cases:
+                continue
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / f"cache_{cache}"),
                        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
             cmd = [sys.executable, "-m", "tools.bench.cold_start", "--child", "--policy", a.policy, "--device",
                    a.device, "--max-batch", str(a.max_batch), "--image-size", str(a.image_size),
-                   "--artifacts", str(art), "--t0", repr(time.time())] + (["--tiny"] if a.tiny else [])
+                   "--artifacts", str(art), "--warmup", a.warmup, "--t0", repr(time.time())] + (["--tiny"] if a.tiny else [])
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
             if r.returncode != 0:
                 raise RuntimeError(f"{case} start failed: {r.stderr[-3000:]}")
             out["cases"][case] = res = json.loads(r.stdout.strip().splitlines()[-1])
             res["artefact_files"] = sorted(p.name for p in art.glob("*.bin")) if art.exists() else []
             print(f"  {case:9s} to serving {res['to_serving_s']:.1f} s (build {res['build_s']:.1f} s, warm-up "
-                  f"{res['warmup_s']:.1f} s, first act {res['first_act_ms']:.1f} ms)", file=sys.stderr, flush=True)
+                  f"{res['warmup_s']:.1f} s, first act {res['first_act_ms']:.1f} ms), every bucket "
+                  f"{res['all_buckets_s']:.1f} s {res['warmup_buckets_s']}", file=sys.stderr, flush=True)
     if a.json:
         emit_json(out, a.json)
     return out

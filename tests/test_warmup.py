@@ -1,0 +1,154 @@
+"""learner/warmup.py through the real InferenceServer thread: a staged warm-up serves after the
+smallest bucket, caps batches at the largest bucket warmed, and warms the rest between batches;
+``all`` warms every bucket first. The policy here stands in for a GPU fast path (which captures
+nothing on a CPU): its warm_up records which buckets it was asked for and its act records the
+rows of each batch and which buckets were warm then."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from agents.base import ActionChunk
+from learner.act_intake import ActRequest
+from learner.inference import InferenceServer
+from learner.warmup import Warmup
+
+
+class Bucketed:
+    chunk_size = 2
+
+    def __init__(self, buckets=(1, 2, 4, 8), warm_s: float = 0.05):
+        self.cfg = SimpleNamespace(fast_warmup_buckets=buckets)
+        self.warm_s, self.asked, self.warm, self.batches = warm_s, [], set(), []
+
+    def warm_up(self, batch_sizes=None, *, max_batch=None):
+        sizes = [b for b in (batch_sizes or self.cfg.fast_warmup_buckets) if max_batch is None or b <= max_batch]
+        self.asked.append(list(batch_sizes) if batch_sizes is not None else None)
+        time.sleep(self.warm_s)  # a compile
+        self.warm.update(sizes)
+        return {b: self.warm_s for b in sizes}
+
+    def act(self, obs, *, deterministic=False):
+        n = obs["observation.state"].shape[0]
+        self.batches.append((n, max(self.warm, default=0)))
+        time.sleep(0.01)
+        return ActionChunk(torch.zeros(n, self.chunk_size, 2))
+
+
+def request(i: int) -> ActRequest:
+    return ActRequest(identity=b"actor-%d" % i, req_id=1, deterministic=True, tasks=["t"],
+                      arrays={"observation.state": np.zeros((1, 3), np.float32)})
+
+
+def server(policy, mode="staged", max_batch=8, replies=None):
+    return InferenceServer(policy, reply=lambda ident, frames: replies.append(ident) if replies is not None else None,
+                           active_actors=lambda: 8, device=torch.device("cpu"), max_batch=max_batch,
+                           batch_window_ms=50.0, warmup=mode)
+
+
+def test_staged_serves_after_the_smallest_bucket_and_never_gathers_past_the_warm_ones():
+    policy, replies = Bucketed(warm_s=0.3), []
+    inf = server(policy, replies=replies)
+    assert policy.asked == [[1]] and inf.warmup_s == {1: 0.3} and inf.warmup.cap == 1 and inf.warmup.pending
+    inf.start()
+    try:
+        for round_ in range(6):  # 8 actors at once, each waits for its reply, six times
+            n0 = len(replies)
+            for i in range(8):
+                inf.submit(request(i))
+            deadline = time.time() + 20
+            while len(replies) < n0 + 8 and time.time() < deadline:
+                time.sleep(0.005)
+            assert len(replies) == n0 + 8, f"round {round_}: {len(replies) - n0} of 8 replies"
+        deadline = time.time() + 5
+        while inf.warmup.pending and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        inf.stop()
+        inf.join(5)
+    assert policy.asked == [[1], [2], [4], [8]]  # one bucket at a time, smallest first
+    assert all(rows <= warm for rows, warm in policy.batches), policy.batches
+    assert max(rows for rows, _ in policy.batches) == 8  # full batches once every bucket is warm
+    assert inf.warmup.cap == 8 and not inf.warmup.pending and inf.warmup.total_s >= 4 * 0.3
+    assert sorted(inf.warmup_s) == [1, 2, 4, 8]
+
+
+def test_an_idle_server_warms_the_rest_without_any_request():
+    policy = Bucketed()
+    inf = server(policy)
+    inf.start()
+    try:
+        deadline = time.time() + 5
+        while inf.warmup.pending and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        inf.stop()
+        inf.join(5)
+    assert policy.asked == [[1], [2], [4], [8]] and policy.batches == []
+
+
+def test_all_warms_every_bucket_up_to_max_batch_before_serving():
+    policy = Bucketed()
+    inf = server(policy, mode="all", max_batch=4)
+    assert policy.asked == [None] and sorted(inf.warmup_s) == [1, 2, 4] and inf.warmup.cap == 4
+    staged = server(Bucketed(), max_batch=4)
+    assert staged.warmup.todo == [2, 4]  # the 8 bucket is past max_batch
+
+
+def test_policies_that_cannot_stage_are_warmed_at_once_and_nothing_to_warm_caps_nothing():
+    class Old:  # a warm_up without batch_sizes
+        def __init__(self):
+            self.calls = 0
+
+        def warm_up(self, *, max_batch):
+            self.calls += 1
+            return {1: 0.0, 2: 0.0}
+
+    old = Old()
+    w = Warmup(old, device=torch.device("cpu"), max_batch=8)
+    assert w.mode == "all" and w.start() == {1: 0.0, 2: 0.0} and old.calls == 1 and w.cap == 8
+
+    class NoGraphs(Bucketed):  # a fast path on a CPU: it captures nothing
+        def warm_up(self, batch_sizes=None, *, max_batch=None):
+            self.asked.append(batch_sizes)
+            return {}
+
+    p = NoGraphs()
+    w = Warmup(p, device=torch.device("cpu"), max_batch=8)
+    assert w.start() == {} and p.asked == [[1]] and not w.pending and w.cap == 8
+
+
+def test_a_failed_stage_ends_the_staging_and_serving_goes_on():
+    class Fails(Bucketed):
+        def warm_up(self, batch_sizes=None, *, max_batch=None):
+            if batch_sizes == [2]:
+                raise RuntimeError("out of memory while capturing")
+            return super().warm_up(batch_sizes, max_batch=max_batch)
+
+    w = Warmup(Fails(), device=torch.device("cpu"), max_batch=8)
+    w.start()
+    assert w.cap == 1
+    w.next()
+    assert not w.pending and w.cap == 8 and w.buckets == {1: 0.05}
+
+
+def test_a_bad_mode_is_named():
+    with pytest.raises(ValueError, match="inference.warmup must be one of all, staged, got 'lazy'"):
+        Warmup(Bucketed(), device=torch.device("cpu"), max_batch=8, mode="lazy")
+
+
+def test_the_tiny_pi0_on_a_cpu_has_nothing_to_stage(tmp_path):
+    from agents import registry
+    from data.core.spec import EnvSpec
+    from tools.make_tiny_checkpoints import make_pi0
+
+    spec = EnvSpec(state_dim=4, action_dim=2, cameras={"image": (32, 32, 3)}, has_task=True)
+    policy = registry.build_policy({"name": "pi0", "checkpoint": str(make_pi0(tmp_path / "pi0", spec, chunk_size=4)),
+                                    "chunk_size": 4, "device": "cpu"}, spec).eval()
+    inf = server(policy)
+    assert inf.warmup_s == {} and not inf.warmup.pending and inf.warmup.cap == 8
