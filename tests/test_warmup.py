@@ -152,3 +152,42 @@ def test_the_tiny_pi0_on_a_cpu_has_nothing_to_stage(tmp_path):
                                     "chunk_size": 4, "device": "cpu"}, spec).eval()
     inf = server(policy)
     assert inf.warmup_s == {} and not inf.warmup.pending and inf.warmup.cap == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_tiny_pi0_serves_after_bucket_1_and_warms_the_rest_on_the_serving_thread(tmp_path):
+    """The real fast path (compiled, CUDA graphs): the server is built with bucket 1 captured,
+    its idle thread captures 2, 4 and 8 under its own stream and inference mode, and a batch of 4
+    requests then replays a warm graph (no capture, no compile while serving)."""
+    from agents import registry
+    from agents.policies.fast_common import compiled_graphs
+    from data.core.spec import EnvSpec
+    from tools.make_tiny_checkpoints import make_pi0
+
+    spec = EnvSpec(state_dim=4, action_dim=2, cameras={"image": (32, 32, 3)}, has_task=True)
+    policy = registry.build_policy({"name": "pi0", "checkpoint": str(make_pi0(tmp_path / "pi0", spec, chunk_size=4)),
+                                    "chunk_size": 4, "device": "cuda", "dtype": "bfloat16"}, spec).eval()
+    replies: list = []
+    inf = InferenceServer(policy, reply=lambda ident, frames: replies.append(ident), active_actors=lambda: 4,
+                          device=torch.device("cuda"), max_batch=8, batch_window_ms=200.0)
+    assert sorted(inf.warmup_s) == [1] and inf.warmup.cap == 1
+    fast = policy._fast
+    inf.start()
+    try:
+        deadline = time.time() + 600
+        while inf.warmup.pending and time.time() < deadline:
+            time.sleep(0.05)
+        assert sorted(inf.warmup_s) == [1, 2, 4, 8] and inf.warmup.cap == 8
+        captures, compiled = fast.captures, compiled_graphs()
+        for i in range(4):
+            inf.submit(ActRequest(identity=b"a%d" % i, req_id=1, deterministic=True, tasks=["reach"],
+                                  arrays={"observation.state": np.zeros((1, 4), np.float32),
+                                          "observation.images.image": np.zeros((1, 32, 32, 3), np.uint8)}))
+        deadline = time.time() + 60
+        while len(replies) < 4 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        inf.stop()
+        inf.join(10)
+    assert len(replies) == 4 and 4 in inf.batch_sizes
+    assert fast.captures == captures and compiled_graphs() == compiled
