@@ -94,8 +94,10 @@ class Warmup:
         """Warm the next bucket (staged; the server's thread calls it between batches)."""
         if not self.todo:
             return
-        b = self.todo.pop(0)
-        if not self._run({"batch_sizes": [b]}):
+        # (popped once warmed: ``pending`` stays true while the last bucket is being captured)
+        if self._run({"batch_sizes": [self.todo[0]]}):
+            self.todo.pop(0)
+        else:
             # it failed (the rest are built on first use), or the policy captures nothing here
             # (a CPU, fast serving off): nothing to stage
             self.todo.clear()
@@ -115,9 +117,9 @@ class Warmup:
             log.exception("policy warm-up failed; graphs will be built on first use")
             return False
         self.buckets.update({int(k): float(v) for k, v in out.items()})
-        if out and self.todo:
+        if out and len(self.todo) > 1:
             log.info("serving warm-up: batch sizes %s ready, %s to come (batches capped at %d meanwhile)",
-                     sorted(self.buckets), self.todo, self.cap)
+                     sorted(self.buckets), self.todo[1:], self.cap)
         return bool(out)
 
     def _finish(self) -> None:
