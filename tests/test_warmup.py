@@ -45,6 +45,12 @@ def request(i: int) -> ActRequest:
                       arrays={"observation.state": np.zeros((1, 3), np.float32)})
 
 
+def until(cond, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while not cond() and time.time() < deadline:
+        time.sleep(0.005)
+
+
 def server(policy, mode="staged", max_batch=8, replies=None):
     return InferenceServer(policy, reply=lambda ident, frames: replies.append(ident) if replies is not None else None,
                            active_actors=lambda: 8, device=torch.device("cpu"), max_batch=max_batch,
@@ -61,13 +67,9 @@ def test_staged_serves_after_the_smallest_bucket_and_never_gathers_past_the_warm
             n0 = len(replies)
             for i in range(8):
                 inf.submit(request(i))
-            deadline = time.time() + 20
-            while len(replies) < n0 + 8 and time.time() < deadline:
-                time.sleep(0.005)
+            until(lambda: len(replies) >= n0 + 8, 20)
             assert len(replies) == n0 + 8, f"round {round_}: {len(replies) - n0} of 8 replies"
-        deadline = time.time() + 5
-        while inf.warmup.pending and time.time() < deadline:
-            time.sleep(0.01)
+        until(lambda: not inf.warmup.pending, 5)
     finally:
         inf.stop()
         inf.join(5)
@@ -83,9 +85,7 @@ def test_an_idle_server_warms_the_rest_without_any_request():
     inf = server(policy)
     inf.start()
     try:
-        deadline = time.time() + 5
-        while inf.warmup.pending and time.time() < deadline:
-            time.sleep(0.01)
+        until(lambda: not inf.warmup.pending, 5)
     finally:
         inf.stop()
         inf.join(5)
@@ -174,18 +174,14 @@ def test_on_a_gpu_the_tiny_pi0_serves_after_bucket_1_and_warms_the_rest_on_the_s
     fast = policy._fast
     inf.start()
     try:
-        deadline = time.time() + 600
-        while inf.warmup.pending and time.time() < deadline:
-            time.sleep(0.05)
+        until(lambda: not inf.warmup.pending, 600)
         assert sorted(inf.warmup_s) == [1, 2, 4, 8] and inf.warmup.cap == 8
         captures, compiled = fast.captures, compiled_graphs()
         for i in range(4):
             inf.submit(ActRequest(identity=b"a%d" % i, req_id=1, deterministic=True, tasks=["reach"],
                                   arrays={"observation.state": np.zeros((1, 4), np.float32),
                                           "observation.images.image": np.zeros((1, 32, 32, 3), np.uint8)}))
-        deadline = time.time() + 60
-        while len(replies) < 4 and time.time() < deadline:
-            time.sleep(0.01)
+        until(lambda: len(replies) >= 4, 60)
     finally:
         inf.stop()
         inf.join(10)
