@@ -11,7 +11,8 @@ from the global RNG; the state is put back). Two ways (``inference.warmup``):
   serves as soon as one graph is ready; the server then gathers at most that many rows per batch
   (:attr:`Warmup.cap`) and warms the next bucket on its own thread, one at a time, whenever it
   is idle or a batch was cut by the cap. The acts of a start-up burst are served in small
-  batches, and those waiting while a bucket compiles wait for it once.
+  batches, and those that arrive while a bucket compiles wait for it, once per bucket (actors
+  hold their envs through the wait as through any pause of the learner).
 
 With ``compile_artifacts`` (a folder: ``inference.compile_artifacts``) this GPU's and torch's
 portable compile artefacts are loaded before the first bucket and what the warm-up compiled is
