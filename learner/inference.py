@@ -242,8 +242,9 @@ class InferenceServer(threading.Thread):
                 ch.read(ready=True, limit=limit)
 
     def _take(self, reqs: list[ActRequest], n: int) -> int:
-        """Move queued requests into ``reqs`` up to ``warmup.cap`` rows (``max_batch`` once warmed). A request that a newer
-        one from the same sender (routing id) has superseded is dropped unserved and counted in
+        """Move queued requests into ``reqs`` up to ``warmup.cap`` rows (``max_batch`` once the
+        warm-up is done). A request that a newer one from the same sender (routing id) has
+        superseded is dropped unserved and counted in
         ``superseded``: a client waits for its latest request only (it resends after its
         timeout, with a new ``req_id``, and drops late replies), so under overload serving the
         old one would spend the device on a reply nobody reads while the resend waits. (With one
