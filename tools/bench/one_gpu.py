@@ -55,7 +55,8 @@ def stage_commands(a, stage: str, out: Path) -> list[list[str]]:
     if stage == "policy":
         return [py + ["tools.bench.policy", "--policies", a.policies, "--actors", f"1,{a.peak_actors}",
                       "--seconds", str(a.seconds), "--json", str(out)] + common
-                + (["--iters", str(a.iters), "--max-iters", str(a.iters), "--no-baseline"] if a.iters else [])]
+                + ([] if a.baseline else ["--no-baseline"])
+                + (["--iters", str(a.iters), "--max-iters", str(a.iters)] if a.iters else [])]
     if stage == "train_serve":
         return [py + ["tools.bench.train_serve", "--policies", a.policies, "--actors", str(a.actors),
                       "--period", a.period, "--seconds", str(a.seconds), "--repeats", str(a.repeats),
@@ -117,6 +118,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--iters", type=int, default=0, help="timed calls per latency (0: the policy bench's default)")
     ap.add_argument("--start-policies", default="pi0")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also time lerobot's own select_action in the policy stage (a second full copy)")
     ap.add_argument("--json", required=True, help="the combined JSON, rewritten after each stage")
     a = ap.parse_args(argv)
     stages = [x for x in a.stages.split(",") if x]
