@@ -439,7 +439,10 @@ class FastPiSampler:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the learner's other threads may use CUDA meanwhile (a training step, whose
+        # allocations or event waits a global-mode capture would refuse), as in OFT's fast path;
+        # a staged warm-up (learner/warmup.py) captures on the serving thread while training runs
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outs = call()
         self.captures += 1
         new = compiled_graphs() - graphs0
