@@ -90,6 +90,7 @@ class LearnerStatus:
                   internal_errors=service.counters["internal_errors"],
                   rejection_logs_suppressed=service._warn.suppressed_total,  # noqa: SLF001
                   serving_window=lrn.window.stats() if lrn.window is not None else None,
+                  serving_warmup=lrn.inference.warmup.stats(),
                   stopped=lrn.stopped, pid=os.getpid(),  # threads: for per-thread CPU (/proc)
                   threads={str(t.native_id): t.name for t in threading.enumerate() if t.native_id})
         tmp = lrn.run_dir / ".status.json.tmp"

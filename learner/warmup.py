@@ -76,6 +76,12 @@ class Warmup:
             return self.max_batch
         return max(max(self.buckets, default=1), 1)
 
+    def stats(self) -> dict:
+        """For status.json: the mode, {bucket: seconds} warmed, the sizes still to warm, the cap
+        on a batch's rows now and the whole warm-up's seconds (None until it is done)."""
+        return {"mode": self.mode, "buckets_s": {str(b): round(t, 3) for b, t in sorted(self.buckets.items())},
+                "to_warm": list(self.todo), "cap": self.cap, "total_s": self.total_s}
+
     def start(self) -> dict[int, float]:
         """Before the server is built: load the artefacts, warm the first bucket (staged) or all."""
         if self._fn is None:

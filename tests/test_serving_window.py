@@ -164,6 +164,9 @@ def test_a_learner_with_serving_window_trains_and_reports_its_windows(tmp_path):
         assert sw["windows"] >= st["infer_batches"] - 1 > 0
         assert sw["checkpoints"] > st["updates"]      # several per update: every trainable gradient
         assert st["window_waited_s"] == pytest.approx(sw["waited_s"]) and sw["timeouts"] == 0
+        # a policy without a warm-up: nothing staged, batches not capped
+        assert st["serving_warmup"] == {"mode": "all", "buckets_s": {}, "to_warm": [],
+                                        "cap": 64, "total_s": None}  # inference.max_batch's default
     finally:
         run.stop_all()
 

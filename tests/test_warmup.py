@@ -61,6 +61,8 @@ def test_staged_serves_after_the_smallest_bucket_and_never_gathers_past_the_warm
     policy, replies = Bucketed(warm_s=0.3), []
     inf = server(policy, replies=replies)
     assert policy.asked == [[1]] and inf.warmup_s == {1: 0.3} and inf.warmup.cap == 1 and inf.warmup.pending
+    assert inf.warmup.stats() == {"mode": "staged", "buckets_s": {"1": 0.3}, "to_warm": [2, 4, 8], "cap": 1,
+                                  "total_s": None}
     inf.start()
     try:
         for round_ in range(6):  # 8 actors at once, each waits for its reply, six times
@@ -78,6 +80,8 @@ def test_staged_serves_after_the_smallest_bucket_and_never_gathers_past_the_warm
     assert max(rows for rows, _ in policy.batches) == 8  # full batches once every bucket is warm
     assert inf.warmup.cap == 8 and not inf.warmup.pending and inf.warmup.total_s >= 4 * 0.3
     assert sorted(inf.warmup_s) == [1, 2, 4, 8]
+    st = inf.warmup.stats()
+    assert st["to_warm"] == [] and st["cap"] == 8 and list(st["buckets_s"]) == ["1", "2", "4", "8"]
 
 
 def test_an_idle_server_warms_the_rest_without_any_request():
