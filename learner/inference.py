@@ -182,8 +182,12 @@ class InferenceServer(threading.Thread):
         #: the policy's warm-up (learner/warmup.py): the first bucket (staged) or all now
         self.warmup = Warmup(policy, device=device, max_batch=max_batch, autocast_dtype=autocast_dtype,
                              compile_artifacts=compile_artifacts, mode=warmup)
-        #: {batch size: seconds} of the policy's warm-up so far ({} when it has none)
-        self.warmup_s = self.warmup.start()
+        self.warmup.start()
+
+    @property
+    def warmup_s(self) -> dict[int, float]:
+        """{batch size: seconds} of the policy's warm-up so far ({} when it has none)."""
+        return self.warmup.buckets
 
     def submit(self, req: ActRequest) -> None:
         # (one sender's requests arrive in order on one thread: the newest id is the last one)

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from learner.warmup import WARMUPS
 from tools.bench.common import ROOT, bench_spec, emit_json, random_obs
 
 #: (case, inductor cache folder): "warm" reuses the cold case's cache
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--warmup", default="staged", choices=("staged", "all"), help="inference.warmup")
+    ap.add_argument("--warmup", default="staged", choices=WARMUPS, help="inference.warmup")
     ap.add_argument("--cases", default=",".join(c for c, _ in CASES),
                     help="which of cold, artefacts, warm (artefacts and warm need cold first)")
     ap.add_argument("--json", default=None)
