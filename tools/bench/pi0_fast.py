@@ -30,7 +30,10 @@ served today), ``bf16_vision`` (``policy.fast_vision_dtype=bf16``), ``bf16_visio
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
-``--batches ""`` skips the batch 4 / 8 timings (each new batch shape of a compiled mode costs a
+``--peak`` adds each run's achieved TFLOP/s per batch and its share of the bf16 matmul peak
+timed in the same run (FLOPs counted once per batch size on the computation without graphs).
+``--profile`` adds each run's kernel profile (GPU time by kind of kernel, kernels per call) at
+batch 1 and the last of ``--batches``. ``--batches ""`` skips the batch 4 / 8 timings (each new batch shape of a compiled mode costs a
 compile); ``--deadline-s`` skips the (mode, lever) runs that would start too late to finish
 (recorded as skipped; the JSON is written after every run).
 
@@ -65,19 +68,25 @@ def batch_of(obs: dict, b: int) -> dict:
     return {k: (v * b if isinstance(v, list) else v.repeat(b, *([1] * (v.dim() - 1)))) for k, v in obs.items()}
 
 
-#: --levers: name -> the FastPiSampler arguments (vision_dtype, expert_fp8)
-LEVERS = {"baseline": (None, None), "bf16_vision": ("bf16", None), "bf16_vision_fp8": ("bf16", "true"),
-          "fp8": (None, "true")}
+#: --levers: name -> the policy settings of the lever (policy.fast_*; unnamed ones at their defaults)
+LEVERS = {"baseline": {}, "bf16_vision": {"vision_dtype": "bf16"},
+          "bf16_vision_fp8": {"vision_dtype": "bf16", "expert_fp8": "true"}, "fp8": {"expert_fp8": "true"},
+          "bf16_vision_fused_expert": {"vision_dtype": "bf16", "fuse_proj": "expert"},
+          "bf16_vision_fused": {"vision_dtype": "bf16", "fuse_proj": "all"},
+          "bf16_vision_autotune": {"vision_dtype": "bf16", "autotune": "true"},
+          "bf16_vision_fused_autotune": {"vision_dtype": "bf16", "fuse_proj": "all", "autotune": "true"}}
 
 
 def lever_kwargs(lever: str, device) -> dict:
-    from agents.policies.pi0.fast_levers import resolve_expert_fp8, resolve_vision_dtype
+    from types import SimpleNamespace
 
-    vision, fp8 = LEVERS[lever]
-    fp8 = resolve_expert_fp8(fp8 or False)
-    if fp8 == "cuda" and getattr(device, "type", device) != "cuda":
-        fp8 = "emulate"  # a CPU smoke run: the same quantization, float32 matmuls
-    return {"vision_dtype": resolve_vision_dtype(vision or "fp32"), "expert_fp8": fp8}
+    from agents.policies.pi0.fast_levers import lever_settings
+
+    s = {"vision_dtype": "fp32", "expert_fp8": False, "fuse_proj": "off", "autotune": False, **LEVERS[lever]}
+    kw = lever_settings(SimpleNamespace(**{f"fast_{k}": v for k, v in s.items()}))
+    if kw["expert_fp8"] == "cuda" and getattr(device, "type", device) != "cuda":
+        kw["expert_fp8"] = "emulate"  # a CPU smoke run: the same quantization, float32 matmuls
+    return kw
 
 
 def bench_mode(policy, mode: str, obs, inputs, noise, args, sync, lever: str = "baseline") -> dict:
@@ -91,7 +100,8 @@ def bench_mode(policy, mode: str, obs, inputs, noise, args, sync, lever: str = "
     policy._fast = fast = FastPiSampler(policy.inner.model, policy.variant, graphs=policy.device.type == "cuda",
                                         compile=None if mode == "off" else mode, **kw)
     res: dict = {"mode": mode, "lever": lever, "vision_dtype": str(kw["vision_dtype"]),
-                 "expert_fp8": kw["expert_fp8"], "warmup_s": {}, "warmup_compiled_graphs": {}}
+                 "expert_fp8": kw["expert_fp8"], "fuse_proj": kw["fuse"], "autotune": kw["autotune"],
+                 "warmup_s": {}, "warmup_compiled_graphs": {}}
     if fast.levers is not None and fast.levers.fp8 is not None:
         res["fp8_layers"], res["fp8_skipped"] = len(fast.levers.fp8.sites), fast.levers.fp8.skipped
     for b in args.warmup_buckets:
@@ -113,9 +123,65 @@ def bench_mode(policy, mode: str, obs, inputs, noise, args, sync, lever: str = "
             by_batch[b] = timed(lambda: policy.forward_model(ib, nb), sync, max(20, it // 4), max(40, mx // 4))
         res["forward_by_batch"] = by_batch
         if args.rtc:
-            res.update(bench_rtc(policy, obs, noise, sync, it, mx, res["act_ms"]))
+            res.update(bench_rtc(policy, obs, noise, sync, it, mx, res["act_ms"], args.batches))
+    if args.profile and policy.device.type == "cuda":
+        res["profile"] = profile_sampler(policy, fast, obs, [1, *args.batches[-1:]], noise.shape[1:], sync)
     res["captures"], res["compiled_graphs"] = fast.captures, fast.compiles
     return res
+
+
+def count_flops(policy, obs, batches) -> dict:
+    """{batch: FLOPs of one call} of the fast computation without graphs or compile
+    (FlopCounterMode sees no kernels inside a graph; the levers do the same arithmetic)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from agents.policies.pi0.fast import FastPiSampler
+
+    out = {}
+    sampler = FastPiSampler(policy.inner.model, policy.variant, graphs=False)
+    steps = int(policy.lr_cfg.num_inference_steps)
+    with torch.inference_mode():
+        for b in batches:
+            images, img_masks, toks, masks, *rest = policy.model_inputs(batch_of(obs, b))
+            noise = torch.randn(b, policy.chunk_size, int(policy.lr_cfg.max_action_dim), device=policy.device)
+            with FlopCounterMode(display=False) as fc:
+                sampler._sample(images, img_masks, toks, masks, rest[0] if rest else None, noise, steps)
+            out[b] = float(fc.get_total_flops())
+    return out
+
+
+def share_of_peak(run: dict, res: dict) -> None:
+    """Each timed batch's achieved TFLOP/s and its share of the run's bf16 matmul peak (with --peak)."""
+    if "flops" not in res or "forward_ms" not in run:
+        return
+    peak = res["peak_matmul"]["tflops"]
+    times = {1: run["forward_ms"], **run.get("forward_by_batch", {})}
+    run["tflops"] = {b: res["flops"][b] / (t["p50"] / 1e3) / 1e12 for b, t in times.items() if b in res["flops"]}
+    run["share_of_peak"] = {b: tf / peak for b, tf in run["tflops"].items()}
+
+
+def profile_sampler(policy, fast, obs, batches, noise_shape, sync) -> dict:
+    """Kernel profile (tools/bench/pi0_profile.py) of ``fast``'s computation without its graphs
+    (the same compiled kernels, visible one by one), per batch size, in the capture's grad mode."""
+    import torch
+
+    from agents.policies.fast_common import static_shapes_only
+    from tools.bench.pi0_profile import profile
+
+    out = {}
+    steps = int(policy.lr_cfg.num_inference_steps)
+    with torch.inference_mode(False), torch.no_grad(), static_shapes_only():
+        for b in batches:
+            images, img_masks, toks, masks, *rest = policy.model_inputs(batch_of(obs, b))
+            noise = torch.randn(b, *noise_shape, device=policy.device)
+            fast.sync_weights()
+            try:
+                out[b] = profile(lambda: fast._sample(images, img_masks, toks, masks, rest[0] if rest else None,  # noqa: B023
+                                                      noise, steps), sync)
+            except Exception as exc:  # noqa: BLE001 - recorded; the timings stand
+                out[b] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    return out
 
 
 def rtc_rows(policy, b: int):
@@ -133,7 +199,7 @@ def rtc_rows(policy, b: int):
     return RtcRows(prefix, delay, pending, RtcSettings(enabled=True))
 
 
-def bench_rtc(policy, obs, noise, sync, it: int, mx: int, act_ms: dict) -> dict:
+def bench_rtc(policy, obs, noise, sync, it: int, mx: int, act_ms: dict, batches: list[int]) -> dict:
     import torch
 
     one = rtc_rows(policy, 1)
@@ -144,7 +210,7 @@ def bench_rtc(policy, obs, noise, sync, it: int, mx: int, act_ms: dict) -> dict:
            "rtc_act_ms": timed(lambda: policy.act(obs, noise=noise, rtc=one), sync, it, mx)}
     res["rtc_overhead"] = res["rtc_act_ms"]["p50"] / act_ms["p50"]
     by_batch = {}
-    for b in args.batches:
+    for b in batches:
         ob = batch_of(obs, b)
         nb = torch.randn(b, *noise.shape[1:], device=noise.device)
         rows = rtc_rows(policy, b)
@@ -182,6 +248,11 @@ def bench_variant(variant: str, args, tmp: Path, save=lambda res: None) -> dict:
     with torch.inference_mode():
         inputs = policy.model_inputs(obs)
         noise = torch.randn(1, policy.chunk_size, d, device=policy.device)
+    if args.peak and cuda:  # FLOPs of a call per batch (the fast computation eagerly), the bf16 matmul peak
+        from tools.bench.common import matmul_peak
+
+        res["peak_matmul"] = matmul_peak(args.device, 8192)
+        res["flops"] = count_flops(policy, obs, [1, *args.batches])
     eager = None
     if not args.warmup_only:  # lerobot's actions first: each run's differences are saved with it
         with torch.inference_mode():
@@ -204,6 +275,7 @@ def bench_variant(variant: str, args, tmp: Path, save=lambda res: None) -> dict:
                     r["max_abs_diff"] = float((out - eager).abs().max())
                     if lever != "baseline" and mode in outs:
                         r["max_abs_diff_vs_baseline"] = float((out - outs[mode]).abs().max())
+                share_of_peak(r, res)
                 print(f"[pi0_fast] {variant} {key}: act p50 {r['act_ms']['p50']:.2f} ms p99 {r['act_ms']['p99']:.2f}, "
                       f"max |fast-lerobot| {r.get('max_abs_diff', float('nan')):.3g}", flush=True)
             except Exception as exc:  # noqa: BLE001 - recorded: compile / FP8 support varies
@@ -255,6 +327,8 @@ def report(v: str, r: dict) -> None:
             line += f" (vs the baseline {m['max_abs_diff_vs_baseline']:.3g})"
         if "speedup_vs_select_action" in m:
             line += f"; {m['speedup_vs_select_action']:.1f}x lerobot select_action"
+        if "share_of_peak" in m:
+            line += "; share of peak " + ", ".join(f"b{b} {x:.0%}" for b, x in m["share_of_peak"].items())
         print(line + (" (WARNING: wide interval)" if a["wide"] else ""), flush=True)
         if "rtc_act_ms" in m:
             print(f"    RTC: act p50 {m['rtc_act_ms']['p50']:.2f} ms ({m['rtc_overhead']:.2f}x plain act), capture "
@@ -284,6 +358,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--rtc", action="store_true", help="also time real-time chunking (per-row prefix and delay)")
     ap.add_argument("--levers", default="baseline", help=f"comma list of {', '.join(LEVERS)}")
     ap.add_argument("--batches", default="4,8", help='batch sizes timed beyond 1 ("": none)')
+    ap.add_argument("--peak", action="store_true",
+                    help="count FLOPs per call and time the bf16 matmul peak: TFLOP/s and share of peak per batch")
+    ap.add_argument("--profile", action="store_true",
+                    help="a kernel profile per run at batch 1 and the last of --batches (by kind, kernels per call)")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="skip runs that would end past this (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -43,9 +43,11 @@ server will use before it serves.
 
 The result equals lerobot's ``sample_actions`` on the same noise: to float32 round-off on a
 CPU (tests/test_pi0_fast.py), within bf16 tolerance on a GPU (the GPU test in the same file).
-Two precision levers, off by default (:mod:`agents.policies.pi0.fast_levers`; with both off none of
-their code runs): ``vision_dtype=torch.bfloat16`` runs SigLIP and the projector from a bf16 copy,
-``expert_fp8`` the expert's step linears in FP8 e4m3 (``torch._scaled_mm``, row-wise scales);
+Levers, off by default (:mod:`agents.policies.pi0.fast_levers`, :mod:`agents.policies.pi0.fast_fused`;
+with all off none of their code runs): ``vision_dtype=torch.bfloat16`` runs SigLIP and the
+projector from a bf16 copy, ``expert_fp8`` the expert's step linears in FP8 e4m3
+(``torch._scaled_mm``, row-wise scales), ``fuse`` ("expert" or "all") stacks each layer's q/k/v
+and gate/up weights into one GEMM each, ``autotune`` compiles with inductor's GEMM autotuning;
 :meth:`FastPiSampler.sync_weights` refreshes their copies in place before each call.
 RTC (real-time chunking, :mod:`agents.policies.pi0.rtc`): ``sample(..., rtc=...)`` with per-row
 tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
@@ -163,7 +165,7 @@ class FastPiSampler:
     def __init__(self, model: nn.Module, variant: str, *, graphs: bool = True,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, compile: bool | str | None = False,
                  cache_dir: str | None = CACHE_DIR, vision_dtype: torch.dtype | None = None,
-                 expert_fp8: str | None = None):
+                 expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention()
@@ -187,15 +189,21 @@ class FastPiSampler:
         if mode:
             prepare_compile(cache_dir)
         dyn = None if mode == "dynamic" else False
+        # autotune (policy.fast_autotune): inductor benchmarks Triton GEMM templates against
+        # cuBLAS per shape and fuses elementwise epilogues into the chosen template (longer
+        # compiles; the choices persist in the inductor cache and the compile artefacts)
+        self.autotune = bool(autotune and mode)
+        opts = {"max_autotune": True} if self.autotune else None
 
         def comp(fn):
-            return torch.compile(fn, dynamic=dyn) if mode else fn
+            return torch.compile(fn, dynamic=dyn, options=opts) if mode else fn
 
         self._velocity, self._embed_image, self._prefix_kv = (
             comp(self.velocity), comp(pwe.embed_image), comp(self.prefix_kv))
-        # opt-in precision levers (agents/policies/pi0/fast_levers.py): SigLIP in bf16, the
-        # expert's step linears in FP8; None (both off): the computation above, untouched
-        self.levers = Levers(model, vision_dtype, expert_fp8) if vision_dtype or expert_fp8 else None
+        # opt-in levers (agents/policies/pi0/fast_levers.py, fast_fused.py): SigLIP in bf16, the
+        # expert's step linears in FP8, stacked q/k/v and gate/up GEMMs; None (all off): the
+        # computation above, untouched
+        self.levers = Levers(model, vision_dtype, expert_fp8, fuse) if vision_dtype or expert_fp8 or fuse else None
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
     def _layers(self, lm: nn.Module, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor,
@@ -248,7 +256,8 @@ class FastPiSampler:
         cache = _PrefixKV(len(self.vlm.layers))
         if dyn:
             mark_dynamic((0, 1), embs, pad)
-        cache.k, cache.v = self._prefix_kv(embs, pad)
+        with self._swapped("vlm"):
+            cache.k, cache.v = self._prefix_kv(embs, pad)
         cache.recording = False
         return cache, pad
 
@@ -339,10 +348,12 @@ class FastPiSampler:
                                   features=features)
 
     def _swapped(self, what: str):
-        """The levers' stand-ins ("vision": bf16 SigLIP, "expert": FP8 linears) while inside."""
+        """The levers' stand-ins ("vision": bf16 SigLIP, "expert": FP8 linears or fused
+        projections, "vlm": the VLM's fused projections) while inside."""
         if self.levers is None:
             return contextlib.nullcontext()
-        return self.levers.vision_swapped() if what == "vision" else self.levers.expert_swapped()
+        return {"vision": self.levers.vision_swapped, "expert": self.levers.expert_swapped,
+                "vlm": self.levers.vlm_swapped}[what]()
 
     def sync_weights(self, force: bool = False) -> None:
         """Before a call, outside any graph: the levers' copies of weights written since (in

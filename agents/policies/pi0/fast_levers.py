@@ -84,10 +84,28 @@ def resolve_expert_fp8(value: Any) -> str | None:
 
 
 def lever_settings(cfg) -> dict:
-    """A PI0 config's ``fast_vision_dtype`` / ``fast_expert_fp8`` as :class:`FastPiSampler`
-    arguments (raises on a bad value: the config's validation calls it)."""
-    return {"vision_dtype": resolve_vision_dtype(cfg.fast_vision_dtype),
-            "expert_fp8": resolve_expert_fp8(cfg.fast_expert_fp8)}
+    """A PI0 config's ``fast_vision_dtype`` / ``fast_expert_fp8`` / ``fast_fuse_proj`` /
+    ``fast_autotune`` as :class:`FastPiSampler` arguments (raises on a bad value: the config's
+    validation calls it)."""
+    from agents.policies.pi0.fast_fused import resolve_fuse
+
+    out = {"vision_dtype": resolve_vision_dtype(cfg.fast_vision_dtype),
+           "expert_fp8": resolve_expert_fp8(cfg.fast_expert_fp8), "fuse": resolve_fuse(cfg.fast_fuse_proj),
+           "autotune": resolve_flag(cfg.fast_autotune, "policy.fast_autotune")}
+    if out["fuse"] and out["expert_fp8"]:
+        raise ValueError("policy.fast_fuse_proj and policy.fast_expert_fp8 both replace the expert's linear "
+                         "layers; set one of them")
+    return out
+
+
+def resolve_flag(value: Any, name: str) -> bool:
+    """A true / false setting -> bool (raises naming ``name`` on anything else)."""
+    v = str(value).strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def check_levers(cfg, device: torch.device, who: str) -> None:
@@ -97,8 +115,9 @@ def check_levers(cfg, device: torch.device, who: str) -> None:
     if s["expert_fp8"] == "cuda":
         check_fp8(device)
     unused = cfg.fast_serving == "off" or (cfg.fast_serving == "auto" and device.type != "cuda")
-    if unused and (s["vision_dtype"] is not None or s["expert_fp8"] is not None):
-        log.warning("%s: fast_vision_dtype / fast_expert_fp8 act on the fast serving path only, which "
+    if unused and (s["vision_dtype"] is not None or s["expert_fp8"] is not None or s["fuse"] or s["autotune"]):
+        log.warning("%s: fast_vision_dtype / fast_expert_fp8 / fast_fuse_proj / fast_autotune act on the fast "
+                    "serving path only, which "
                     "fast_serving=%s does not use here (RTC acts still take it)", who, cfg.fast_serving)
 
 
@@ -367,11 +386,22 @@ class VisionCopy:
 
 class Levers:
     """What :class:`agents.policies.pi0.fast.FastPiSampler` holds of the levers: the bf16 vision
-    copy and / or the FP8 expert, synced before each call."""
+    copy, the FP8 expert or the fused projections (:mod:`agents.policies.pi0.fast_fused`: the
+    expert's, and with ``fuse="all"`` the VLM's), synced before each call."""
 
-    def __init__(self, model: nn.Module, vision_dtype: torch.dtype | None, expert_fp8: str | None):
+    def __init__(self, model: nn.Module, vision_dtype: torch.dtype | None, expert_fp8: str | None,
+                 fuse: str | None = None):
+        from agents.policies.pi0.fast_fused import FusedProjections, resolve_fuse
+
         pwe = model.paligemma_with_expert
-        self.vision = self.fp8 = None
+        self.vision = self.fp8 = self.fused_expert = self.fused_vlm = None
+        fuse = resolve_fuse(fuse)
+        if fuse and expert_fp8:
+            raise ValueError("the fused projections and the FP8 expert both replace the expert's linear layers")
+        if fuse:
+            self.fused_expert = FusedProjections(pwe.gemma_expert.model, "expert")
+        if fuse == "all":
+            self.fused_vlm = FusedProjections(pwe.paligemma.model.language_model, "VLM")
         if vision_dtype is not None:
             pm = pwe.paligemma.model
             self.vision = VisionCopy([pm.vision_tower, pm.multi_modal_projector], vision_dtype)
@@ -383,11 +413,16 @@ class Levers:
     def sync(self, force: bool = False) -> None:
         if self.vision is not None:
             self.vision.sync(force)
-        if self.fp8 is not None:
-            self.fp8.sync(force)
+        for part in (self.fp8, self.fused_expert, self.fused_vlm):
+            if part is not None:
+                part.sync(force)
 
     def vision_swapped(self):
         return self.vision.swapped() if self.vision is not None else contextlib.nullcontext()
 
     def expert_swapped(self):
-        return self.fp8.swapped() if self.fp8 is not None else contextlib.nullcontext()
+        part = self.fp8 or self.fused_expert
+        return part.swapped() if part is not None else contextlib.nullcontext()
+
+    def vlm_swapped(self):
+        return self.fused_vlm.swapped() if self.fused_vlm is not None else contextlib.nullcontext()

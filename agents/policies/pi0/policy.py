@@ -144,6 +144,10 @@ class Pi0PolicyConfig:
     fast_vision_dtype: str = "fp32"
     #: the fast path's expert step linears in FP8 e4m3: false | true (torch._scaled_mm, sm_89+) | emulate (fast_levers.py)
     fast_expert_fp8: Any = False
+    #: the fast path's q/k/v and gate/up GEMMs stacked, one each per layer: off | expert | all (fast_fused.py)
+    fast_fuse_proj: str = "off"
+    #: the fast path's compiles with inductor's GEMM autotuning (Triton templates, fused epilogues; longer compiles)
+    fast_autotune: Any = False
     gradient_checkpointing: bool = False
     #: seed of the random initial weights (both learner copies must agree)
     seed: int = 0
@@ -171,7 +175,7 @@ class Pi0PolicyConfig:
         if self.fast_serving not in ("auto", "graphs", "eager", "off"):
             raise ValueError(f"policy.fast_serving must be auto, graphs, eager or off, got {self.fast_serving!r}")
         resolve_compile(self.fast_compile, False)  # raises on anything but auto / true / false
-        lever_settings(self)  # fast_vision_dtype, fast_expert_fp8
+        lever_settings(self)  # fast_vision_dtype, fast_expert_fp8, fast_fuse_proj, fast_autotune
         if self.prompt_pad_multiple < 0:
             raise ValueError(f"policy.prompt_pad_multiple must be >= 0, got {self.prompt_pad_multiple}")
         if self.variant not in ("pi0", "pi05"):
