@@ -46,11 +46,24 @@ def lms(p):
 
 
 def test_settings():
+    from types import SimpleNamespace
+
+    from agents.policies.pi0.fast_levers import lever_settings
+
     assert resolve_fuse("off") is None and resolve_fuse(False) is None
     assert resolve_fuse("expert") == "expert" and resolve_fuse("ALL") == "all"
-    assert FUSE_CHOICES == ("off", "expert", "all")
+    assert resolve_fuse("auto") is None and resolve_fuse("auto", cuda=True) == "all"
+    assert FUSE_CHOICES == ("auto", "off", "expert", "all")
     cfg = Pi0PolicyConfig()
-    assert cfg.fast_fuse_proj == "off" and cfg.fast_autotune is False  # off by default
+    assert cfg.fast_fuse_proj == "auto" and cfg.fast_autotune is False  # fused on a GPU; autotune off
+    on_gpu = lever_settings(cfg, cuda=True)
+    assert on_gpu["fuse"] == "all" and on_gpu["vision_dtype"] is torch.bfloat16 and not on_gpu["autotune"]
+    off_gpu = lever_settings(cfg)
+    assert off_gpu["fuse"] is None and off_gpu["vision_dtype"] is None
+    # an explicit FP8 expert turns the automatic fusion off; an explicit fusion with FP8 is refused
+    fp8 = lever_settings(SimpleNamespace(fast_vision_dtype="auto", fast_expert_fp8=True, fast_fuse_proj="auto",
+                                         fast_autotune=False), cuda=True)
+    assert fp8["fuse"] is None and fp8["expert_fp8"] == "cuda"
     with pytest.raises(ValueError, match="fast_fuse_proj"):
         Pi0PolicyConfig(fast_fuse_proj="vlm").validate()
     with pytest.raises(ValueError, match="fast_autotune"):
@@ -61,7 +74,7 @@ def test_settings():
 
     for v in ("pi0", "pi05"):
         y = yaml.safe_load(open(f"config/policy/{v}.yaml"))
-        assert y["fast_fuse_proj"] == "off" and y["fast_autotune"] is False
+        assert y["fast_fuse_proj"] == "auto" and y["fast_autotune"] is False
 
 
 @pytest.mark.parametrize("variant", ["pi0", "pi05"])

@@ -138,11 +138,13 @@ def test_lever_settings_and_their_config():
     assert resolve_vision_dtype("bfloat16") is torch.bfloat16
     assert resolve_expert_fp8(False) is None and resolve_expert_fp8("false") is None
     assert resolve_expert_fp8(True) == "cuda" and resolve_expert_fp8("emulate") == "emulate"
+    assert resolve_vision_dtype("auto") is None and resolve_vision_dtype("auto", cuda=True) is torch.bfloat16
     cfg = Pi0PolicyConfig()
-    assert cfg.fast_vision_dtype == "fp32" and cfg.fast_expert_fp8 is False  # off by default
+    # bf16 SigLIP where the fast path runs on a GPU, fp32 elsewhere; FP8 off
+    assert cfg.fast_vision_dtype == "auto" and cfg.fast_expert_fp8 is False
     for name in ("pi0", "pi05"):  # the shipped configs say the same
         y = yaml.safe_load(open(f"config/policy/{name}.yaml"))
-        assert y["fast_vision_dtype"] == "fp32" and y["fast_expert_fp8"] is False
+        assert y["fast_vision_dtype"] == "auto" and y["fast_expert_fp8"] is False
     with pytest.raises(ValueError, match="fast_vision_dtype"):
         Pi0PolicyConfig(fast_vision_dtype="fp16").validate()
     with pytest.raises(ValueError, match="fast_expert_fp8"):

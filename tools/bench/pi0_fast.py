@@ -23,10 +23,13 @@ row without RTC) and ``rtc_overhead`` (rtc act p50 / act p50).
 ``--warmup-only``: the warm-up timings and a short act timing, nothing else (run it a second
 time with the same ``--cache-dir`` to time a restart on a warm inductor cache).
 
-``--levers``: the precision levers of the fast path (agents/policies/pi0/fast_levers.py) side by
-side, each under every mode, in the same run on the same inputs and noise: ``baseline`` (as
-served today), ``bf16_vision`` (``policy.fast_vision_dtype=bf16``), ``bf16_vision_fp8`` (plus
-``policy.fast_expert_fp8=true``), ``fp8`` (FP8 alone). A lever's results sit under
+``--levers``: the levers of the fast path (agents/policies/pi0/fast_levers.py, fast_fused.py) side
+by side, each under every mode, in the same run on the same inputs and noise: ``baseline`` (every
+lever off: SigLIP in float32 as lerobot holds it, the unfused layers), ``default`` (the policy's
+defaults: on a GPU bf16 SigLIP and every layer's projections fused), ``bf16_vision``
+(``policy.fast_vision_dtype=bf16``), ``bf16_vision_fp8`` (plus ``policy.fast_expert_fp8=true``),
+``fp8`` (FP8 alone), ``bf16_vision_fused_expert`` / ``bf16_vision_fused`` (``policy.fast_fuse_proj``
+expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``policy.fast_autotune``). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
@@ -69,7 +72,7 @@ def batch_of(obs: dict, b: int) -> dict:
 
 
 #: --levers: name -> the policy settings of the lever (policy.fast_*; unnamed ones at their defaults)
-LEVERS = {"baseline": {}, "bf16_vision": {"vision_dtype": "bf16"},
+LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto"}, "bf16_vision": {"vision_dtype": "bf16"},
           "bf16_vision_fp8": {"vision_dtype": "bf16", "expert_fp8": "true"}, "fp8": {"expert_fp8": "true"},
           "bf16_vision_fused_expert": {"vision_dtype": "bf16", "fuse_proj": "expert"},
           "bf16_vision_fused": {"vision_dtype": "bf16", "fuse_proj": "all"},
@@ -83,7 +86,8 @@ def lever_kwargs(lever: str, device) -> dict:
     from agents.policies.pi0.fast_levers import lever_settings
 
     s = {"vision_dtype": "fp32", "expert_fp8": False, "fuse_proj": "off", "autotune": False, **LEVERS[lever]}
-    kw = lever_settings(SimpleNamespace(**{f"fast_{k}": v for k, v in s.items()}))
+    kw = lever_settings(SimpleNamespace(**{f"fast_{k}": v for k, v in s.items()}),
+                        getattr(device, "type", device) == "cuda")
     if kw["expert_fp8"] == "cuda" and getattr(device, "type", device) != "cuda":
         kw["expert_fp8"] = "emulate"  # a CPU smoke run: the same quantization, float32 matmuls
     return kw

@@ -37,16 +37,20 @@ from agents.policies.pi0.fast_levers import effective_weight
 
 log = logging.getLogger("tandem.policies.pi0_fast")
 
-#: ``policy.fast_fuse_proj``: off | expert (the denoising steps) | all (the VLM's prefix pass too)
-FUSE_CHOICES = ("off", "expert", "all")
+#: ``policy.fast_fuse_proj``: auto (all on a GPU, off elsewhere) | off | expert (the denoising
+#: steps) | all (the VLM's prefix pass too)
+FUSE_CHOICES = ("auto", "off", "expert", "all")
 #: (block attribute of a decoder layer, the projections stacked into one GEMM)
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 _VERSION = attrgetter("_version")
 
 
-def resolve_fuse(value: Any) -> str | None:
-    """``policy.fast_fuse_proj`` -> None (off), "expert" or "all"."""
+def resolve_fuse(value: Any, cuda: bool = False) -> str | None:
+    """``policy.fast_fuse_proj`` -> None (off), "expert" or "all"; ``auto``: "all" where the fast
+    path runs on a GPU (``cuda``), off elsewhere."""
     v = str(value).strip().lower()
+    if v == "auto":
+        return "all" if cuda else None
     if v in ("off", "false", "none", "0", ""):
         return None
     if v in FUSE_CHOICES:

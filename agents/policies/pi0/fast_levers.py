@@ -61,14 +61,17 @@ _VERSION = attrgetter("_version")  # a tensor's in-place write counter
 
 
 # -- settings -------------------------------------------------------------------------------------
-def resolve_vision_dtype(value: Any) -> torch.dtype | None:
-    """``policy.fast_vision_dtype`` -> None (fp32: SigLIP as lerobot holds it) or torch.bfloat16."""
+def resolve_vision_dtype(value: Any, cuda: bool = False) -> torch.dtype | None:
+    """``policy.fast_vision_dtype`` -> None (fp32: SigLIP as lerobot holds it) or torch.bfloat16;
+    ``auto``: bf16 where the fast path runs on a GPU (``cuda``), fp32 elsewhere."""
     v = str(value).strip().lower()
+    if v == "auto":
+        return torch.bfloat16 if cuda else None
     if v in ("fp32", "float32"):
         return None
     if v in ("bf16", "bfloat16"):
         return torch.bfloat16
-    raise ValueError(f"policy.fast_vision_dtype must be fp32 or bf16, got {value!r}")
+    raise ValueError(f"policy.fast_vision_dtype must be auto, fp32 or bf16, got {value!r}")
 
 
 def resolve_expert_fp8(value: Any) -> str | None:
@@ -83,14 +86,18 @@ def resolve_expert_fp8(value: Any) -> str | None:
     raise ValueError(f"policy.fast_expert_fp8 must be false, true or emulate, got {value!r}")
 
 
-def lever_settings(cfg) -> dict:
+def lever_settings(cfg, cuda: bool = False) -> dict:
     """A PI0 config's ``fast_vision_dtype`` / ``fast_expert_fp8`` / ``fast_fuse_proj`` /
-    ``fast_autotune`` as :class:`FastPiSampler` arguments (raises on a bad value: the config's
-    validation calls it)."""
+    ``fast_autotune`` as :class:`FastPiSampler` arguments for a fast path on a GPU (``cuda``)
+    or not: ``auto`` settings resolve by it (raises on a bad value: the config's validation
+    calls it). An explicit FP8 expert turns ``fast_fuse_proj=auto`` off (both replace the
+    expert's linear layers); an explicit fusion with FP8 is an error."""
     from agents.policies.pi0.fast_fused import resolve_fuse
 
-    out = {"vision_dtype": resolve_vision_dtype(cfg.fast_vision_dtype),
-           "expert_fp8": resolve_expert_fp8(cfg.fast_expert_fp8), "fuse": resolve_fuse(cfg.fast_fuse_proj),
+    fp8 = resolve_expert_fp8(cfg.fast_expert_fp8)
+    auto_fuse = str(cfg.fast_fuse_proj).strip().lower() == "auto"
+    out = {"vision_dtype": resolve_vision_dtype(cfg.fast_vision_dtype, cuda), "expert_fp8": fp8,
+           "fuse": None if auto_fuse and fp8 else resolve_fuse(cfg.fast_fuse_proj, cuda),
            "autotune": resolve_flag(cfg.fast_autotune, "policy.fast_autotune")}
     if out["fuse"] and out["expert_fp8"]:
         raise ValueError("policy.fast_fuse_proj and policy.fast_expert_fp8 both replace the expert's linear "
@@ -111,7 +118,7 @@ def resolve_flag(value: Any, name: str) -> bool:
 def check_levers(cfg, device: torch.device, who: str) -> None:
     """At policy build: FP8 that cannot run fails now (:func:`check_fp8`); a lever that the
     serving path will not use (``fast_serving`` off, or auto on a CPU) is said once."""
-    s = lever_settings(cfg)
+    s = lever_settings(cfg)  # as on a CPU: ``auto`` settings are off, only explicit ones are said
     if s["expert_fp8"] == "cuda":
         check_fp8(device)
     unused = cfg.fast_serving == "off" or (cfg.fast_serving == "auto" and device.type != "cuda")
