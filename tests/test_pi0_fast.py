@@ -142,6 +142,9 @@ def test_default_config_compiles_and_warms_up_on_gpu(ckpts):
     assert sorted(p.warm_up([1, 2])) == [1, 2]
     fast = p._fast
     assert fast.compile == "dynamic" and fast.captures == 2 and fast.compiles > 0
+    # the defaults on a GPU: bf16 SigLIP and every layer's projections fused (fast_fused.py)
+    assert fast.levers.vision.dtype is torch.bfloat16 and fast.levers.fp8 is None
+    assert fast.levers.fused_expert is not None and fast.levers.fused_vlm is not None and not fast.autotune
     compiled = _compiled_graphs()
     assert sorted(p.warm_up([3, 4, 128], max_batch=64)) == [4]  # 128: above max_batch, skipped
     assert fast.captures == 3 and _compiled_graphs() == compiled  # a capture only
