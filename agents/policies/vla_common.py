@@ -203,6 +203,32 @@ class LoRAServing:
         self.folded = False
 
 
+def effective_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """(weight [N, K] float32, bias or None, the parameters it was computed from) of a plain
+    Linear or a peft LoRA Linear (base + scale * B @ A over the active adapters, as
+    :class:`LoRAServing` folds it; base only where adapters are
+    disabled or merged into the base already)."""
+    if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+        base = module.base_layer
+        if any(getattr(module, "use_dora", {}).get(a, False) for a in module.active_adapters):
+            raise TypeError("DoRA adapters are not folded into a weight here")
+        w, srcs = base.weight.float(), [base.weight]
+        if not (getattr(module, "disable_adapters", False) or getattr(module, "merged", False)):
+            for a in module.active_adapters:
+                if a in module.lora_A:
+                    wa, wb = module.lora_A[a].weight, module.lora_B[a].weight
+                    w = w + (wb.float() @ wa.float()) * module.scaling[a]
+                    srcs += [wa, wb]
+        bias = base.bias
+    elif isinstance(module, nn.Linear):
+        w, srcs, bias = module.weight.float(), [module.weight], module.bias
+    else:
+        raise TypeError(f"expected a Linear or a peft LoRA Linear, got {type(module).__name__}")
+    if bias is not None:
+        srcs.append(bias)
+    return w, bias, srcs
+
+
 def set_trainable(model: nn.Module, head_prefixes: Iterable[str]) -> None:
     """Freeze everything except LoRA adapters and the modules named by ``head_prefixes``."""
     heads = tuple(h.rstrip(".") + "." for h in head_prefixes)

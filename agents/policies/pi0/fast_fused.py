@@ -12,7 +12,7 @@ With the lever each layer's ``self_attn`` and ``mlp`` are replaced, around the f
 calls only (the expert's denoising steps; with ``all`` also the VLM's prefix pass), by
 :class:`FusedAttention` / :class:`FusedMLP`: transformers' ``GemmaAttention.forward`` and
 ``GemmaMLP.forward`` arithmetic over a stacked copy of the effective weights (the folded weight,
-or base + LoRA where adapters are live: :func:`agents.policies.pi0.fast_levers.effective_weight`),
+or base + LoRA where adapters are live: :func:`agents.policies.vla_common.effective_weight`),
 with the layer's own ``o_proj`` / ``down_proj`` and attention function. The copies cost memory
 (the expert: ~0.4 GB in bf16; the VLM: ~2.6 GB).
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from agents.policies.pi0.fast_levers import effective_weight
+from agents.policies.vla_common import effective_weight
 
 log = logging.getLogger("tandem.policies.pi0_fast")
 

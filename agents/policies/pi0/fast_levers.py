@@ -46,6 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from agents.policies.pi0.fast_fused import FusedProjections, resolve_fuse
+from agents.policies.vla_common import effective_weight
+
 log = logging.getLogger("tandem.policies.pi0_fast")
 
 E4M3 = torch.float8_e4m3fn
@@ -92,8 +95,6 @@ def lever_settings(cfg, cuda: bool = False) -> dict:
     or not: ``auto`` settings resolve by it (raises on a bad value: the config's validation
     calls it). An explicit FP8 expert turns ``fast_fuse_proj=auto`` off (both replace the
     expert's linear layers); an explicit fusion with FP8 is an error."""
-    from agents.policies.pi0.fast_fused import resolve_fuse
-
     fp8 = resolve_expert_fp8(cfg.fast_expert_fp8)
     auto_fuse = str(cfg.fast_fuse_proj).strip().lower() == "auto"
     out = {"vision_dtype": resolve_vision_dtype(cfg.fast_vision_dtype, cuda), "expert_fp8": fp8,
@@ -171,32 +172,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 ``q * scale`` (scale broadcast over the rows of q)."""
     return q.float() * scale
-
-
-def effective_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """(weight [N, K] float32, bias or None, the parameters it was computed from) of a plain
-    Linear or a peft LoRA Linear (base + scale * B @ A over the active adapters, as
-    :class:`agents.policies.vla_common.LoRAServing` folds it; base only where adapters are
-    disabled or merged into the base already)."""
-    if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
-        base = module.base_layer
-        if any(getattr(module, "use_dora", {}).get(a, False) for a in module.active_adapters):
-            raise TypeError("FP8 expert: DoRA adapters are not folded into a weight here")
-        w, srcs = base.weight.float(), [base.weight]
-        if not (getattr(module, "disable_adapters", False) or getattr(module, "merged", False)):
-            for a in module.active_adapters:
-                if a in module.lora_A:
-                    wa, wb = module.lora_A[a].weight, module.lora_B[a].weight
-                    w = w + (wb.float() @ wa.float()) * module.scaling[a]
-                    srcs += [wa, wb]
-        bias = base.bias
-    elif isinstance(module, nn.Linear):
-        w, srcs, bias = module.weight.float(), [module.weight], module.bias
-    else:
-        raise TypeError(f"FP8 expert: expected a Linear or a peft LoRA Linear, got {type(module).__name__}")
-    if bias is not None:
-        srcs.append(bias)
-    return w, bias, srcs
 
 
 class Fp8Linear(nn.Module):
@@ -398,8 +373,6 @@ class Levers:
 
     def __init__(self, model: nn.Module, vision_dtype: torch.dtype | None, expert_fp8: str | None,
                  fuse: str | None = None):
-        from agents.policies.pi0.fast_fused import FusedProjections, resolve_fuse
-
         pwe = model.paligemma_with_expert
         self.vision = self.fp8 = self.fused_expert = self.fused_vlm = None
         fuse = resolve_fuse(fuse)

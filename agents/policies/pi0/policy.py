@@ -140,13 +140,11 @@ class Pi0PolicyConfig:
     fast_compile: Any = "auto"
     #: batch sizes whose graphs ``warm_up`` compiles and captures before serving (others: lazily)
     fast_warmup_buckets: tuple[int, ...] = (1, 2, 4, 8)
-    #: the fast path's SigLIP + projector: "auto" (bf16 on a GPU, fp32 elsewhere) | "fp32" (as lerobot
-    #: holds them; TF32 GEMMs on a GPU) | "bf16" (a copy)
+    #: the fast path's SigLIP + projector: auto (bf16 on a GPU, else fp32) | fp32 (lerobot's) | bf16 (a copy)
     fast_vision_dtype: str = "auto"
     #: the fast path's expert step linears in FP8 e4m3: false | true (torch._scaled_mm, sm_89+) | emulate (fast_levers.py)
     fast_expert_fp8: Any = False
-    #: the fast path's q/k/v and gate/up GEMMs stacked, one each per layer: auto (all on a GPU, off
-    #: elsewhere) | off | expert | all (fast_fused.py)
+    #: the fast path's q/k/v and gate/up GEMMs stacked: auto (all on a GPU, else off) | off | expert | all
     fast_fuse_proj: str = "auto"
     #: the fast path's compiles with inductor's GEMM autotuning (Triton templates, fused epilogues; longer compiles)
     fast_autotune: Any = False
@@ -404,9 +402,8 @@ class Pi0Policy(nn.Module):
             return None
         if getattr(self, "_fast", None) is None:
             g = cuda and mode in ("auto", "graphs")
-            self._fast = self._fast_class(self.inner.model, self.variant, graphs=g,
-                                          compile=resolve_compile(self.cfg.fast_compile, g),
-                                          **lever_settings(self.cfg, cuda))
+            self._fast = self._fast_class(self.inner.model, self.variant, graphs=g, compile=resolve_compile(
+                self.cfg.fast_compile, g), **lever_settings(self.cfg, cuda))
         return self._fast
 
     def warm_up(self, batch_sizes=None, *, max_batch: int | None = None) -> dict[int, float]:
