@@ -18,7 +18,7 @@ import torch
 from agents.policies.pi0.fast_fused import FUSE_CHOICES, FusedAttention, FusedMLP, resolve_fuse
 from agents.policies.pi0.policy import Pi0PolicyConfig
 from test_pi0_fast import CHUNK, both, make, obs
-from test_pi0_levers import noise_for, perturb
+from test_pi0_levers import assert_training_unchanged, noise_for, perturb
 
 CPU_TOL = dict(atol=2e-5, rtol=1e-4)  # test_pi0_fast's CPU tolerance (float32 round-off)
 GPU_TOL = dict(atol=5e-2, rtol=2e-2)  # its bf16 tolerance on a GPU
@@ -106,14 +106,7 @@ def test_fused_actions_equal_the_plain_fast_path(ckpts, variant, fuse):
     for lm in (expert, vlm):
         assert type(lm.layers[0].self_attn).__name__ == "GemmaAttention"
         assert type(lm.layers[0].mlp).__name__ == "GemmaMLP"
-    from test_pi0_fast import SPEC
-
-    batch = dict(obs(), action=torch.rand(3, CHUNK, SPEC.action_dim) * 2 - 1)
-    p.train(), plain.train()
-    torch.manual_seed(7)
-    loss = p.bc_loss(batch)
-    torch.manual_seed(7)
-    assert torch.equal(loss, plain.bc_loss(batch))
+    assert_training_unchanged(p, plain)
 
 
 @pytest.mark.parametrize("fold", [True, False])

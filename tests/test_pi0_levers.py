@@ -211,7 +211,11 @@ def test_levers_stay_close_to_lerobot_and_leave_its_modules_alone(ckpts, variant
     assert len(after) == len(vision_before) and all(a is b for a, b in zip(after, vision_before))
     assert all(v.dtype == torch.float32 for v in after)
     assert type(expert.layers[0].mlp.down_proj).__name__ == "Linear"
-    # the training path does not see the levers: the same loss as without them
+    assert_training_unchanged(p, plain)
+
+
+def assert_training_unchanged(p, plain):
+    """The training path does not see the levers: the same BC loss as ``plain`` (no levers)."""
     batch = dict(obs(), action=torch.rand(3, CHUNK, SPEC.action_dim) * 2 - 1)
     p.train(), plain.train()
     torch.manual_seed(7)

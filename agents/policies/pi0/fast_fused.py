@@ -24,15 +24,14 @@ live peft wrapper) with what was last copied, and re-stacks what changed into th
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from operator import attrgetter
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from agents.policies.pi0.stand_ins import Site, StandIns
 from agents.policies.vla_common import effective_weight
 
 log = logging.getLogger("tandem.policies.pi0_fast")
@@ -42,7 +41,6 @@ log = logging.getLogger("tandem.policies.pi0_fast")
 FUSE_CHOICES = ("auto", "off", "expert", "all")
 #: (block attribute of a decoder layer, the projections stacked into one GEMM)
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
-_VERSION = attrgetter("_version")
 
 
 def resolve_fuse(value: Any, cuda: bool = False) -> str | None:
@@ -121,97 +119,64 @@ class FusedMLP(nn.Module):
         return self.src.down_proj(self.src.act_fn(gate) * up)
 
 
-class _Site:
+class _Site(Site):
     """One group of one layer: the block it stands in for, its stand-in, what it was stacked from."""
 
     def __init__(self, layer: nn.Module, block: str, names: tuple[str, ...]):
         self.layer, self.block, self.names = layer, block, names
         self.src = layer._modules[block]  # noqa: SLF001
-        ws = [effective_weight(self.src._modules[n]) for n in names]  # noqa: SLF001
-        base = [(m.base_layer if hasattr(m, "base_layer") else m) for m in self._parts()]
+        ws = [effective_weight(m) for m in self.live()]
         k = {w.shape[1] for w, _, _ in ws}
         if len(k) != 1:
             raise ValueError(f"fused projections: {block} {names} read inputs of different widths {sorted(k)}")
         has_bias = [b is not None for _, b, _ in ws]
         if any(has_bias) and not all(has_bias):
             raise ValueError(f"fused projections: {block} {names} mix layers with and without bias")
-        w0 = base[0].weight
+        m0 = self.live()[0]
+        w0 = (m0.base_layer if hasattr(m0, "base_layer") else m0).weight
         self.stacked = _Stacked([w.shape[0] for w, _, _ in ws], k.pop(), all(has_bias), w0.device, w0.dtype)
         self.stand_in = (FusedAttention if block == "self_attn" else FusedMLP)(self.src, self.stacked)
-        self.bound: list[nn.Module] = []
-        self.srcs: list[torch.Tensor] = []
-        self.versions: list[int] = []
         self.refresh()
 
-    def _parts(self) -> list[nn.Module]:
+    def live(self) -> list[nn.Module]:
         return [self.src._modules[n] for n in self.names]  # noqa: SLF001
 
     @torch.no_grad()
     def refresh(self) -> None:
-        parts = self._parts()
+        parts = self.live()
         ws = [effective_weight(m) for m in parts]
         self.stacked.weight.copy_(torch.cat([w for w, _, _ in ws]).to(self.stacked.weight.dtype))
         if self.stacked.bias is not None:
             self.stacked.bias.copy_(torch.cat([b for _, b, _ in ws]).to(self.stacked.bias.dtype))
         self.bound, self.srcs = parts, [p for _, _, s in ws for p in s]
-        self.versions = list(map(_VERSION, self.srcs))
+        self.versions = [p._version for p in self.srcs]  # noqa: SLF001
 
-    def stale(self) -> bool:
-        return self._parts() != self.bound or list(map(_VERSION, self.srcs)) != self.versions
+    def installed(self) -> bool:
+        return self.layer._modules[self.block] is self.stand_in  # noqa: SLF001
+
+    def install(self) -> None:
+        if self.layer._modules[self.block] is not self.src:  # noqa: SLF001
+            raise RuntimeError(f"fused projections: a layer's {self.block} was replaced since they were built")
+        self.layer._modules[self.block] = self.stand_in  # noqa: SLF001
+
+    def restore(self) -> None:
+        self.layer._modules[self.block] = self.src  # noqa: SLF001
 
 
-class FusedProjections:
+class FusedProjections(StandIns):
     """The stand-ins of every decoder layer of ``lm`` (a Gemma language model): :meth:`sync`
     before a call, :meth:`swapped` around the fast path's computation over ``lm``."""
 
     def __init__(self, lm: nn.Module, name: str):
-        self.name = name
         with torch.inference_mode(False), torch.no_grad():
-            self.sites = [_Site(layer, block, names) for layer in lm.layers[: lm.config.num_hidden_layers]
-                          for block, names in GROUPS]
-        self.restacked = 0  # groups re-stacked by sync (tests and logs read it)
-        self._flatten()
+            sites = [_Site(layer, block, names) for layer in lm.layers[: lm.config.num_hidden_layers]
+                     for block, names in GROUPS]
+        super().__init__(sites, f"fused projections ({name})")
         mb = sum(s.stacked.weight.numel() * s.stacked.weight.element_size() for s in self.sites) / 1e6
         log.info("PI fast path: fused projections in the %s: %d groups (%.0f MB of stacked weights)",
                  name, len(self.sites), mb)
 
-    def _flatten(self) -> None:
-        self._bound = [m for s in self.sites for m in s.bound]
-        self._srcs = [p for s in self.sites for p in s.srcs]
-        self._versions = list(map(_VERSION, self._srcs))
-
-    def sync(self, force: bool = False) -> int:
-        """Re-stack, in place, each group whose modules or source parameters changed; how many."""
-        if not force and [m for s in self.sites for m in s._parts()] == self._bound \
-                and list(map(_VERSION, self._srcs)) == self._versions:
-            return 0  # the per-call case
-        n = 0
-        with torch.inference_mode(False), torch.no_grad():
-            for s in self.sites:
-                if s.layer._modules[s.block] is s.stand_in:  # noqa: SLF001
-                    raise RuntimeError("fused projections: sync inside swapped()")
-                if force or s.stale():
-                    s.refresh()
-                    n += 1
-        self._flatten()
-        self.restacked += n
-        return n
-
-    @contextlib.contextmanager
-    def swapped(self):
-        """The stand-ins in the layers; the original blocks back after."""
-        done = []
-        try:
-            for s in self.sites:
-                mods = s.layer._modules  # noqa: SLF001
-                if mods[s.block] is not s.src:
-                    raise RuntimeError(f"fused projections: {s.block} of a {self.name} layer changed since built")
-                if s.stale():
-                    raise RuntimeError(f"fused projections: {s.block} of a {self.name} layer changed since "
-                                       f"the last sync (call sync() first)")
-                mods[s.block] = s.stand_in
-                done.append(s)
-            yield
-        finally:
-            for s in done:
-                s.layer._modules[s.block] = s.src  # noqa: SLF001
+    @property
+    def restacked(self) -> int:
+        """Groups re-stacked by sync (tests and logs read it)."""
+        return self.refreshed

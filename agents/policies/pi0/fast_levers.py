@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from agents.policies.pi0.fast_fused import FusedProjections, resolve_fuse
+from agents.policies.pi0.stand_ins import Site, StandIns
 from agents.policies.vla_common import effective_weight
 
 log = logging.getLogger("tandem.policies.pi0_fast")
@@ -216,30 +217,40 @@ class Fp8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
-class _Site:
+class _Site(Site):
     """One expert linear layer: where it sits, its FP8 stand-in, and what it was quantized from."""
 
     def __init__(self, parent: nn.Module, attr: str, fp8: Fp8Linear):
         self.parent, self.attr, self.fp8 = parent, attr, fp8
-        self.bound: nn.Module | None = None
-        self.srcs: list[torch.Tensor] = []
-        self.versions: list[int] = []
+        self.refresh()
+
+    def live(self) -> list[nn.Module]:
+        return [self.parent._modules[self.attr]]  # noqa: SLF001
 
     def refresh(self) -> None:
         cur = self.parent._modules[self.attr]  # noqa: SLF001
         w, bias, self.srcs = effective_weight(cur)
         self.fp8.load(w, bias)
-        self.bound, self.versions = cur, [p._version for p in self.srcs]  # noqa: SLF001
+        self.bound, self.versions = [cur], [p._version for p in self.srcs]  # noqa: SLF001
+
+    def installed(self) -> bool:
+        return self.live()[0] is self.fp8
+
+    def install(self) -> None:
+        self.parent._modules[self.attr] = self.fp8  # noqa: SLF001
+
+    def restore(self) -> None:
+        self.parent._modules[self.attr] = self.bound[0]  # noqa: SLF001
 
 
-class Fp8Expert:
+class Fp8Expert(StandIns):
     """The FP8 stand-ins of the expert's step linears (module docstring): :meth:`sync` before a
     call, :meth:`swapped` around the velocity computation (eager, warm-up and capture)."""
 
     def __init__(self, expert: nn.Module, mode: str):
         if mode not in ("cuda", "emulate"):
             raise ValueError(f"Fp8Expert: mode must be cuda or emulate, got {mode!r}")
-        self.mode, self.sites, self.skipped = mode, [], []
+        self.mode, sites, self.skipped = mode, [], []
         with torch.inference_mode(False), torch.no_grad():
             for i, layer in enumerate(expert.layers[: expert.config.num_hidden_layers]):
                 for block, names in EXPERT_LINEARS:
@@ -255,55 +266,16 @@ class Fp8Expert:
                         if mode == "cuda" and dtype != torch.bfloat16:
                             raise RuntimeError(f"policy.fast_expert_fp8=true needs the bf16 model (policy.dtype "
                                                f"bfloat16 or auto on a GPU); the expert's weights are {dtype}")
-                        site = _Site(parent, attr, Fp8Linear(n, k, w.device, dtype, mode == "emulate",
-                                                             bias is not None))
-                        site.refresh()
-                        self.sites.append(site)
-        self.requantized = 0  # layers re-quantized by sync (tests and logs read it)
-        self._flatten()
+                        sites.append(_Site(parent, attr, Fp8Linear(n, k, w.device, dtype, mode == "emulate",
+                                                                   bias is not None)))
+        super().__init__(sites, "FP8 expert")
         log.info("PI fast path: FP8 (e4m3, %s) expert: %d linear layers%s", mode, len(self.sites),
                  f", kept in {len(self.skipped)} (dims not multiples of 16): {self.skipped[:4]}" if self.skipped else "")
 
-    def _flatten(self) -> None:
-        """One list of every site's bound module and of every source's version (the per-call check)."""
-        self._slots = [(s.parent._modules, s.attr) for s in self.sites]  # noqa: SLF001
-        self._bound = [s.bound for s in self.sites]
-        self._srcs = [p for s in self.sites for p in s.srcs]
-        self._versions = list(map(_VERSION, self._srcs))
-
-    def sync(self, force: bool = False) -> int:
-        """Re-quantize, in place, each layer whose module or source parameters changed; how many."""
-        if not force and [d[a] for d, a in self._slots] == self._bound \
-                and list(map(_VERSION, self._srcs)) == self._versions:
-            return 0  # the per-call case: ~0.1 us per source on the host
-        n = 0
-        with torch.inference_mode(False), torch.no_grad():
-            for s in self.sites:
-                cur = s.parent._modules[s.attr]  # noqa: SLF001
-                if isinstance(cur, Fp8Linear):
-                    raise RuntimeError("FP8 expert: sync inside swapped()")
-                if force or cur is not s.bound or list(map(_VERSION, s.srcs)) != s.versions:
-                    s.refresh()
-                    n += 1
-        self._flatten()
-        self.requantized += n
-        return n
-
-    @contextlib.contextmanager
-    def swapped(self):
-        """The FP8 stand-ins in the expert's modules; the originals back after."""
-        done = []
-        try:
-            for s in self.sites:
-                mods = s.parent._modules  # noqa: SLF001
-                if mods[s.attr] is not s.bound:
-                    raise RuntimeError(f"FP8 expert: {s.attr} changed since the last sync (call sync() first)")
-                mods[s.attr] = s.fp8
-                done.append(s)
-            yield
-        finally:
-            for s in done:
-                s.parent._modules[s.attr] = s.bound  # noqa: SLF001
+    @property
+    def requantized(self) -> int:
+        """Layers re-quantized by sync (tests and logs read it)."""
+        return self.refreshed
 
 
 class VisionCopy:
