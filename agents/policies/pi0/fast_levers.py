@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from operator import attrgetter
 from typing import Any
 
 import torch
 from torch import nn
 
 from agents.policies.pi0.fast_fused import FusedProjections, resolve_fuse
-from agents.policies.pi0.stand_ins import Site, StandIns
+from agents.policies.pi0.stand_ins import _VERSION, Site, StandIns
 from agents.policies.vla_common import effective_weight
 
 log = logging.getLogger("tandem.policies.pi0_fast")
@@ -61,7 +60,6 @@ AMAX_EPS = 1e-12
 EXPERT_LINEARS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
                   ("mlp", ("gate_proj", "up_proj", "down_proj")))
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "none", "null", "")
-_VERSION = attrgetter("_version")  # a tensor's in-place write counter
 
 
 # -- settings -------------------------------------------------------------------------------------
