@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from agents.policies.pi0.fast_fused import FusedProjections, resolve_fuse
-from agents.policies.pi0.stand_ins import _VERSION, Site, StandIns
+from agents.policies.pi0.stand_ins import VERSION, Site, StandIns
 from agents.policies.vla_common import effective_weight
 
 log = logging.getLogger("tandem.policies.pi0_fast")
@@ -305,7 +305,7 @@ class VisionCopy:
 
     def sync(self, force: bool = False) -> int:
         """Re-copy, in place, each parameter written since its last copy; how many."""
-        if not force and list(map(_VERSION, self._srcs)) == self._versions:
+        if not force and list(map(VERSION, self._srcs)) == self._versions:
             return 0  # the per-call case
         n = 0
         with torch.inference_mode(False), torch.no_grad():
@@ -314,7 +314,7 @@ class VisionCopy:
                     c.copy_(src)
                     ver[0] = src._version  # noqa: SLF001
                     n += 1
-        self._versions = list(map(_VERSION, self._srcs))
+        self._versions = list(map(VERSION, self._srcs))
         self.refreshed += n
         return n
 

@@ -16,7 +16,8 @@ from operator import attrgetter
 
 import torch
 
-_VERSION = attrgetter("_version")  # a tensor's in-place write counter
+#: a tensor's in-place write counter (bumped by every write through it)
+VERSION = attrgetter("_version")
 
 
 class Site:
@@ -42,7 +43,7 @@ class Site:
         raise NotImplementedError
 
     def stale(self) -> bool:
-        return self.live() != self.bound or list(map(_VERSION, self.srcs)) != self.versions
+        return self.live() != self.bound or list(map(VERSION, self.srcs)) != self.versions
 
 
 class StandIns:
@@ -57,12 +58,12 @@ class StandIns:
     def _flatten(self) -> None:
         self._bound = [m for s in self.sites for m in s.bound]
         self._srcs = [p for s in self.sites for p in s.srcs]
-        self._versions = list(map(_VERSION, self._srcs))
+        self._versions = list(map(VERSION, self._srcs))
 
     def sync(self, force: bool = False) -> int:
         """Recompute, in place, each site whose modules or source parameters changed; how many."""
         if not force and [m for s in self.sites for m in s.live()] == self._bound \
-                and list(map(_VERSION, self._srcs)) == self._versions:
+                and list(map(VERSION, self._srcs)) == self._versions:
             return 0  # the per-call case
         n = 0
         with torch.inference_mode(False), torch.no_grad():
