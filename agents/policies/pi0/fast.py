@@ -68,6 +68,8 @@ from torch import nn
 
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
+from agents.policies.pi0.fast_attention import (ATTN_NAME, MQA_MAX_ROWS, StepKV, _additive, _PrefixKV,  # noqa: F401
+                                                 _register_attention, mqa_attention)
 from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.rtc import freeze, guide
 
@@ -78,83 +80,12 @@ log = logging.getLogger("tandem.policies.pi0_fast")
 
 #: served batch sizes a graph is captured for (a request pads up to the next one)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-class _PrefixKV:
-    """What GemmaAttention asks of a cache (``update(k, v, layer_idx)``). Recording: keep each
-    layer's prefix keys/values and attend over them. Extending: attend over prefix ⊕ new, keep
-    nothing (every denoising step starts from the same prefix)."""
-
-    def __init__(self, layers: int):
-        self.k: list[torch.Tensor | None] = [None] * layers
-        self.v: list[torch.Tensor | None] = [None] * layers
-        self.recording = True
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.recording:
-            self.k[layer_idx], self.v[layer_idx] = key, value
-            return key, value
-        return (torch.cat([self.k[layer_idx], key], dim=2), torch.cat([self.v[layer_idx], value], dim=2))
-
-
-def _additive(mask2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, Q, K] bool -> [B, 1, Q, K] additive mask in ``dtype`` (lerobot's masked value, finite,
-    so a fully masked row attends uniformly instead of producing NaN)."""
-    neg = torch.finfo(dtype).min if dtype != torch.float32 else -2.3819763e38
-    zero = torch.zeros((), dtype=dtype, device=mask2d.device)
-    return torch.where(mask2d[:, None], zero, torch.full((), neg, dtype=dtype, device=mask2d.device))
-
-
 def _ada_norm(norm: nn.Module, x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """lerobot's ``PiGemmaRMSNorm.forward(x, cond)`` with ``mod = norm.dense(cond)`` given
     ([1 or B, 3 * width]): (normed, gate)."""
     scale, shift, gate = mod.unsqueeze(1).chunk(3, dim=-1)
     normed = norm._norm(x) * (1 + scale.float()) + shift.float()  # noqa: SLF001
     return normed.to(x.dtype), gate.to(x.dtype)
-
-
-#: queries per key/value head (heads sharing it x query tokens) up to which ``mqa_attention``
-#: computes attention itself; beyond, SDPA (the prefix: ~800 queries, the kernel is efficient)
-MQA_MAX_ROWS = 1024
-ATTN_NAME = "tandem_mqa"
-
-
-def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                  **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface (eager attention's arithmetic: scores in the model's
-    dtype, softmax in float32) without ``repeat_kv``: the G query heads of each key/value head
-    are stacked into one [G*Q, D] operand, so QK^T and PV are one GEMM per key/value head.
-    query [B, H, Q, D], key/value [B, Hkv, K, D], additive mask [B, 1, Q, K] -> [B, Q, H, D]."""
-    b, h, q, d = query.shape
-    hkv, k = key.shape[1], key.shape[2]
-    g = h // hkv
-    if g * q > MQA_MAX_ROWS or dropout:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    scale = scaling if scaling is not None else d ** -0.5
-    pad = -k % 8  # keys padded to a multiple of 8: aligned GEMMs (851 keys ran an align1 kernel)
-    if pad:
-        key, value = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (key, value))
-        neg = torch.finfo(query.dtype).min
-        if attention_mask is None:
-            attention_mask = torch.zeros(b, 1, q, k, dtype=query.dtype, device=query.device)
-        attention_mask = nn.functional.pad(attention_mask[..., :k], (0, pad), value=neg)
-        k += pad
-    scores = torch.matmul(query.reshape(b, hkv, g * q, d), key.transpose(2, 3)) * scale
-    scores = scores.view(b, hkv, g, q, k)
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, None, :, :k]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs.view(b, hkv, g * q, k), value)
-    return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    if ATTN_NAME not in AttentionInterface._global_mapping:  # noqa: SLF001
-        AttentionInterface.register(ATTN_NAME, mqa_attention)
 
 
 class FastPiSampler:
@@ -165,7 +96,8 @@ class FastPiSampler:
     def __init__(self, model: nn.Module, variant: str, *, graphs: bool = True,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, compile: bool | str | None = False,
                  cache_dir: str | None = CACHE_DIR, vision_dtype: torch.dtype | None = None,
-                 expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False):
+                 expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False,
+                 step_kv: bool = False):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention()
@@ -177,6 +109,7 @@ class FastPiSampler:
         self.expert = pwe.gemma_expert.model
         self.chunk = int(model.config.chunk_size)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, tuple[torch.Tensor, ...]]] = {}
+        self.step_kv = bool(step_kv)  # the steps' keys/values in per-call buffers (fast_attention.StepKV)
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and the bench read it)
         self.compiles = 0  # graphs dynamo compiled during those captures
@@ -207,15 +140,17 @@ class FastPiSampler:
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
     def _layers(self, lm: nn.Module, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor,
-                cache: _PrefixKV, mods: list[torch.Tensor] | None = None) -> torch.Tensor:
+                cache: _PrefixKV | StepKV, mods: list[torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """``lm``'s decoder layers over ``hidden``. ``mods`` (PI0.5's expert): each AdaRMS
         norm's modulation, [1, 3 * width], in :meth:`modulations`' order; the layers then run
-        lerobot's decoder-layer arithmetic with those given, and the final norm is applied."""
+        lerobot's decoder-layer arithmetic with those given, and the final norm is applied.
+        ``mask``: the additive mask, when built already (else from ``mask2d``)."""
         from lerobot.policies.pi_gemma import _gated_residual
 
         dtype = lm.layers[0].self_attn.q_proj.weight.dtype
         hidden = hidden.to(dtype) if dtype == torch.bfloat16 else hidden
-        mask = _additive(mask2d, hidden.dtype)
+        mask = _additive(mask2d, hidden.dtype) if mask is None else mask
         pe = lm.rotary_emb(hidden, pos)
         for i, layer in enumerate(lm.layers[: lm.config.num_hidden_layers]):
             if mods is None:
@@ -283,15 +218,21 @@ class FastPiSampler:
         m = self.model
         action_emb = m.action_in_proj(x_t)
         if self.variant == "pi05":
-            return action_emb, (torch.arange(self.chunk, device=x_t.device) < 1).float()  # no host copy (capture)
+            return action_emb, self._ar(x_t.device)
         time_emb = self._time_emb(t)
         if m.state_proj.weight.dtype == torch.float32:
             state = state.to(torch.float32)
         state_emb = m.state_proj(state)[:, None, :]
         te = time_emb[:, None, :].expand_as(action_emb)
         at = m.action_time_mlp_out(nn.functional.silu(m.action_time_mlp_in(torch.cat([action_emb, te], dim=2))))
-        ar = (torch.arange(self.chunk + 1, device=x_t.device) < 2).float()
-        return torch.cat([state_emb, at], dim=1), ar
+        return torch.cat([state_emb, at], dim=1), self._ar(x_t.device)
+
+    def _ar(self, device) -> torch.Tensor:
+        """The suffix's ar-mask on the device (no host copy: capture): PI0's state token and
+        first action token open blocks, PI0.5's first action token."""
+        if self.variant == "pi05":
+            return (torch.arange(self.chunk, device=device) < 1).float()
+        return (torch.arange(self.chunk + 1, device=device) < 2).float()
 
     def modulations(self, times: torch.Tensor) -> list[torch.Tensor]:
         """PI0.5: every AdaRMS norm's ``dense(cond)`` for every flow time at once, [S, 3 * width]
@@ -313,11 +254,14 @@ class FastPiSampler:
 
         embs, ar = self._suffix(state, x_t, t)
         b, s = embs.shape[:2]
-        ones = torch.ones(b, s, dtype=torch.bool, device=embs.device)
-        mask2d = torch.cat([pad[:, None, :].expand(b, s, pad.shape[1]),
-                            make_att_2d_masks(ones, ar[None].expand(b, s))], dim=2)
         pos = pad.sum(dim=-1, keepdim=True) + torch.arange(s, device=embs.device)[None]
-        h = self._layers(self.expert, embs, mask2d, pos, cache, mods)
+        if isinstance(cache, StepKV):  # the mask of every step, built once a call
+            h = self._layers(self.expert, embs, None, pos, cache, mods, mask=cache.mask)
+        else:
+            ones = torch.ones(b, s, dtype=torch.bool, device=embs.device)
+            mask2d = torch.cat([pad[:, None, :].expand(b, s, pad.shape[1]),
+                                make_att_2d_masks(ones, ar[None].expand(b, s))], dim=2)
+            h = self._layers(self.expert, embs, mask2d, pos, cache, mods)
         if mods is None:
             h, _ = self.expert.norm(h, None)
         feat = h[:, -self.chunk:].to(torch.float32)
@@ -328,12 +272,17 @@ class FastPiSampler:
         """What every Euler step reads: the prefix pass (its KV stand-in and pad mask), the flow
         times t_k = 1 + k dt [num_steps] and, for PI0.5, each time's AdaRMS modulations."""
         cache, pad = self.prefix(images, img_masks, tokens, lang_masks)
+        if self.step_kv:
+            ar = self._ar(noise.device)
+            cache = StepKV(cache, pad, len(ar), ar, self.expert.layers[0].self_attn.q_proj.weight.dtype)
         self._set_attn(ATTN_NAME)
         dt = -1.0 / num_steps
         times = 1.0 + dt * torch.arange(num_steps, dtype=torch.float32, device=noise.device)
         mods = self.modulations(times) if self.variant == "pi05" else None
         if self.compile == "dynamic":  # the same tensors every step
-            mark_dynamic((0, 2), cache.k, cache.v)  # [B, heads, prefix length, D]
+            mark_dynamic((0, 2), cache.k, cache.v)  # [B, heads, prefix (+ suffix) length, D]
+            if self.step_kv:
+                mark_dynamic((0, 3), cache.mask)  # [B, 1, suffix, keys]
             mark_dynamic((0, 1), pad)
             mark_dynamic((0,), state)
         return cache, pad, times, mods
