@@ -108,13 +108,17 @@ def test_step_buffers_in_the_flow_rl_chain(ckpts, built):  # noqa: F811
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("variant", ["pi0", "pi05"])
-def test_step_buffers_under_graphs_and_compile_on_gpu(ckpts, variant):  # noqa: F811
+@pytest.mark.parametrize("attention", ["mqa", "flex"])
+def test_step_buffers_under_graphs_and_compile_on_gpu(ckpts, variant, attention):  # noqa: F811
+    """The step buffers (and FlexAttention's fused kernel) under CUDA graphs and the compiled
+    steps with the GPU defaults: lerobot's actions within the bf16 tolerance, new weights with
+    no capture."""
     p = policy(ckpts, variant, device="cuda", dtype="bfloat16", fast_serving="auto")
     noise = noise_for(p)
     plain, ref = both(p, obs(), noise)
     levers = p._fast.levers
     p._fast = FastPiSampler(p.inner.model, p.variant, graphs=True, compile=True, step_kv=True,
-                            vision_dtype=levers.vision.dtype, fuse="all")
+                            step_attention=attention, vision_dtype=levers.vision.dtype, fuse="all")
     out, _ = both(p, obs(), noise)
     assert p._fast.captures == 1
     torch.testing.assert_close(out, ref, **GPU_TOL)
@@ -123,3 +127,39 @@ def test_step_buffers_under_graphs_and_compile_on_gpu(ckpts, variant):  # noqa: 
     new, ref2 = both(p, obs(), noise)
     assert p._fast.captures == 1
     torch.testing.assert_close(new, ref2, **GPU_TOL)
+
+
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
+@pytest.mark.parametrize("step_kv", [False, True])
+def test_flex_step_attention_equals_the_default(ckpts, variant, step_kv):  # noqa: F811
+    """FlexAttention for the denoising steps (eager: torch's reference computation on a CPU)
+    computes what ``mqa_attention`` computes: the same actions to float32 round-off, with and
+    without the step buffers; the prefix pass keeps its own attention."""
+    from agents.policies.pi0 import fast_attention
+
+    p = policy(ckpts, variant)
+    noise = noise_for(p)
+    p._fast = sampler(p)
+    plain, ref = both(p, obs(), noise)
+    calls = []
+    orig = fast_attention.flex_step_attention
+
+    def counted(*a, **kw):
+        calls.append(a[1].shape[2])  # query rows
+        return orig(*a, **kw)
+
+    from transformers import AttentionInterface
+
+    AttentionInterface._global_mapping[fast_attention.FLEX_NAME] = counted  # noqa: SLF001
+    try:
+        p._fast = sampler(p, step_kv=step_kv, step_attention="flex")
+        out, _ = both(p, obs(), noise)
+    finally:
+        AttentionInterface._global_mapping[fast_attention.FLEX_NAME] = orig  # noqa: SLF001
+    layers = p.inner.model.paligemma_with_expert.gemma_expert.model.config.num_hidden_layers
+    steps = int(p.lr_cfg.num_inference_steps)
+    assert len(calls) == layers * steps and set(calls) == {CHUNK + (variant == "pi0")}  # the steps only
+    torch.testing.assert_close(out, plain, **CPU_TOL)
+    torch.testing.assert_close(out, ref, **CPU_TOL)
+    with pytest.raises(ValueError, match="step_attention"):
+        sampler(p, step_attention="flash")

@@ -31,7 +31,9 @@ defaults: on a GPU bf16 SigLIP and every layer's projections fused), ``bf16_visi
 ``fp8`` (FP8 alone), ``bf16_vision_fused_expert`` / ``bf16_vision_fused`` (``policy.fast_fuse_proj``
 expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``policy.fast_autotune``),
 ``default_step_kv`` (the defaults with the steps' keys/values in per-call buffers,
-``FastPiSampler(step_kv=True)``, not a policy setting). A lever's results sit under
+``FastPiSampler(step_kv=True)``), ``default_flex`` / ``default_step_kv_flex`` (the steps'
+attention through FlexAttention, ``step_attention="flex"``; these two are sampler arguments, not
+policy settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
@@ -80,7 +82,10 @@ LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto
           "bf16_vision_fused": {"vision_dtype": "bf16", "fuse_proj": "all"},
           "bf16_vision_autotune": {"vision_dtype": "bf16", "autotune": "true"},
           "bf16_vision_fused_autotune": {"vision_dtype": "bf16", "fuse_proj": "all", "autotune": "true"},
-          "default_step_kv": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True}}
+          "default_step_kv": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True},
+          "default_flex": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "flex"},
+          "default_step_kv_flex": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
+                                   "step_attention": "flex"}}
 
 
 def lever_kwargs(lever: str, device) -> dict:
@@ -89,12 +94,13 @@ def lever_kwargs(lever: str, device) -> dict:
     from agents.policies.pi0.fast_levers import lever_settings
 
     s = {"vision_dtype": "fp32", "expert_fp8": False, "fuse_proj": "off", "autotune": False, **LEVERS[lever]}
-    step_kv = s.pop("step_kv", False)  # a sampler argument (agents/policies/pi0/fast_attention.py), no setting
+    # sampler arguments (agents/policies/pi0/fast_attention.py), not policy settings
+    sampler = {"step_kv": s.pop("step_kv", False), "step_attention": s.pop("step_attention", "mqa")}
     kw = lever_settings(SimpleNamespace(**{f"fast_{k}": v for k, v in s.items()}),
                         getattr(device, "type", device) == "cuda")
     if kw["expert_fp8"] == "cuda" and getattr(device, "type", device) != "cuda":
         kw["expert_fp8"] = "emulate"  # a CPU smoke run: the same quantization, float32 matmuls
-    return {**kw, "step_kv": step_kv}
+    return {**kw, **sampler}
 
 
 def bench_mode(policy, mode: str, obs, inputs, noise, args, sync, lever: str = "baseline") -> dict:
@@ -109,6 +115,7 @@ def bench_mode(policy, mode: str, obs, inputs, noise, args, sync, lever: str = "
                                         compile=None if mode == "off" else mode, **kw)
     res: dict = {"mode": mode, "lever": lever, "vision_dtype": str(kw["vision_dtype"]),
                  "expert_fp8": kw["expert_fp8"], "fuse_proj": kw["fuse"], "autotune": kw["autotune"], "step_kv": kw["step_kv"],
+                 "step_attention": kw["step_attention"],
                  "warmup_s": {}, "warmup_compiled_graphs": {}}
     if fast.levers is not None and fast.levers.fp8 is not None:
         res["fp8_layers"], res["fp8_skipped"] = len(fast.levers.fp8.sites), fast.levers.fp8.skipped

@@ -68,8 +68,8 @@ from torch import nn
 
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
-from agents.policies.pi0.fast_attention import (ATTN_NAME, MQA_MAX_ROWS, StepKV, _additive, _PrefixKV,  # noqa: F401
-                                                 _register_attention, mqa_attention)
+from agents.policies.pi0.fast_attention import (ATTN_NAME, FLEX_NAME, MQA_MAX_ROWS, StepKV, _additive,  # noqa: F401
+                                                 _PrefixKV, _register_attention, mqa_attention)
 from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.rtc import freeze, guide
 
@@ -97,7 +97,7 @@ class FastPiSampler:
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, compile: bool | str | None = False,
                  cache_dir: str | None = CACHE_DIR, vision_dtype: torch.dtype | None = None,
                  expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False,
-                 step_kv: bool = False):
+                 step_kv: bool = False, step_attention: str = "mqa"):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention()
@@ -110,6 +110,9 @@ class FastPiSampler:
         self.chunk = int(model.config.chunk_size)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, tuple[torch.Tensor, ...]]] = {}
         self.step_kv = bool(step_kv)  # the steps' keys/values in per-call buffers (fast_attention.StepKV)
+        if step_attention not in ("mqa", "flex"):
+            raise ValueError(f"FastPiSampler: step_attention must be mqa or flex, got {step_attention!r}")
+        self.step_attention = step_attention  # the denoising steps' attention (fast_attention.py)
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and the bench read it)
         self.compiles = 0  # graphs dynamo compiled during those captures
@@ -275,7 +278,7 @@ class FastPiSampler:
         if self.step_kv:
             ar = self._ar(noise.device)
             cache = StepKV(cache, pad, len(ar), ar, self.expert.layers[0].self_attn.q_proj.weight.dtype)
-        self._set_attn(ATTN_NAME)
+        self._set_attn(FLEX_NAME if self.step_attention == "flex" else ATTN_NAME)
         dt = -1.0 / num_steps
         times = 1.0 + dt * torch.arange(num_steps, dtype=torch.float32, device=noise.device)
         mods = self.modulations(times) if self.variant == "pi05" else None

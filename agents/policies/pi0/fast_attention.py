@@ -85,11 +85,39 @@ def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
 
 
+#: the attention interface of the denoising steps with ``step_attention="flex"``
+FLEX_NAME = "tandem_flex"
+
+
+def flex_step_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """:func:`mqa_attention`'s interface through FlexAttention (``FastPiSampler(step_attention="flex")``,
+    off): where few queries meet many keys (a denoising step), the whole attention (scores, the
+    additive mask as a score modification, softmax, the value sum) is one fused kernel under
+    torch.compile, the query heads of a key/value head packed together (``enable_gqa``); eager,
+    torch's reference computation. Beyond ``MQA_MAX_ROWS`` rows: :func:`mqa_attention`."""
+    b, h, q, d = query.shape
+    if (h // key.shape[1]) * q > MQA_MAX_ROWS or dropout:
+        return mqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = attention_mask
+
+    def add_mask(score, bi, hi, qi, ki):
+        return score if mask is None else score + mask[bi, 0, qi, ki]
+
+    out = flex_attention(query, key, value, score_mod=add_mask, enable_gqa=True,
+                         scale=scaling if scaling is not None else d ** -0.5)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
-    if ATTN_NAME not in AttentionInterface._global_mapping:  # noqa: SLF001
-        AttentionInterface.register(ATTN_NAME, mqa_attention)
+    for name, fn in ((ATTN_NAME, mqa_attention), (FLEX_NAME, flex_step_attention)):
+        if name not in AttentionInterface._global_mapping:  # noqa: SLF001
+            AttentionInterface.register(name, fn)
 
 
 class StepKV:
