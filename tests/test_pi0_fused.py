@@ -17,6 +17,7 @@ import torch
 
 from agents.policies.pi0.fast_fused import FUSE_CHOICES, FusedAttention, FusedMLP, resolve_fuse
 from agents.policies.pi0.policy import Pi0PolicyConfig
+from agents.policies.vla_common import effective_weight
 from test_pi0_fast import CHUNK, both, make, obs
 from test_pi0_levers import assert_training_unchanged, noise_for, perturb
 
@@ -130,6 +131,9 @@ def test_new_weights_are_restacked_in_place(ckpts, fold):
     new, ref = both(p, obs(), noise)
     assert all(f.restacked > c for f, c in zip(parts, counts))
     assert ptrs == [s.stacked.weight.data_ptr() for f in parts for s in f.sites]
+    site = parts[0].sites[0]  # the stacked rows are the projections' effective weights
+    want = torch.cat([effective_weight(m)[0] for m in site.live()]).to(site.stacked.weight.dtype)
+    torch.testing.assert_close(site.stacked.weight, want, atol=0 if fold else 1e-6, rtol=0 if fold else 1e-6)
     assert float((new - first).abs().max()) > 0.1  # stale weights would be far off
     torch.testing.assert_close(new, ref, **CPU_TOL)
     p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None, fuse="all")
