@@ -43,12 +43,16 @@ server will use before it serves.
 
 The result equals lerobot's ``sample_actions`` on the same noise: to float32 round-off on a
 CPU (tests/test_pi0_fast.py), within bf16 tolerance on a GPU (the GPU test in the same file).
-Levers, off by default (:mod:`agents.policies.pi0.fast_levers`, :mod:`agents.policies.pi0.fast_fused`;
-with all off none of their code runs): ``vision_dtype=torch.bfloat16`` runs SigLIP and the
-projector from a bf16 copy, ``expert_fp8`` the expert's step linears in FP8 e4m3
-(``torch._scaled_mm``, row-wise scales), ``fuse`` ("expert" or "all") stacks each layer's q/k/v
-and gate/up weights into one GEMM each, ``autotune`` compiles with inductor's GEMM autotuning;
-:meth:`FastPiSampler.sync_weights` refreshes their copies in place before each call.
+Levers, arguments of the sampler that are off unless given (:mod:`agents.policies.pi0.fast_levers`,
+:mod:`agents.policies.pi0.fast_fused`, :mod:`agents.policies.pi0.fast_attention`; with all off none
+of their code runs; the policy's defaults pass bf16 vision and ``fuse="all"`` on a GPU):
+``vision_dtype=torch.bfloat16`` runs SigLIP and the projector from a bf16 copy, ``expert_fp8``
+the expert's step linears in FP8 e4m3 (``torch._scaled_mm``, row-wise scales), ``fuse``
+("expert" or "all") stacks each layer's q/k/v and gate/up weights into one GEMM each,
+``autotune`` compiles with inductor's GEMM autotuning, ``step_kv`` keeps the steps' keys/values
+in per-call buffers and ``step_attention="flex"`` runs the steps' attention through
+FlexAttention; :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
+each call.
 RTC (real-time chunking, :mod:`agents.policies.pi0.rtc`): ``sample(..., rtc=...)`` with per-row
 tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
 Euler step as lerobot's ``RTCProcessor`` does and freezes the delayed steps; a batch of mixed
