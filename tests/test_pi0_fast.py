@@ -203,8 +203,8 @@ def test_grouped_head_attention_equals_eager_attention(hkv, q):
 
     from transformers.models.gemma.modeling_gemma import eager_attention_forward
 
-    from agents.policies.pi0 import fast as pi0_fast
-    from agents.policies.pi0.fast import _additive, mqa_attention
+    from agents.policies.pi0 import fast_attention as pi0_fast
+    from agents.policies.pi0.fast_attention import _additive, mqa_attention
 
     g = torch.Generator().manual_seed(hkv * 100 + q)
     b, h, k, d = 2, 8, 23, 16

@@ -72,8 +72,7 @@ from torch import nn
 
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
-from agents.policies.pi0.fast_attention import (ATTN_NAME, FLEX_NAME, MQA_MAX_ROWS, StepKV, _additive,  # noqa: F401
-                                                 _PrefixKV, _register_attention, mqa_attention)
+from agents.policies.pi0.fast_attention import ATTN_NAME, FLEX_NAME, StepKV, _additive, _PrefixKV, _register_attention
 from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.rtc import freeze, guide
 
