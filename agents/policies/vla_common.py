@@ -206,8 +206,7 @@ class LoRAServing:
 def effective_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """(weight [N, K] float32, bias or None, the parameters it was computed from) of a plain
     Linear or a peft LoRA Linear (base + scale * B @ A over the active adapters, as
-    :class:`LoRAServing` folds it; base only where adapters are
-    disabled or merged into the base already)."""
+    :class:`LoRAServing` folds it; base only where adapters are disabled or merged already)."""
     if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
         base = module.base_layer
         if any(getattr(module, "use_dora", {}).get(a, False) for a in module.active_adapters):

@@ -75,7 +75,8 @@ def batch_of(obs: dict, b: int) -> dict:
     return {k: (v * b if isinstance(v, list) else v.repeat(b, *([1] * (v.dim() - 1)))) for k, v in obs.items()}
 
 
-#: --levers: name -> the policy settings of the lever (policy.fast_*; unnamed ones at their defaults)
+#: --levers: name -> the lever's settings (policy.fast_* without the prefix; unnamed ones off: fp32 SigLIP,
+#: no FP8, no fusion, no autotune) and sampler arguments (step_kv, step_attention)
 LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto"}, "bf16_vision": {"vision_dtype": "bf16"},
           "bf16_vision_fp8": {"vision_dtype": "bf16", "expert_fp8": "true"}, "fp8": {"expert_fp8": "true"},
           "bf16_vision_fused_expert": {"vision_dtype": "bf16", "fuse_proj": "expert"},
