@@ -145,23 +145,21 @@ class _Site(Site):
     def refresh(self) -> None:
         parts = self.live()
         if all(type(m) is nn.Linear for m in parts):  # folded (serving): the rows copied as they are
-            off, self.srcs = 0, []
+            off, srcs = 0, []
             for m in parts:
                 n = m.weight.shape[0]
                 self.stacked.weight[off:off + n].copy_(m.weight)
                 if self.stacked.bias is not None:
                     self.stacked.bias[off:off + n].copy_(m.bias)
-                self.srcs += [m.weight] + ([m.bias] if m.bias is not None else [])
+                srcs += [m.weight] + ([m.bias] if m.bias is not None else [])
                 off += n
-            self.bound = parts
-            self.versions = [p._version for p in self.srcs]  # noqa: SLF001
+            self.bind(parts, srcs)
             return
         ws = [effective_weight(m) for m in parts]  # live adapters: base + scale * B @ A, in float32
         self.stacked.weight.copy_(torch.cat([w for w, _, _ in ws]).to(self.stacked.weight.dtype))
         if self.stacked.bias is not None:
             self.stacked.bias.copy_(torch.cat([b for _, b, _ in ws]).to(self.stacked.bias.dtype))
-        self.bound, self.srcs = parts, [p for _, _, s in ws for p in s]
-        self.versions = [p._version for p in self.srcs]  # noqa: SLF001
+        self.bind(parts, [p for _, _, s in ws for p in s])
 
     def installed(self) -> bool:
         return self.layer._modules[self.block] is self.stand_in  # noqa: SLF001

@@ -227,9 +227,9 @@ class _Site(Site):
 
     def refresh(self) -> None:
         cur = self.parent._modules[self.attr]  # noqa: SLF001
-        w, bias, self.srcs = effective_weight(cur)
+        w, bias, srcs = effective_weight(cur)
         self.fp8.load(w, bias)
-        self.bound, self.versions = [cur], [p._version for p in self.srcs]  # noqa: SLF001
+        self.bind([cur], srcs)
 
     def installed(self) -> bool:
         return self.live()[0] is self.fp8

@@ -23,9 +23,13 @@ VERSION = attrgetter("_version")
 class Site:
     """What :class:`StandIns` asks of a site (the module docstring); subclasses set the rest."""
 
-    bound: list = []
-    srcs: list[torch.Tensor] = []
-    versions: list[int] = []
+    bound: list  # set by bind(), from refresh()
+    srcs: list[torch.Tensor]
+    versions: list[int]
+
+    def bind(self, bound: list, srcs: list[torch.Tensor]) -> None:
+        """Record what the stand-in was just computed from (refresh() ends with this)."""
+        self.bound, self.srcs, self.versions = bound, srcs, list(map(VERSION, srcs))
 
     def live(self) -> list:
         raise NotImplementedError
