@@ -32,8 +32,9 @@ defaults: on a GPU bf16 SigLIP and every layer's projections fused), ``bf16_visi
 expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``policy.fast_autotune``),
 ``default_step_kv`` (the defaults with the steps' keys/values in per-call buffers,
 ``FastPiSampler(step_kv=True)``), ``default_flex`` / ``default_step_kv_flex`` (the steps'
-attention through FlexAttention, ``step_attention="flex"``; these two are sampler arguments, not
-policy settings). A lever's results sit under
+attention through FlexAttention, ``step_attention="flex"``), ``default_sdpa`` /
+``default_step_kv_sdpa`` (through one ``scaled_dot_product_attention`` call with the mask,
+``step_attention="sdpa"``; step_kv and step_attention are sampler arguments, not policy settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
@@ -86,7 +87,10 @@ LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto
           "default_step_kv": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True},
           "default_flex": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "flex"},
           "default_step_kv_flex": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                                   "step_attention": "flex"}}
+                                   "step_attention": "flex"},
+          "default_sdpa": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "sdpa"},
+          "default_step_kv_sdpa": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
+                                   "step_attention": "sdpa"}}
 
 
 def lever_kwargs(lever: str, device) -> dict:

@@ -50,8 +50,8 @@ of their code runs; the policy's defaults pass bf16 vision and ``fuse="all"`` on
 the expert's step linears in FP8 e4m3 (``torch._scaled_mm``, row-wise scales), ``fuse``
 ("expert" or "all") stacks each layer's q/k/v and gate/up weights into one GEMM each,
 ``autotune`` compiles with inductor's GEMM autotuning, ``step_kv`` keeps the steps' keys/values
-in per-call buffers and ``step_attention="flex"`` runs the steps' attention through
-FlexAttention; :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
+in per-call buffers and ``step_attention`` ("flex" or "sdpa") runs the steps' attention as one
+fused kernel (FlexAttention, or ``scaled_dot_product_attention`` with the mask); :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
 each call.
 RTC (real-time chunking, :mod:`agents.policies.pi0.rtc`): ``sample(..., rtc=...)`` with per-row
 tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
@@ -72,12 +72,15 @@ from torch import nn
 
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
-from agents.policies.pi0.fast_attention import ATTN_NAME, FLEX_NAME, StepKV, _additive, _PrefixKV, _register_attention
+from agents.policies.pi0.fast_attention import (ATTN_NAME, FLEX_NAME, SDPA_NAME, StepKV, _additive, _PrefixKV,
+                                                _register_attention)
 from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.rtc import freeze, guide
 
 #: the per-row RTC tensors ``sample`` takes: prefix [B, H, D], weights [B, H, 1], frozen [B, H, 1]
 RTC_KEYS = ("rtc_prefix", "rtc_weights", "rtc_frozen")
+#: ``step_attention`` -> the attention interface the denoising steps run (fast_attention.py)
+STEP_ATTENTION = {"mqa": ATTN_NAME, "flex": FLEX_NAME, "sdpa": SDPA_NAME}
 
 log = logging.getLogger("tandem.policies.pi0_fast")
 
@@ -113,8 +116,8 @@ class FastPiSampler:
         self.chunk = int(model.config.chunk_size)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, tuple[torch.Tensor, ...]]] = {}
         self.step_kv = bool(step_kv)  # the steps' keys/values in per-call buffers (fast_attention.StepKV)
-        if step_attention not in ("mqa", "flex"):
-            raise ValueError(f"FastPiSampler: step_attention must be mqa or flex, got {step_attention!r}")
+        if step_attention not in STEP_ATTENTION:
+            raise ValueError(f"FastPiSampler: step_attention must be one of {sorted(STEP_ATTENTION)}, got {step_attention!r}")
         self.step_attention = step_attention  # the denoising steps' attention (fast_attention.py)
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and the bench read it)
@@ -281,7 +284,10 @@ class FastPiSampler:
         if self.step_kv:
             ar = self._ar(noise.device)
             cache = StepKV(cache, pad, len(ar), ar, self.expert.layers[0].self_attn.q_proj.weight.dtype)
-        self._set_attn(FLEX_NAME if self.step_attention == "flex" else ATTN_NAME)
+            if self.step_attention == "sdpa":
+                c = self.expert.config
+                cache.stacked_mask(c.num_attention_heads // c.num_key_value_heads)
+        self._set_attn(STEP_ATTENTION[self.step_attention])
         dt = -1.0 / num_steps
         times = 1.0 + dt * torch.arange(num_steps, dtype=torch.float32, device=noise.device)
         mods = self.modulations(times) if self.variant == "pi05" else None
