@@ -108,9 +108,9 @@ def test_step_buffers_in_the_flow_rl_chain(ckpts, built):  # noqa: F811
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("variant", ["pi0", "pi05"])
-@pytest.mark.parametrize("attention", ["mqa", "flex", "sdpa"])
+@pytest.mark.parametrize("attention", ["mqa", "flex", "sdpa", "triton"])
 def test_step_buffers_under_graphs_and_compile_on_gpu(ckpts, variant, attention):  # noqa: F811
-    """The step buffers (and the fused attention kernels: FlexAttention, SDPA) under CUDA graphs and the compiled
+    """The step buffers (and the fused attention kernels: FlexAttention, SDPA, the Triton kernel) under CUDA graphs and the compiled
     steps with the GPU defaults: lerobot's actions within the bf16 tolerance, new weights with
     no capture."""
     p = policy(ckpts, variant, device="cuda", dtype="bfloat16", fast_serving="auto")

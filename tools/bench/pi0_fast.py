@@ -34,7 +34,9 @@ expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``poli
 ``FastPiSampler(step_kv=True)``), ``default_flex`` / ``default_step_kv_flex`` (the steps'
 attention through FlexAttention, ``step_attention="flex"``), ``default_sdpa`` /
 ``default_step_kv_sdpa`` (through one ``scaled_dot_product_attention`` call with the mask,
-``step_attention="sdpa"``; step_kv and step_attention are sampler arguments, not policy settings). A lever's results sit under
+``step_attention="sdpa"``), ``default_triton`` / ``default_step_kv_triton`` (one Triton kernel,
+agents/policies/pi0/fast_triton.py; step_kv and step_attention are sampler arguments, not policy
+settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
@@ -90,7 +92,10 @@ LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto
                                    "step_attention": "flex"},
           "default_sdpa": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "sdpa"},
           "default_step_kv_sdpa": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                                   "step_attention": "sdpa"}}
+                                   "step_attention": "sdpa"},
+          "default_triton": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "triton"},
+          "default_step_kv_triton": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
+                                     "step_attention": "triton"}}
 
 
 def lever_kwargs(lever: str, device) -> dict:

@@ -75,12 +75,13 @@ from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graph
 from agents.policies.pi0.fast_attention import (ATTN_NAME, FLEX_NAME, SDPA_NAME, StepKV, _additive, _PrefixKV,
                                                 _register_attention)
 from agents.policies.pi0.fast_levers import Levers
+from agents.policies.pi0.fast_triton import TRITON_NAME
 from agents.policies.pi0.rtc import freeze, guide
 
 #: the per-row RTC tensors ``sample`` takes: prefix [B, H, D], weights [B, H, 1], frozen [B, H, 1]
 RTC_KEYS = ("rtc_prefix", "rtc_weights", "rtc_frozen")
 #: ``step_attention`` -> the attention interface the denoising steps run (fast_attention.py)
-STEP_ATTENTION = {"mqa": ATTN_NAME, "flex": FLEX_NAME, "sdpa": SDPA_NAME}
+STEP_ATTENTION = {"mqa": ATTN_NAME, "flex": FLEX_NAME, "sdpa": SDPA_NAME, "triton": TRITON_NAME}
 
 log = logging.getLogger("tandem.policies.pi0_fast")
 

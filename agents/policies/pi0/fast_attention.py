@@ -87,6 +87,9 @@ def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
 
 #: the attention interface of the denoising steps with ``step_attention="flex"``
 FLEX_NAME = "tandem_flex"
+#: the flex kernel's tiles: its defaults ask 288 KB of shared memory at PI0's head dimension
+#: (256), past an H200's 227 KB
+FLEX_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1, "num_warps": 4}
 
 
 def flex_step_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -98,7 +101,7 @@ def flex_step_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     torch.compile, the query heads of a key/value head packed together (``enable_gqa``); eager,
     torch's reference computation. Beyond ``MQA_MAX_ROWS`` rows: :func:`mqa_attention`."""
     b, h, q, d = query.shape
-    if (h // key.shape[1]) * q > MQA_MAX_ROWS or dropout:
+    if (h // key.shape[1]) * q > MQA_MAX_ROWS or dropout or d < 16:  # flex's kernel takes heads of 16+
         return mqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -108,7 +111,7 @@ def flex_step_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         return score if mask is None else score + mask[bi, 0, qi, ki]
 
     out = flex_attention(query, key, value, score_mod=add_mask, enable_gqa=True,
-                         scale=scaling if scaling is not None else d ** -0.5)
+                         scale=scaling if scaling is not None else d ** -0.5, kernel_options=FLEX_OPTIONS)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -149,7 +152,10 @@ def sdpa_step_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
-    for name, fn in ((ATTN_NAME, mqa_attention), (FLEX_NAME, flex_step_attention), (SDPA_NAME, sdpa_step_attention)):
+    from agents.policies.pi0.fast_triton import TRITON_NAME, triton_step_attention
+
+    for name, fn in ((ATTN_NAME, mqa_attention), (FLEX_NAME, flex_step_attention), (SDPA_NAME, sdpa_step_attention),
+                     (TRITON_NAME, triton_step_attention)):
         if name not in AttentionInterface._global_mapping:  # noqa: SLF001
             AttentionInterface.register(name, fn)
 
