@@ -82,3 +82,31 @@ def test_train_serve_runs_every_phase_on_the_cpu(tmp_path):
     assert s["meets_targets"] == (s["update_ratio_judged"] >= 0.8 and s["act_p99_ratio"] <= 1.3)
     assert json.loads((tmp_path / "out.json").read_text())["policies"]["pi0"]["by_period"]["0"]["shared"]
     assert threading.active_count() < 10   # the learners' threads ended
+
+
+def test_grpo_trainer_runs_grpo_rounds_on_the_discrete_oft(tmp_path):
+    """--update grpo (auto for openvla_oft_discrete): each step is a real GRPOAgent update round
+    over chunks the policy sampled, with behaviour log-probs and +-1 advantages; the trainable
+    weights move and a new version is published on the cadence."""
+    import torch
+
+    from tools.bench.common import bench_spec
+    from tools.bench.policy import build
+    from tools.bench.train_serve import Trainer, update_for
+
+    assert update_for("openvla_oft_discrete", "auto") == "grpo" and update_for("pi0", "auto") == "bc"
+    spec = bench_spec(8, 7, ["image", "wrist_image"], 32, has_task=True)
+    policy, _ = build("openvla_oft_discrete", True, "cpu", tmp_path, spec)
+    published = []
+    trainer = Trainer(policy, spec, 4, published.append, 2, lambda: None, update="grpo")
+    b = trainer.batch
+    assert b["action"].shape == (4, policy.chunk_size, spec.action_dim) and b["old_log_prob"].shape == (4,)
+    assert b["advantages"].tolist() == [1.0, -1.0, 1.0, -1.0]
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    for _ in range(2):
+        assert trainer.step() > 0
+    assert trainer.agent.num_updates == 2 and len(published) == 1
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="--update"):
+        Trainer(policy, spec, 4, published.append, 2, lambda: None, update="ppo")

@@ -7,7 +7,8 @@ short keeps what it measured:
 - ``policy`` (:mod:`tools.bench.policy`): batch-1 act (``act_ms``) and the share of the measured
   bf16 matmul peak at ``--peak-actors`` closed-loop actors (``mfu``), per policy;
 - ``train_serve`` (:mod:`tools.bench.train_serve`): training while serving against each alone,
-  per policy, actor load (``--period``) and serving setting (``--streams``);
+  per policy, actor load (``--period``) and serving setting (``--streams``); by default PI0 with
+  rejection sampling's BC step and the discrete OpenVLA-OFT with GRPO's update;
 - ``cold_start`` (:mod:`tools.bench.cold_start`): start-up to the first act served, cold, with
   shipped compile artefacts and warm, per policy in ``--start-policies``.
 
@@ -106,7 +107,8 @@ def summarize(res: dict) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policies", default="pi0,openvla_oft")
+    ap.add_argument("--policies", default="pi0,openvla_oft_discrete",
+                    help="PI0 trains rejection sampling's BC step, the discrete OFT GRPO's update (train_serve --update auto)")
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--tiny", action="store_true", help="tiny test-size models (CPU smoke test)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")

@@ -58,7 +58,8 @@ from tools.bench.policy_actors import HASH, TASK, client_main, run_actors
 
 
 def build(name: str, tiny: bool, device: str, tmp: Path, spec):
-    """(policy, config) for ``name`` at full size (random weights) or tiny (test checkpoint)."""
+    """(policy, config) for ``name`` (pi0, pi05, openvla_oft, openvla_oft_discrete) at full size
+    (random weights) or tiny (test checkpoint)."""
     from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
     from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
     from tools.make_tiny_checkpoints import build_tokenizer, make_openvla_oft, make_pi0
@@ -71,12 +72,16 @@ def build(name: str, tiny: bool, device: str, tmp: Path, spec):
         else:
             cfg = cfg_cls(tokenizer=str(build_tokenizer(tmp / f"{name}_tok", kind="gemma")), device=device)
         return cls(cfg, spec), cfg
-    if tiny:
-        cfg = OpenVLAOFTPolicyConfig(checkpoint=str(make_openvla_oft(tmp / "oft", spec)), device=device, lora_rank=4)
+    if name == "openvla_oft_discrete":  # GRPO's OFT: the discrete action-token head
+        from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicy as cls
+        from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicyConfig as cfg_cls
     else:
-        cfg = OpenVLAOFTPolicyConfig(tokenizer=str(build_tokenizer(tmp / "oft_tok", kind="llama", vocab_size=2000)),
-                                     device=device)
-    return OpenVLAOFTPolicy(cfg, spec), cfg
+        cls, cfg_cls = OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
+    if tiny:
+        cfg = cfg_cls(checkpoint=str(make_openvla_oft(tmp / "oft", spec)), device=device, lora_rank=4)
+    else:
+        cfg = cfg_cls(tokenizer=str(build_tokenizer(tmp / "oft_tok", kind="llama", vocab_size=2000)), device=device)
+    return cls(cfg, spec), cfg
 
 
 def bench_policy(name: str, args, spec, tmp: Path) -> dict:
@@ -118,7 +123,7 @@ def bench_policy(name: str, args, spec, tmp: Path) -> dict:
         inputs = policy.model_inputs(obs)
         res["bare_forward_ms"] = p50_p99(timed(lambda: policy.forward_model(inputs)))
         res["act_ms"] = p50_p99(timed(lambda: policy.act(obs)))
-        if name != "openvla_oft":
+        if not name.startswith("openvla_oft"):
             res["prompt_tokens"] = int(inputs[2].shape[1])
             res["prompt_tokens_full"] = int(policy.prompt_tokens.max_len)
         res["flops"], res["by_batch"] = throughput(policy, obs_np, args, sync, res["bare_forward_ms"])

@@ -3,8 +3,10 @@
 For each policy the bench holds what the learner holds (learner/app.py): the trained policy and
 a serving copy on the same device; a real loopback learner (``LearnerService`` +
 ``InferenceServer``) serves N actor processes running Tandem's ``LearnerClient``, and the main
-thread trains as the learner's main thread does (``bc_loss``, backward, AdamW on the trainable
-parameters; a new version through ``WeightPublisher`` every ``--publish-every`` updates).
+thread trains as the learner's main thread does (``--update bc``: ``bc_loss``, backward, AdamW on
+the trainable parameters, rejection sampling's update; ``--update grpo``: a ``GRPOAgent`` update
+round; the default ``auto`` trains ``openvla_oft_discrete`` with GRPO and the others with BC); a new version through ``WeightPublisher`` every
+``--publish-every`` updates).
 
 Phases of ``--seconds`` each, interleaved (every repeat runs serve, train and both for every
 serving stream in ``--streams``, in a rotated order):
@@ -82,28 +84,53 @@ class GilProbe(threading.Thread):
                 "mean": float(x.mean()), "waited_s_per_s": float(x.sum() / 1000.0 / wall)}
 
 
-class Trainer:
-    """The training copy's update loop: one bc_loss step on a fixed random batch, a new weights
-    version every ``publish_every`` steps."""
+#: --update: what one training step is (auto: grpo for openvla_oft_discrete, else bc)
+UPDATES = ("bc", "grpo")
 
-    def __init__(self, policy, spec, batch: int, publish, publish_every: int, sync):
+
+def update_for(policy: str, update: str) -> str:
+    """``--update`` for one policy: ``auto`` is GRPO's update for the discrete OFT (GRPO's
+    policy) and rejection sampling's BC step for the others."""
+    if update == "auto":
+        return "grpo" if policy == "openvla_oft_discrete" else "bc"
+    return update
+
+
+class Trainer:
+    """The training copy's update loop on a fixed random batch, a new weights version every
+    ``publish_every`` steps. ``update="bc"``: one ``bc_loss`` step with AdamW (rejection
+    sampling's update). ``update="grpo"``: one :meth:`agents.grpo.agent.GRPOAgent.update` round
+    (GRPO's defaults, one epoch of one minibatch of the whole batch: the proximal log-probs
+    without gradients, then the clipped surrogate's forward, backward and optimizer step) over
+    chunks sampled from the policy with advantages of +1 and -1."""
+
+    def __init__(self, policy, spec, batch: int, publish, publish_every: int, sync, update: str = "bc"):
         import torch
 
+        if update not in UPDATES:
+            raise ValueError(f"train_serve: --update must be one of {UPDATES}, got {update!r}")
         self.policy, self.publish, self.publish_every, self.sync = policy, publish, publish_every, sync
+        self.update = update
         policy.train()
-        self.opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
         ob = random_obs(spec.state_dim, spec.cameras, seed=1)
         dev = next(policy.parameters()).device
         self.batch = {k: torch.from_numpy(np.repeat(v, batch, axis=0)).to(dev) for k, v in ob.items()}
         self.batch["task"] = [TASK] * batch
-        self.batch["action"] = (torch.rand(batch, policy.chunk_size, spec.action_dim) * 2 - 1).to(dev)
+        if update == "grpo":
+            self.agent = grpo_agent(policy, self.batch, batch, dev)
+        else:
+            self.opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
+            self.batch["action"] = (torch.rand(batch, policy.chunk_size, spec.action_dim) * 2 - 1).to(dev)
         self.updates = 0
 
     def step(self) -> float:
         t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        self.policy.bc_loss(self.batch).backward()
-        self.opt.step()
+        if self.update == "grpo":
+            self.agent.update(self.batch)
+        else:
+            self.opt.zero_grad(set_to_none=True)
+            self.policy.bc_loss(self.batch).backward()
+            self.opt.step()
         self.updates += 1
         if self.updates % self.publish_every == 0:
             self.publish(self.policy.trainable_state_dict())
@@ -116,6 +143,27 @@ class Trainer:
             steps.append(self.step())
         wall = time.perf_counter() - t0
         return {"updates": len(steps), "updates_per_s": len(steps) / wall, "step_ms": p50_p99(steps or [0.0])}
+
+
+def grpo_agent(policy, batch: dict, n: int, device):
+    """A GRPO agent over ``policy`` and ``batch`` completed in place as GRPO's rollout batch:
+    chunks the policy samples for its observations, their behaviour log-probs, advantages
+    alternating +1 / -1 (a group's successes and failures), every chunk executed."""
+    import torch
+    from accelerate import Accelerator
+
+    from agents.grpo.agent import GRPOAgent, GRPOConfig
+
+    agent = GRPOAgent(GRPOConfig(epochs=1, minibatch_size=n, lr=1e-5), policy,
+                      Accelerator(cpu=device.type != "cuda"))
+    obs = {k: v for k, v in batch.items()}
+    with torch.no_grad():
+        out = policy.act(obs, deterministic=False)
+        batch["action"] = out.actions.to(device)
+        batch["old_log_prob"] = policy.log_prob(obs, batch["action"]).float()
+    batch["advantages"] = torch.tensor([1.0, -1.0], device=device).repeat((n + 1) // 2)[:n]
+    batch["mask"] = torch.ones(n, device=device)
+    return agent
 
 
 def stream_overlap(trace: dict) -> dict:
@@ -233,7 +281,9 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
     cams = {c: list(s) for c, s in spec.cameras.items()}
     out: dict = {"runs": [], "by_period": {}}
     try:
-        trainer = Trainer(training, spec, args.train_batch, pubs[args.streams[0]].publish, args.publish_every, sync)
+        trainer = Trainer(training, spec, args.train_batch, pubs[args.streams[0]].publish, args.publish_every, sync,
+                          update=update_for(name, args.update))
+        out["update"] = trainer.update
         trainer.run_until(seconds=min(5.0, args.seconds))  # warm-up: allocator, kernels
         for period in args.periods:
             for rep in range(args.repeats):
@@ -346,6 +396,9 @@ def main(argv=None) -> dict:
                     help="inference.cuda_stream settings to compare, and 'window' or 'window:LEAD': priority "
                          "plus a serving window (learner/serving_window.py) hooked to the trained copy")
     ap.add_argument("--train-batch", type=int, default=16)
+    ap.add_argument("--update", default="auto", choices=("auto", *UPDATES),
+                    help="bc: a bc_loss step (rejection sampling's update); grpo: a GRPOAgent update round; "
+                         "auto: grpo for openvla_oft_discrete (GRPO's OFT), bc for the others")
     ap.add_argument("--publish-every", type=int, default=25)
     ap.add_argument("--batch-window-ms", type=float, default=2.0)
     ap.add_argument("--image-size", type=int, default=224)
@@ -364,7 +417,7 @@ def main(argv=None) -> dict:
     spec = bench_spec(8, 7, ["image", "wrist_image"], args.image_size, has_task=True)
     out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "periods_s": args.periods,
-           "seconds": args.seconds, "repeats": args.repeats, "train_batch": args.train_batch,
+           "seconds": args.seconds, "repeats": args.repeats, "train_batch": args.train_batch, "update": args.update,
            "publish_every": args.publish_every, "gpu_before": gpu_state(), "policies": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.policies.split(","):
