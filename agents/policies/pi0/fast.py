@@ -75,7 +75,7 @@ from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graph
 from agents.policies.pi0.fast_attention import (ATTN_NAME, FLEX_NAME, SDPA_NAME, StepKV, _additive, _PrefixKV,
                                                 _register_attention)
 from agents.policies.pi0.fast_levers import Levers
-from agents.policies.pi0.fast_triton import TRITON_NAME
+from agents.policies.pi0.fast_triton import TRITON_NAME, triton_step_attention
 from agents.policies.pi0.rtc import freeze, guide
 
 #: the per-row RTC tensors ``sample`` takes: prefix [B, H, D], weights [B, H, 1], frozen [B, H, 1]
@@ -107,7 +107,7 @@ class FastPiSampler:
                  step_kv: bool = False, step_attention: str = "mqa"):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
-        _register_attention()
+        _register_attention((TRITON_NAME, triton_step_attention))
         self.model, self.variant = model, variant
         self.buckets = tuple(sorted(int(b) for b in buckets))
         self.graphs = bool(graphs)

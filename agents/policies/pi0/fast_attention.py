@@ -149,13 +149,13 @@ def sdpa_step_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
 
 
-def _register_attention() -> None:
+def _register_attention(*extra: tuple[str, object]) -> None:
+    """This module's attention functions (and ``extra`` (name, function) pairs) in transformers'
+    attention registry, once."""
     from transformers import AttentionInterface
 
-    from agents.policies.pi0.fast_triton import TRITON_NAME, triton_step_attention
-
     for name, fn in ((ATTN_NAME, mqa_attention), (FLEX_NAME, flex_step_attention), (SDPA_NAME, sdpa_step_attention),
-                     (TRITON_NAME, triton_step_attention)):
+                     *extra):
         if name not in AttentionInterface._global_mapping:  # noqa: SLF001
             AttentionInterface.register(name, fn)
 
