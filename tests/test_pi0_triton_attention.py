@@ -3,7 +3,7 @@
 (``TRITON_INTERPRET=1``, set before triton is imported: a subprocess): it equals
 ``mqa_attention`` to float32 round-off on PI0's shapes and on grouped heads, with and without a
 mask, reading the query in the layer's own layout; PI0 and PI0.5's actions with it equal the
-default path's and lerobot's, with and without the step buffers, the kernel called for the
+default path's and lerobot's (PI0 without the step buffers, PI0.5 with them), the kernel called for the
 denoising steps only. Without the interpreter a CPU falls back to ``mqa_attention``. The GPU
 test (compiled, under CUDA graphs) is in tests/test_pi0_step_kv.py."""
 
@@ -53,30 +53,29 @@ def sampler_checks(root: str) -> None:
     from agents.policies.pi0.fast import FastPiSampler
     from tools.make_tiny_checkpoints import make_pi0
 
-    for variant in ("pi0", "pi05"):
+    for variant, step_kv in (("pi0", False), ("pi05", True)):  # the interpreter is slow: one of each
         torch.manual_seed(0)
         p = make(make_pi0(Path(root) / variant, SPEC, variant=variant, chunk_size=CHUNK), variant,
                  fast_serving="eager", device="cpu")
         noise = noise_for(p)
         p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None)
         plain, ref = both(p, obs(), noise)
-        for step_kv in (False, True):
-            calls = []
+        calls = []
 
-            def counted(*a, **kw):
-                calls.append(a[1].shape[2])
-                return fast_triton.triton_step_attention(*a, **kw)
+        def counted(*a, **kw):
+            calls.append(a[1].shape[2])
+            return fast_triton.triton_step_attention(*a, **kw)
 
-            AttentionInterface._global_mapping[fast_triton.TRITON_NAME] = counted  # noqa: SLF001
-            p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None, step_kv=step_kv,
-                                    step_attention="triton")
-            out, _ = both(p, obs(), noise)
-            AttentionInterface._global_mapping[fast_triton.TRITON_NAME] = fast_triton.triton_step_attention  # noqa: SLF001
-            layers = p.inner.model.paligemma_with_expert.gemma_expert.model.config.num_hidden_layers
-            assert len(calls) == layers * int(p.lr_cfg.num_inference_steps)  # the steps only
-            assert set(calls) == {CHUNK + (variant == "pi0")}
-            torch.testing.assert_close(out, plain, **CPU_TOL)
-            torch.testing.assert_close(out, ref, **CPU_TOL)
+        AttentionInterface._global_mapping[fast_triton.TRITON_NAME] = counted  # noqa: SLF001
+        p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None, step_kv=step_kv,
+                                step_attention="triton")
+        out, _ = both(p, obs(), noise)
+        AttentionInterface._global_mapping[fast_triton.TRITON_NAME] = fast_triton.triton_step_attention  # noqa: SLF001
+        layers = p.inner.model.paligemma_with_expert.gemma_expert.model.config.num_hidden_layers
+        assert len(calls) == layers * int(p.lr_cfg.num_inference_steps)  # the steps only
+        assert set(calls) == {CHUNK + (variant == "pi0")}
+        torch.testing.assert_close(out, plain, **CPU_TOL)
+        torch.testing.assert_close(out, ref, **CPU_TOL)
     print("sampler ok")
 
 
