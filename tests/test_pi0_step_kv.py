@@ -171,3 +171,27 @@ def test_fused_step_attention_equals_the_default(ckpts, variant, step_kv, attent
     torch.testing.assert_close(out, ref, **CPU_TOL)
     with pytest.raises(ValueError, match="step_attention"):
         sampler(p, step_attention="flash")
+
+
+def test_the_policy_setting_turns_the_buffers_on(ckpts, built):  # noqa: F811
+    """``policy.fast_step_kv``: off by default (config and shipped YAML), true builds the fast
+    path with the buffers (the same actions), anything else is refused naming the setting."""
+    import yaml
+
+    from agents.policies.pi0.config import Pi0PolicyConfig
+
+    assert Pi0PolicyConfig().fast_step_kv is False
+    for name in ("pi0", "pi05"):
+        assert yaml.safe_load(open(f"config/policy/{name}.yaml"))["fast_step_kv"] is False
+    with pytest.raises(ValueError, match="policy.fast_step_kv"):
+        Pi0PolicyConfig(fast_step_kv="sometimes").validate()
+    noise = None
+    outs = []
+    for on in (False, True):
+        p = policy(ckpts, "pi0", fast_step_kv=on).eval()
+        noise = noise_for(p) if noise is None else noise
+        with torch.no_grad():
+            assert p._fast_sampler().step_kv is on
+            outs.append(p.act(obs(), deterministic=True, noise=noise).actions)
+    assert len(built) == 1  # the buffers, on the second policy's act only
+    torch.testing.assert_close(outs[0], outs[1], **CPU_TOL)

@@ -31,12 +31,11 @@ defaults: on a GPU bf16 SigLIP and every layer's projections fused), ``bf16_visi
 ``fp8`` (FP8 alone), ``bf16_vision_fused_expert`` / ``bf16_vision_fused`` (``policy.fast_fuse_proj``
 expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``policy.fast_autotune``),
 ``default_step_kv`` (the defaults with the steps' keys/values in per-call buffers,
-``FastPiSampler(step_kv=True)``), ``default_flex`` / ``default_step_kv_flex`` (the steps'
+``policy.fast_step_kv=true``), ``default_flex`` / ``default_step_kv_flex`` (the steps'
 attention through FlexAttention, ``step_attention="flex"``), ``default_sdpa`` /
 ``default_step_kv_sdpa`` (through one ``scaled_dot_product_attention`` call with the mask,
 ``step_attention="sdpa"``), ``default_triton`` / ``default_step_kv_triton`` (one Triton kernel,
-agents/policies/pi0/fast_triton.py; step_kv and step_attention are sampler arguments, not policy
-settings). A lever's results sit under
+agents/policies/pi0/fast_triton.py; step_attention is a sampler argument, not a policy setting). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
@@ -79,7 +78,7 @@ def batch_of(obs: dict, b: int) -> dict:
 
 
 #: --levers: name -> the lever's settings (policy.fast_* without the prefix; unnamed ones off: fp32 SigLIP,
-#: no FP8, no fusion, no autotune) and sampler arguments (step_kv, step_attention)
+#: no FP8, no fusion, no autotune, no step buffers) and the sampler argument step_attention
 LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto"}, "bf16_vision": {"vision_dtype": "bf16"},
           "bf16_vision_fp8": {"vision_dtype": "bf16", "expert_fp8": "true"}, "fp8": {"expert_fp8": "true"},
           "bf16_vision_fused_expert": {"vision_dtype": "bf16", "fuse_proj": "expert"},
@@ -104,7 +103,7 @@ def lever_kwargs(lever: str, device) -> dict:
     from agents.policies.pi0.fast_levers import lever_settings
 
     s = {"vision_dtype": "fp32", "expert_fp8": False, "fuse_proj": "off", "autotune": False, **LEVERS[lever]}
-    # sampler arguments (agents/policies/pi0/fast_attention.py), not policy settings
+    # step_kv is policy.fast_step_kv; step_attention a sampler argument (agents/policies/pi0/fast_attention.py)
     sampler = {"step_kv": s.pop("step_kv", False), "step_attention": s.pop("step_attention", "mqa")}
     kw = lever_settings(SimpleNamespace(**{f"fast_{k}": v for k, v in s.items()}),
                         getattr(device, "type", device) == "cuda")

@@ -90,7 +90,7 @@ def resolve_expert_fp8(value: Any) -> str | None:
 
 def lever_settings(cfg, cuda: bool = False) -> dict:
     """A PI0 config's ``fast_vision_dtype`` / ``fast_expert_fp8`` / ``fast_fuse_proj`` /
-    ``fast_autotune`` as :class:`FastPiSampler` arguments for a fast path on a GPU (``cuda``)
+    ``fast_autotune`` / ``fast_step_kv`` (off when absent) as :class:`FastPiSampler` arguments for a fast path on a GPU (``cuda``)
     or not: ``auto`` settings resolve by it (raises on a bad value: the config's validation
     calls it). An explicit FP8 expert turns ``fast_fuse_proj=auto`` off (both replace the
     expert's linear layers); an explicit fusion with FP8 is an error."""
@@ -98,7 +98,8 @@ def lever_settings(cfg, cuda: bool = False) -> dict:
     auto_fuse = str(cfg.fast_fuse_proj).strip().lower() == "auto"
     out = {"vision_dtype": resolve_vision_dtype(cfg.fast_vision_dtype, cuda), "expert_fp8": fp8,
            "fuse": None if auto_fuse and fp8 else resolve_fuse(cfg.fast_fuse_proj, cuda),
-           "autotune": resolve_flag(cfg.fast_autotune, "policy.fast_autotune")}
+           "autotune": resolve_flag(cfg.fast_autotune, "policy.fast_autotune"),
+           "step_kv": resolve_flag(getattr(cfg, "fast_step_kv", False), "policy.fast_step_kv")}
     if out["fuse"] and out["expert_fp8"]:
         raise ValueError("policy.fast_fuse_proj and policy.fast_expert_fp8 both replace the expert's linear "
                          "layers; set one of them")
@@ -122,8 +123,9 @@ def check_levers(cfg, device: torch.device, who: str) -> None:
     if s["expert_fp8"] == "cuda":
         check_fp8(device)
     unused = cfg.fast_serving == "off" or (cfg.fast_serving == "auto" and device.type != "cuda")
-    if unused and (s["vision_dtype"] is not None or s["expert_fp8"] is not None or s["fuse"] or s["autotune"]):
-        log.warning("%s: fast_vision_dtype / fast_expert_fp8 / fast_fuse_proj / fast_autotune act on the fast "
+    if unused and (s["vision_dtype"] is not None or s["expert_fp8"] is not None or s["fuse"] or s["autotune"]
+                   or s["step_kv"]):
+        log.warning("%s: fast_vision_dtype / fast_expert_fp8 / fast_fuse_proj / fast_autotune / fast_step_kv act on the fast "
                     "serving path only, which "
                     "fast_serving=%s does not use here (RTC acts still take it)", who, cfg.fast_serving)
 
