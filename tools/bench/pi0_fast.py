@@ -35,7 +35,9 @@ expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``poli
 attention through FlexAttention, ``step_attention="flex"``), ``default_sdpa`` /
 ``default_step_kv_sdpa`` (through one ``scaled_dot_product_attention`` call with the mask,
 ``step_attention="sdpa"``), ``default_triton`` / ``default_step_kv_triton`` (one Triton kernel,
-agents/policies/pi0/fast_triton.py; step_attention is a sampler argument, not a policy setting). A lever's results sit under
+agents/policies/pi0/fast_triton.py), ``default_cudnn_prefix`` / ``default_step_kv_cudnn_prefix``
+(cuDNN first in SDPA's backend order for SigLIP and the prefix pass, ``prefix_attention="cudnn"``;
+step_attention and prefix_attention are sampler arguments, not policy settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
@@ -78,7 +80,7 @@ def batch_of(obs: dict, b: int) -> dict:
 
 
 #: --levers: name -> the lever's settings (policy.fast_* without the prefix; unnamed ones off: fp32 SigLIP,
-#: no FP8, no fusion, no autotune, no step buffers) and the sampler argument step_attention
+#: no FP8, no fusion, no autotune, no step buffers) and the sampler arguments step_attention, prefix_attention
 LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto"}, "bf16_vision": {"vision_dtype": "bf16"},
           "bf16_vision_fp8": {"vision_dtype": "bf16", "expert_fp8": "true"}, "fp8": {"expert_fp8": "true"},
           "bf16_vision_fused_expert": {"vision_dtype": "bf16", "fuse_proj": "expert"},
@@ -94,7 +96,10 @@ LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto
                                    "step_attention": "sdpa"},
           "default_triton": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "triton"},
           "default_step_kv_triton": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                                     "step_attention": "triton"}}
+                                     "step_attention": "triton"},
+          "default_cudnn_prefix": {"vision_dtype": "auto", "fuse_proj": "auto", "prefix_attention": "cudnn"},
+          "default_step_kv_cudnn_prefix": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
+                                           "prefix_attention": "cudnn"}}
 
 
 def lever_kwargs(lever: str, device) -> dict:
@@ -104,7 +109,8 @@ def lever_kwargs(lever: str, device) -> dict:
 
     s = {"vision_dtype": "fp32", "expert_fp8": False, "fuse_proj": "off", "autotune": False, **LEVERS[lever]}
     # step_kv is policy.fast_step_kv; step_attention a sampler argument (agents/policies/pi0/fast_attention.py)
-    sampler = {"step_kv": s.pop("step_kv", False), "step_attention": s.pop("step_attention", "mqa")}
+    sampler = {"step_kv": s.pop("step_kv", False), "step_attention": s.pop("step_attention", "mqa"),
+               "prefix_attention": s.pop("prefix_attention", "default")}
     kw = lever_settings(SimpleNamespace(**{f"fast_{k}": v for k, v in s.items()}),
                         getattr(device, "type", device) == "cuda")
     if kw["expert_fp8"] == "cuda" and getattr(device, "type", device) != "cuda":
@@ -124,7 +130,7 @@ def bench_mode(policy, mode: str, obs, inputs, noise, args, sync, lever: str = "
                                         compile=None if mode == "off" else mode, **kw)
     res: dict = {"mode": mode, "lever": lever, "vision_dtype": str(kw["vision_dtype"]),
                  "expert_fp8": kw["expert_fp8"], "fuse_proj": kw["fuse"], "autotune": kw["autotune"], "step_kv": kw["step_kv"],
-                 "step_attention": kw["step_attention"],
+                 "step_attention": kw["step_attention"], "prefix_attention": kw["prefix_attention"],
                  "warmup_s": {}, "warmup_compiled_graphs": {}}
     if fast.levers is not None and fast.levers.fp8 is not None:
         res["fp8_layers"], res["fp8_skipped"] = len(fast.levers.fp8.sites), fast.levers.fp8.skipped

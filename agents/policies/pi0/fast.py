@@ -50,8 +50,10 @@ of their code runs; the policy's defaults pass bf16 vision and ``fuse="all"`` on
 the expert's step linears in FP8 e4m3 (``torch._scaled_mm``, row-wise scales), ``fuse``
 ("expert" or "all") stacks each layer's q/k/v and gate/up weights into one GEMM each,
 ``autotune`` compiles with inductor's GEMM autotuning, ``step_kv`` keeps the steps' keys/values
-in per-call buffers and ``step_attention`` ("flex" or "sdpa") runs the steps' attention as one
-fused kernel (FlexAttention, or ``scaled_dot_product_attention`` with the mask); :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
+in per-call buffers, ``step_attention`` ("flex", "sdpa" or "triton") runs the steps' attention
+as fused kernels (FlexAttention, ``scaled_dot_product_attention`` with the mask, or Triton) and
+``prefix_attention="cudnn"`` puts cuDNN first in SDPA's backend order for SigLIP and the prefix
+pass; :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
 each call.
 RTC (real-time chunking, :mod:`agents.policies.pi0.rtc`): ``sample(..., rtc=...)`` with per-row
 tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
@@ -104,7 +106,7 @@ class FastPiSampler:
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, compile: bool | str | None = False,
                  cache_dir: str | None = CACHE_DIR, vision_dtype: torch.dtype | None = None,
                  expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False,
-                 step_kv: bool = False, step_attention: str = "mqa"):
+                 step_kv: bool = False, step_attention: str = "mqa", prefix_attention: str = "default"):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention((TRITON_NAME, triton_step_attention))
@@ -120,6 +122,9 @@ class FastPiSampler:
         if step_attention not in STEP_ATTENTION:
             raise ValueError(f"FastPiSampler: step_attention must be one of {sorted(STEP_ATTENTION)}, got {step_attention!r}")
         self.step_attention = step_attention  # the denoising steps' attention (fast_attention.py)
+        if prefix_attention not in ("default", "cudnn"):
+            raise ValueError(f"FastPiSampler: prefix_attention must be default or cudnn, got {prefix_attention!r}")
+        self.prefix_attention = prefix_attention  # SDPA's backend order in SigLIP and the prefix pass
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and the bench read it)
         self.compiles = 0  # graphs dynamo compiled during those captures
@@ -180,7 +185,7 @@ class FastPiSampler:
         pwe = self.model.paligemma_with_expert
         embs, pads = [], []
         dyn = self.compile == "dynamic"  # symbolic: batch (>= 2: dynamo's rule) and prompt length
-        with self._swapped("vision"):
+        with self._swapped("vision"), self._sdpa_order():
             if len(images) > 1 and len({tuple(i.shape) for i in images}) == 1:  # one SigLIP pass
                 cat = torch.cat(list(images), dim=0)
                 if dyn:
@@ -201,10 +206,21 @@ class FastPiSampler:
         cache = _PrefixKV(len(self.vlm.layers))
         if dyn:
             mark_dynamic((0, 1), embs, pad)
-        with self._swapped("vlm"):
+        with self._swapped("vlm"), self._sdpa_order():
             cache.k, cache.v = self._prefix_kv(embs, pad)
         cache.recording = False
         return cache, pad
+
+    def _sdpa_order(self):
+        """``prefix_attention="cudnn"``: SDPA tries cuDNN's attention first (head dimension 256
+        with a mask on Hopper; where it cannot run, the usual order follows), read when the
+        compiled stages trace; "default": torch's order."""
+        if self.prefix_attention == "default":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                            SDPBackend.MATH], set_priority=True)
 
     def prefix_kv(self, embs: torch.Tensor, pad: torch.Tensor) -> tuple[list, list]:
         """The VLM layer stack over the prefix embeddings: each layer's keys and values."""
