@@ -62,7 +62,15 @@ import json
 import os
 import tempfile
 import time
+import traceback
 from pathlib import Path
+
+
+def error_text(exc: BaseException, head: int = 300, tail: int = 1500) -> str:
+    """An exception for the JSON: its start and its end (an inductor error wraps its cause, the
+    subprocess's traceback, and says what went wrong last)."""
+    msg = f"{type(exc).__name__}: {exc}"
+    return msg if len(msg) <= head + tail else f"{msg[:head]} [...] {msg[-tail:]}"
 
 
 def timed(fn, sync, iters: int, max_iters: int) -> dict:
@@ -210,7 +218,7 @@ def profile_sampler(policy, fast, obs, batches, noise_shape, sync) -> dict:
                 out[b] = profile(lambda: fast._sample(images, img_masks, toks, masks, rest[0] if rest else None,  # noqa: B023
                                                       noise, steps), sync)
             except Exception as exc:  # noqa: BLE001 - recorded; the timings stand
-                out[b] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                out[b] = {"error": error_text(exc)}
     return out
 
 
@@ -309,8 +317,9 @@ def bench_variant(variant: str, args, tmp: Path, save=lambda res: None) -> dict:
                 print(f"[pi0_fast] {variant} {key}: act p50 {r['act_ms']['p50']:.2f} ms p99 {r['act_ms']['p99']:.2f}, "
                       f"max |fast-lerobot| {r.get('max_abs_diff', float('nan')):.3g}", flush=True)
             except Exception as exc:  # noqa: BLE001 - recorded: compile / FP8 support varies
-                res["modes"][key] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+                res["modes"][key] = {"error": error_text(exc)}
                 print(f"[pi0_fast] {variant} {key}: {res['modes'][key]['error'][:300]}", flush=True)
+                traceback.print_exc()  # the whole of it in the log: compile errors end with their cause
             save(res)
     policy._fast = None
     late = args.deadline_s and time.perf_counter() - args.t0 + 15.0 > args.deadline_s
