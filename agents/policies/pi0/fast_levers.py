@@ -90,8 +90,8 @@ def resolve_expert_fp8(value: Any) -> str | None:
 
 def lever_settings(cfg, cuda: bool = False) -> dict:
     """A PI0 config's ``fast_vision_dtype`` / ``fast_expert_fp8`` / ``fast_fuse_proj`` /
-    ``fast_autotune`` / ``fast_step_kv`` (off when absent) as :class:`FastPiSampler` arguments for a fast path on a GPU (``cuda``)
-    or not: ``auto`` settings resolve by it (raises on a bad value: the config's validation
+    ``fast_autotune`` / ``fast_step_kv`` (off when absent) as :class:`FastPiSampler` arguments
+    for a fast path on a GPU (``cuda``) or not: ``auto`` settings resolve by it (raises on a bad value: the config's validation
     calls it). An explicit FP8 expert turns ``fast_fuse_proj=auto`` off (both replace the
     expert's linear layers); an explicit fusion with FP8 is an error."""
     fp8 = resolve_expert_fp8(cfg.fast_expert_fp8)
@@ -125,9 +125,9 @@ def check_levers(cfg, device: torch.device, who: str) -> None:
     unused = cfg.fast_serving == "off" or (cfg.fast_serving == "auto" and device.type != "cuda")
     if unused and (s["vision_dtype"] is not None or s["expert_fp8"] is not None or s["fuse"] or s["autotune"]
                    or s["step_kv"]):
-        log.warning("%s: fast_vision_dtype / fast_expert_fp8 / fast_fuse_proj / fast_autotune / fast_step_kv act on the fast "
-                    "serving path only, which "
-                    "fast_serving=%s does not use here (RTC acts still take it)", who, cfg.fast_serving)
+        log.warning("%s: fast_vision_dtype / fast_expert_fp8 / fast_fuse_proj / fast_autotune / fast_step_kv act on "
+                    "the fast serving path only, which fast_serving=%s does not use here (RTC acts still take it)",
+                    who, cfg.fast_serving)
 
 
 def fp8_unavailable(device: torch.device | str) -> str | None:
