@@ -98,7 +98,7 @@ def test_grpo_trainer_runs_grpo_rounds_on_the_discrete_oft(tmp_path):
     spec = bench_spec(8, 7, ["image", "wrist_image"], 32, has_task=True)
     policy, _ = build("openvla_oft_discrete", True, "cpu", tmp_path, spec)
     published = []
-    trainer = Trainer(policy, spec, 4, published.append, 2, lambda: None, update="grpo")
+    trainer = Trainer(policy, spec, 4, published.append, 2, lambda: None, update="grpo", minibatch=2)
     b = trainer.batch
     assert b["action"].shape == (4, policy.chunk_size, spec.action_dim) and b["old_log_prob"].shape == (4,)
     assert b["advantages"].tolist() == [1.0, -1.0, 1.0, -1.0]
@@ -106,6 +106,7 @@ def test_grpo_trainer_runs_grpo_rounds_on_the_discrete_oft(tmp_path):
     for _ in range(2):
         assert trainer.step() > 0
     assert trainer.agent.num_updates == 2 and len(published) == 1
+    assert trainer.agent.cfg.minibatch_size == 2  # two optimizer steps a round
     after = policy.trainable_state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="--update"):

@@ -100,11 +100,12 @@ class Trainer:
     """The training copy's update loop on a fixed random batch, a new weights version every
     ``publish_every`` steps. ``update="bc"``: one ``bc_loss`` step with AdamW (rejection
     sampling's update). ``update="grpo"``: one :meth:`agents.grpo.agent.GRPOAgent.update` round
-    (GRPO's defaults, one epoch of one minibatch of the whole batch: the proximal log-probs
-    without gradients, then the clipped surrogate's forward, backward and optimizer step) over
-    chunks sampled from the policy with advantages of +1 and -1."""
+    (GRPO's defaults, one epoch over the batch: the proximal log-probs without gradients, then per
+    ``minibatch`` chunks the clipped surrogate's forward, backward and optimizer step) over chunks
+    sampled from the policy with advantages of +1 and -1."""
 
-    def __init__(self, policy, spec, batch: int, publish, publish_every: int, sync, update: str = "bc"):
+    def __init__(self, policy, spec, batch: int, publish, publish_every: int, sync, update: str = "bc",
+                 minibatch: int = 8):
         import torch
 
         if update not in UPDATES:
@@ -117,7 +118,7 @@ class Trainer:
         self.batch = {k: torch.from_numpy(np.repeat(v, batch, axis=0)).to(dev) for k, v in ob.items()}
         self.batch["task"] = [TASK] * batch
         if update == "grpo":
-            self.agent = grpo_agent(policy, self.batch, batch, dev)
+            self.agent = grpo_agent(policy, self.batch, batch, dev, min(minibatch, batch))
         else:
             self.opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
             self.batch["action"] = (torch.rand(batch, policy.chunk_size, spec.action_dim) * 2 - 1).to(dev)
@@ -145,7 +146,7 @@ class Trainer:
         return {"updates": len(steps), "updates_per_s": len(steps) / wall, "step_ms": p50_p99(steps or [0.0])}
 
 
-def grpo_agent(policy, batch: dict, n: int, device):
+def grpo_agent(policy, batch: dict, n: int, device, minibatch: int):
     """A GRPO agent over ``policy`` and ``batch`` completed in place as GRPO's rollout batch:
     chunks the policy samples for its observations, their behaviour log-probs, advantages
     alternating +1 / -1 (a group's successes and failures), every chunk executed."""
@@ -154,7 +155,7 @@ def grpo_agent(policy, batch: dict, n: int, device):
 
     from agents.grpo.agent import GRPOAgent, GRPOConfig
 
-    agent = GRPOAgent(GRPOConfig(epochs=1, minibatch_size=n, lr=1e-5), policy,
+    agent = GRPOAgent(GRPOConfig(epochs=1, minibatch_size=minibatch, lr=1e-5), policy,
                       Accelerator(cpu=device.type != "cuda"))
     obs = {k: v for k, v in batch.items()}
     with torch.no_grad():
@@ -282,7 +283,7 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
     out: dict = {"runs": [], "by_period": {}}
     try:
         trainer = Trainer(training, spec, args.train_batch, pubs[args.streams[0]].publish, args.publish_every, sync,
-                          update=update_for(name, args.update))
+                          update=update_for(name, args.update), minibatch=args.grpo_minibatch)
         out["update"] = trainer.update
         trainer.run_until(seconds=min(5.0, args.seconds))  # warm-up: allocator, kernels
         for period in args.periods:
@@ -399,6 +400,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--update", default="auto", choices=("auto", *UPDATES),
                     help="bc: a bc_loss step (rejection sampling's update); grpo: a GRPOAgent update round; "
                          "auto: grpo for openvla_oft_discrete (GRPO's OFT), bc for the others")
+    ap.add_argument("--grpo-minibatch", type=int, default=8,
+                    help="chunks per optimizer step of a GRPO update round (the round covers --train-batch)")
     ap.add_argument("--publish-every", type=int, default=25)
     ap.add_argument("--batch-window-ms", type=float, default=2.0)
     ap.add_argument("--image-size", type=int, default=224)
@@ -418,6 +421,7 @@ def main(argv=None) -> dict:
     out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "periods_s": args.periods,
            "seconds": args.seconds, "repeats": args.repeats, "train_batch": args.train_batch, "update": args.update,
+           "grpo_minibatch": args.grpo_minibatch,
            "publish_every": args.publish_every, "gpu_before": gpu_state(), "policies": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.policies.split(","):
