@@ -108,9 +108,9 @@ def test_step_buffers_in_the_flow_rl_chain(ckpts, built):  # noqa: F811
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("variant", ["pi0", "pi05"])
-@pytest.mark.parametrize("attention", ["mqa", "flex", "sdpa", "triton"])
+@pytest.mark.parametrize("attention", ["mqa", "flex", "triton"])
 def test_step_buffers_under_graphs_and_compile_on_gpu(ckpts, variant, attention):  # noqa: F811
-    """The step buffers (and the fused attention kernels: FlexAttention, SDPA, the Triton kernel) under CUDA graphs and the compiled
+    """The step buffers (and the fused attention kernels: FlexAttention, the Triton kernels) under CUDA graphs and the compiled
     steps with the GPU defaults: lerobot's actions within the bf16 tolerance, new weights with
     no capture."""
     p = policy(ckpts, variant, device="cuda", dtype="bfloat16", fast_serving="auto")
@@ -131,22 +131,18 @@ def test_step_buffers_under_graphs_and_compile_on_gpu(ckpts, variant, attention)
 
 @pytest.mark.parametrize("variant", ["pi0", "pi05"])
 @pytest.mark.parametrize("step_kv", [False, True])
-@pytest.mark.parametrize("attention", ["flex", "sdpa"])
-def test_fused_step_attention_equals_the_default(ckpts, variant, step_kv, attention):  # noqa: F811
-    """FlexAttention / SDPA for the denoising steps (eager on a CPU: torch's reference
-    computations) compute what ``mqa_attention`` computes: the same actions to float32
-    round-off, with and without the step buffers (SDPA with them: the mask stacked once a call);
-    the prefix pass keeps its own attention."""
+def test_flex_step_attention_equals_the_default(ckpts, variant, step_kv):  # noqa: F811
+    """FlexAttention for the denoising steps (eager on a CPU: torch's reference computation)
+    computes what ``mqa_attention`` computes: the same actions to float32 round-off, with and
+    without the step buffers; the prefix pass keeps its own attention."""
     from agents.policies.pi0 import fast_attention
-    from agents.policies.pi0.fast import STEP_ATTENTION
 
     p = policy(ckpts, variant)
     noise = noise_for(p)
     p._fast = sampler(p)
     plain, ref = both(p, obs(), noise)
     calls = []
-    name = STEP_ATTENTION[attention]
-    orig = {"flex": fast_attention.flex_step_attention, "sdpa": fast_attention.sdpa_step_attention}[attention]
+    orig = fast_attention.flex_step_attention
 
     def counted(*a, **kw):
         calls.append((a[1].shape[2], None if a[4] is None else a[4].shape[2]))  # query rows, mask rows
@@ -154,19 +150,17 @@ def test_fused_step_attention_equals_the_default(ckpts, variant, step_kv, attent
 
     from transformers import AttentionInterface
 
-    AttentionInterface._global_mapping[name] = counted  # noqa: SLF001
+    AttentionInterface._global_mapping[fast_attention.FLEX_NAME] = counted  # noqa: SLF001
     try:
-        p._fast = sampler(p, step_kv=step_kv, step_attention=attention)
+        p._fast = sampler(p, step_kv=step_kv, step_attention="flex")
         out, _ = both(p, obs(), noise)
     finally:
-        AttentionInterface._global_mapping[name] = orig  # noqa: SLF001
+        AttentionInterface._global_mapping[fast_attention.FLEX_NAME] = orig  # noqa: SLF001
     layers = p.inner.model.paligemma_with_expert.gemma_expert.model.config.num_hidden_layers
     steps = int(p.lr_cfg.num_inference_steps)
     rows = CHUNK + (variant == "pi0")
     assert len(calls) == layers * steps and {c[0] for c in calls} == {rows}  # the steps only
-    cfg = p.inner.model.paligemma_with_expert.gemma_expert.config
-    stacked = rows * cfg.num_attention_heads // cfg.num_key_value_heads
-    assert {c[1] for c in calls} == {stacked if (step_kv and attention == "sdpa") else rows}
+    assert {c[1] for c in calls} == {rows}
     torch.testing.assert_close(out, plain, **CPU_TOL)
     torch.testing.assert_close(out, ref, **CPU_TOL)
     with pytest.raises(ValueError, match="step_attention"):

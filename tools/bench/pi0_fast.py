@@ -32,12 +32,11 @@ defaults: on a GPU bf16 SigLIP and every layer's projections fused), ``bf16_visi
 expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``policy.fast_autotune``),
 ``default_step_kv`` (the defaults with the steps' keys/values in per-call buffers,
 ``policy.fast_step_kv=true``), ``default_flex`` / ``default_step_kv_flex`` (the steps'
-attention through FlexAttention, ``step_attention="flex"``), ``default_sdpa`` /
-``default_step_kv_sdpa`` (through one ``scaled_dot_product_attention`` call with the mask,
-``step_attention="sdpa"``), ``default_triton`` / ``default_step_kv_triton`` (one Triton kernel,
-agents/policies/pi0/fast_triton.py), ``default_cudnn_prefix`` / ``default_step_kv_cudnn_prefix``
-(cuDNN first in SDPA's backend order for SigLIP and the prefix pass, ``prefix_attention="cudnn"``;
-step_attention and prefix_attention are sampler arguments, not policy settings). A lever's results sit under
+attention through FlexAttention, ``step_attention="flex"``), ``default_triton`` /
+``default_step_kv_triton`` (Triton kernels, agents/policies/pi0/fast_triton.py),
+``default_cudnn_prefix`` / ``default_step_kv_cudnn_prefix`` (cuDNN first in SDPA's backend order
+for SigLIP and the prefix pass, ``prefix_attention="cudnn"``; step_attention and prefix_attention
+are sampler arguments, not policy settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
@@ -99,9 +98,6 @@ LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto
           "default_flex": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "flex"},
           "default_step_kv_flex": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
                                    "step_attention": "flex"},
-          "default_sdpa": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "sdpa"},
-          "default_step_kv_sdpa": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                                   "step_attention": "sdpa"},
           "default_triton": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "triton"},
           "default_step_kv_triton": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
                                      "step_attention": "triton"},

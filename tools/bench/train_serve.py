@@ -5,8 +5,8 @@ a serving copy on the same device; a real loopback learner (``LearnerService`` +
 ``InferenceServer``) serves N actor processes running Tandem's ``LearnerClient``, and the main
 thread trains as the learner's main thread does (``--update bc``: ``bc_loss``, backward, AdamW on
 the trainable parameters, rejection sampling's update; ``--update grpo``: a ``GRPOAgent`` update
-round; the default ``auto`` trains ``openvla_oft_discrete`` with GRPO and the others with BC); a new version through ``WeightPublisher`` every
-``--publish-every`` updates).
+round; the default ``auto`` trains ``openvla_oft_discrete`` with GRPO and the others with BC; a
+new version through ``WeightPublisher`` every ``--publish-every`` updates).
 
 Phases of ``--seconds`` each, interleaved (every repeat runs serve, train and both for every
 serving stream in ``--streams``, in a rotated order):
@@ -157,7 +157,7 @@ def grpo_agent(policy, batch: dict, n: int, device, minibatch: int):
 
     agent = GRPOAgent(GRPOConfig(epochs=1, minibatch_size=minibatch, lr=1e-5), policy,
                       Accelerator(cpu=device.type != "cuda"))
-    obs = {k: v for k, v in batch.items()}
+    obs = dict(batch)  # the observation, before the rollout keys join the batch
     with torch.no_grad():
         out = policy.act(obs, deterministic=False)
         batch["action"] = out.actions.to(device)

@@ -50,8 +50,8 @@ of their code runs; the policy's defaults pass bf16 vision and ``fuse="all"`` on
 the expert's step linears in FP8 e4m3 (``torch._scaled_mm``, row-wise scales), ``fuse``
 ("expert" or "all") stacks each layer's q/k/v and gate/up weights into one GEMM each,
 ``autotune`` compiles with inductor's GEMM autotuning, ``step_kv`` keeps the steps' keys/values
-in per-call buffers, ``step_attention`` ("flex", "sdpa" or "triton") runs the steps' attention
-as fused kernels (FlexAttention, ``scaled_dot_product_attention`` with the mask, or Triton) and
+in per-call buffers, ``step_attention`` ("flex" or "triton") runs the steps' attention as fused
+kernels (FlexAttention or Triton) and
 ``prefix_attention="cudnn"`` puts cuDNN first in SDPA's backend order for SigLIP and the prefix
 pass; :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
 each call.
@@ -74,8 +74,7 @@ from torch import nn
 
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
-from agents.policies.pi0.fast_attention import (ATTN_NAME, FLEX_NAME, SDPA_NAME, StepKV, _additive, _PrefixKV,
-                                                _register_attention)
+from agents.policies.pi0.fast_attention import ATTN_NAME, FLEX_NAME, StepKV, _additive, _PrefixKV, _register_attention
 from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.fast_triton import TRITON_NAME, triton_step_attention
 from agents.policies.pi0.rtc import freeze, guide
@@ -83,7 +82,7 @@ from agents.policies.pi0.rtc import freeze, guide
 #: the per-row RTC tensors ``sample`` takes: prefix [B, H, D], weights [B, H, 1], frozen [B, H, 1]
 RTC_KEYS = ("rtc_prefix", "rtc_weights", "rtc_frozen")
 #: ``step_attention`` -> the attention interface the denoising steps run (fast_attention.py)
-STEP_ATTENTION = {"mqa": ATTN_NAME, "flex": FLEX_NAME, "sdpa": SDPA_NAME, "triton": TRITON_NAME}
+STEP_ATTENTION = {"mqa": ATTN_NAME, "flex": FLEX_NAME, "triton": TRITON_NAME}
 
 log = logging.getLogger("tandem.policies.pi0_fast")
 
@@ -301,9 +300,6 @@ class FastPiSampler:
         if self.step_kv:
             ar = self._ar(noise.device)
             cache = StepKV(cache, pad, len(ar), ar, self.expert.layers[0].self_attn.q_proj.weight.dtype)
-            if self.step_attention == "sdpa":
-                c = self.expert.config
-                cache.stacked_mask(c.num_attention_heads // c.num_key_value_heads)
         self._set_attn(STEP_ATTENTION[self.step_attention])
         dt = -1.0 / num_steps
         times = 1.0 + dt * torch.arange(num_steps, dtype=torch.float32, device=noise.device)

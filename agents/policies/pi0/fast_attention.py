@@ -115,47 +115,12 @@ def flex_step_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     return out.transpose(1, 2).contiguous(), None
 
 
-#: the attention interface of the denoising steps with ``step_attention="sdpa"``
-SDPA_NAME = "tandem_sdpa"
-
-
-def sdpa_step_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                        **kwargs) -> tuple[torch.Tensor, None]:
-    """:func:`mqa_attention`'s interface as one ``scaled_dot_product_attention`` call
-    (``FastPiSampler(step_attention="sdpa")``, off): the G query heads of each key/value head
-    stacked into G*Q rows as in :func:`mqa_attention`, the additive mask repeated to match
-    (already stacked when its query length is G*Q: :meth:`StepKV.stacked_mask`), so that one
-    fused kernel (on a GPU, the memory-efficient or cuDNN backend: FlashAttention takes no mask)
-    computes scores, mask, softmax and the value sum. Beyond ``MQA_MAX_ROWS`` rows:
-    :func:`mqa_attention`."""
-    b, h, q, d = query.shape
-    hkv, k = key.shape[1], key.shape[2]
-    g = h // hkv
-    if g * q > MQA_MAX_ROWS or dropout:
-        return mqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    pad = -k % 8
-    mask = attention_mask
-    if mask is not None and mask.shape[2] != g * q:
-        mask = mask[:, :, None, :, :k].expand(b, 1, g, q, k).reshape(b, 1, g * q, k)
-    if pad:  # aligned keys and mask rows, as mqa_attention
-        key, value = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (key, value))
-        if mask is None:
-            mask = torch.zeros(b, 1, g * q, k, dtype=query.dtype, device=query.device)
-        mask = nn.functional.pad(mask[..., :k], (0, pad), value=torch.finfo(query.dtype).min)
-    out = nn.functional.scaled_dot_product_attention(
-        query.reshape(b, hkv, g * q, d), key, value, attn_mask=None if mask is None else mask.to(query.dtype),
-        scale=scaling if scaling is not None else d ** -0.5)
-    return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
-
-
 def _register_attention(*extra: tuple[str, object]) -> None:
     """This module's attention functions (and ``extra`` (name, function) pairs) in transformers'
     attention registry, once."""
     from transformers import AttentionInterface
 
-    for name, fn in ((ATTN_NAME, mqa_attention), (FLEX_NAME, flex_step_attention), (SDPA_NAME, sdpa_step_attention),
-                     *extra):
+    for name, fn in ((ATTN_NAME, mqa_attention), (FLEX_NAME, flex_step_attention), *extra):
         if name not in AttentionInterface._global_mapping:  # noqa: SLF001
             AttentionInterface.register(name, fn)
 
@@ -181,12 +146,6 @@ class StepKV:
         mask2d = torch.cat([make_att_2d_masks(ones, ar[None].expand(b, s)), pad[:, None, :].expand(b, s, p),
                             torch.zeros(b, s, tail, dtype=torch.bool, device=pad.device)], dim=2)
         self.mask = _additive(mask2d, dtype)
-
-    def stacked_mask(self, groups: int) -> None:
-        """Stack the mask's rows for ``groups`` query heads per key/value head ([B, 1, G*s, K]:
-        what :func:`sdpa_step_attention` reads), once a call instead of in every layer."""
-        b, _, s, k = self.mask.shape
-        self.mask = self.mask[:, :, None].expand(b, 1, groups, s, k).reshape(b, 1, groups * s, k)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """The step's suffix keys/values into the first rows of the layer's buffers, in place."""
