@@ -168,15 +168,20 @@ def test_flex_step_attention_equals_the_default(ckpts, variant, step_kv):  # noq
 
 
 def test_the_policy_setting_turns_the_buffers_on(ckpts, built):  # noqa: F811
-    """``policy.fast_step_kv``: off by default (config and shipped YAML), true builds the fast
-    path with the buffers (the same actions), anything else is refused naming the setting."""
+    """``policy.fast_step_kv``: auto by default (config and shipped YAML: on where the fast path
+    runs on a GPU, off elsewhere), true builds the fast path with the buffers (the same actions),
+    anything else is refused naming the setting."""
     import yaml
 
     from agents.policies.pi0.config import Pi0PolicyConfig
 
-    assert Pi0PolicyConfig().fast_step_kv is False
+    from agents.policies.pi0.fast_levers import lever_settings
+
+    assert Pi0PolicyConfig().fast_step_kv == "auto"
     for name in ("pi0", "pi05"):
-        assert yaml.safe_load(open(f"config/policy/{name}.yaml"))["fast_step_kv"] is False
+        assert yaml.safe_load(open(f"config/policy/{name}.yaml"))["fast_step_kv"] == "auto"
+    assert lever_settings(Pi0PolicyConfig(), cuda=True)["step_kv"] is True
+    assert lever_settings(Pi0PolicyConfig())["step_kv"] is False
     with pytest.raises(ValueError, match="policy.fast_step_kv"):
         Pi0PolicyConfig(fast_step_kv="sometimes").validate()
     noise = None

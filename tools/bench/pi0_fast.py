@@ -26,7 +26,9 @@ time with the same ``--cache-dir`` to time a restart on a warm inductor cache).
 ``--levers``: the levers of the fast path (agents/policies/pi0/fast_levers.py, fast_fused.py) side
 by side, each under every mode, in the same run on the same inputs and noise: ``baseline`` (every
 lever off: SigLIP in float32 as lerobot holds it, the unfused layers), ``default`` (the policy's
-defaults: on a GPU bf16 SigLIP and every layer's projections fused), ``bf16_vision``
+defaults: on a GPU bf16 SigLIP, every layer's projections fused and the steps' keys/values in
+per-call buffers), ``no_step_kv`` (the defaults without the buffers: ``default`` before
+2026-11-29's afternoon, and the ``default`` of the levers' names below), ``bf16_vision``
 (``policy.fast_vision_dtype=bf16``), ``bf16_vision_fp8`` (plus ``policy.fast_expert_fp8=true``),
 ``fp8`` (FP8 alone), ``bf16_vision_fused_expert`` / ``bf16_vision_fused`` (``policy.fast_fuse_proj``
 expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``policy.fast_autotune``),
@@ -88,7 +90,8 @@ def batch_of(obs: dict, b: int) -> dict:
 
 #: --levers: name -> the lever's settings (policy.fast_* without the prefix; unnamed ones off: fp32 SigLIP,
 #: no FP8, no fusion, no autotune, no step buffers) and the sampler arguments step_attention, prefix_attention
-LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto"}, "bf16_vision": {"vision_dtype": "bf16"},
+LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True},
+          "no_step_kv": {"vision_dtype": "auto", "fuse_proj": "auto"}, "bf16_vision": {"vision_dtype": "bf16"},
           "bf16_vision_fp8": {"vision_dtype": "bf16", "expert_fp8": "true"}, "fp8": {"expert_fp8": "true"},
           "bf16_vision_fused_expert": {"vision_dtype": "bf16", "fuse_proj": "expert"},
           "bf16_vision_fused": {"vision_dtype": "bf16", "fuse_proj": "all"},

@@ -82,8 +82,9 @@ class Pi0PolicyConfig:
     fast_fuse_proj: str = "auto"
     #: the fast path's compiles with inductor's GEMM autotuning (Triton templates, fused epilogues; longer compiles)
     fast_autotune: Any = False
-    #: the denoising steps' keys/values in per-call buffers, their mask built once a call (fast_attention.StepKV)
-    fast_step_kv: Any = False
+    #: the denoising steps' keys/values in per-call buffers, their mask built once a call
+    #: (fast_attention.StepKV): auto (on a GPU) | true | false
+    fast_step_kv: Any = "auto"
     gradient_checkpointing: bool = False
     #: seed of the random initial weights (both learner copies must agree)
     seed: int = 0

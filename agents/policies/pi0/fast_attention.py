@@ -4,7 +4,7 @@ read by every denoising step; :class:`StepKV`: the same in per-layer buffers wri
 call), the additive masks, and :func:`mqa_attention` (query heads that share a key/value head as
 one GEMM).
 
-:class:`StepKV` (``FastPiSampler(step_kv=True)``, off by default): each layer's keys and values
+:class:`StepKV` (``FastPiSampler(step_kv=True)``; on by default on a GPU, ``policy.fast_step_kv``): each layer's keys and values
 live in one buffer per call, ``[suffix | prefix | padding]`` with the length a multiple of 8, the
 prefix's copied in once; a denoising step writes its suffix keys/values into the first rows in
 place and attends over the whole buffer, with the step's additive mask built once per call

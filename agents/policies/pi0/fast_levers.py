@@ -99,21 +99,24 @@ def lever_settings(cfg, cuda: bool = False) -> dict:
     out = {"vision_dtype": resolve_vision_dtype(cfg.fast_vision_dtype, cuda), "expert_fp8": fp8,
            "fuse": None if auto_fuse and fp8 else resolve_fuse(cfg.fast_fuse_proj, cuda),
            "autotune": resolve_flag(cfg.fast_autotune, "policy.fast_autotune"),
-           "step_kv": resolve_flag(getattr(cfg, "fast_step_kv", False), "policy.fast_step_kv")}
+           "step_kv": resolve_flag(getattr(cfg, "fast_step_kv", False), "policy.fast_step_kv", cuda)}
     if out["fuse"] and out["expert_fp8"]:
         raise ValueError("policy.fast_fuse_proj and policy.fast_expert_fp8 both replace the expert's linear "
                          "layers; set one of them")
     return out
 
 
-def resolve_flag(value: Any, name: str) -> bool:
-    """A true / false setting -> bool (raises naming ``name`` on anything else)."""
+def resolve_flag(value: Any, name: str, cuda: bool | None = None) -> bool:
+    """A true / false setting -> bool (raises naming ``name`` on anything else); where ``cuda``
+    is given, ``auto`` too: true where the fast path runs on a GPU."""
     v = str(value).strip().lower()
+    if v == "auto" and cuda is not None:
+        return cuda
     if v in _TRUE:
         return True
     if v in _FALSE:
         return False
-    raise ValueError(f"{name} must be true or false, got {value!r}")
+    raise ValueError(f"{name} must be {'auto, ' if cuda is not None else ''}true or false, got {value!r}")
 
 
 def check_levers(cfg, device: torch.device, who: str) -> None:
