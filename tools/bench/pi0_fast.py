@@ -36,9 +36,9 @@ expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``poli
 ``policy.fast_step_kv=true``), ``default_flex`` / ``default_step_kv_flex`` (the steps'
 attention through FlexAttention, ``step_attention="flex"``), ``default_triton`` /
 ``default_step_kv_triton`` (Triton kernels, agents/policies/pi0/fast_triton.py),
-``default_cudnn_prefix`` / ``default_step_kv_cudnn_prefix`` (cuDNN first in SDPA's backend order
-for SigLIP and the prefix pass, ``prefix_attention="cudnn"``; step_attention and prefix_attention
-are sampler arguments, not policy settings). A lever's results sit under
+``default_cudnn_prefix`` / ``default_step_kv_cudnn_prefix`` (the prefix pass's attention, and
+SigLIP's in passes of 4+ images, as cuDNN's fused attention op, ``prefix_attention="cudnn"``;
+step_attention and prefix_attention are sampler arguments, not policy settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).

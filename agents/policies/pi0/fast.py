@@ -45,15 +45,15 @@ The result equals lerobot's ``sample_actions`` on the same noise: to float32 rou
 CPU (tests/test_pi0_fast.py), within bf16 tolerance on a GPU (the GPU test in the same file).
 Levers, arguments of the sampler that are off unless given (:mod:`agents.policies.pi0.fast_levers`,
 :mod:`agents.policies.pi0.fast_fused`, :mod:`agents.policies.pi0.fast_attention`; with all off none
-of their code runs; the policy's defaults pass bf16 vision and ``fuse="all"`` on a GPU):
+of their code runs; the policy's defaults pass bf16 vision, ``fuse="all"`` and ``step_kv`` on a GPU):
 ``vision_dtype=torch.bfloat16`` runs SigLIP and the projector from a bf16 copy, ``expert_fp8``
 the expert's step linears in FP8 e4m3 (``torch._scaled_mm``, row-wise scales), ``fuse``
 ("expert" or "all") stacks each layer's q/k/v and gate/up weights into one GEMM each,
 ``autotune`` compiles with inductor's GEMM autotuning, ``step_kv`` keeps the steps' keys/values
 in per-call buffers, ``step_attention`` ("flex" or "triton") runs the steps' attention as fused
 kernels (FlexAttention or Triton) and
-``prefix_attention="cudnn"`` puts cuDNN first in SDPA's backend order for SigLIP and the prefix
-pass; :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
+``prefix_attention="cudnn"`` runs the prefix pass's attention, and SigLIP's in passes of
+``CUDNN_MIN_IMAGES`` images or more, as cuDNN's fused attention op; :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
 each call.
 RTC (real-time chunking, :mod:`agents.policies.pi0.rtc`): ``sample(..., rtc=...)`` with per-row
 tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
@@ -74,7 +74,8 @@ from torch import nn
 
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
                                          prepare_compile, static_shapes_only)
-from agents.policies.pi0.fast_attention import ATTN_NAME, FLEX_NAME, StepKV, _additive, _PrefixKV, _register_attention
+from agents.policies.pi0.fast_attention import (ATTN_NAME, CUDNN_NAME, FLEX_NAME, StepKV, _additive, _PrefixKV,
+                                                _register_attention)
 from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.fast_triton import TRITON_NAME, triton_step_attention
 from agents.policies.pi0.rtc import freeze, guide
@@ -85,6 +86,10 @@ RTC_KEYS = ("rtc_prefix", "rtc_weights", "rtc_frozen")
 STEP_ATTENTION = {"mqa": ATTN_NAME, "flex": FLEX_NAME, "triton": TRITON_NAME}
 
 log = logging.getLogger("tandem.policies.pi0_fast")
+
+#: ``prefix_attention="cudnn"``: SigLIP passes of this many images or more run cuDNN's attention
+#: (fewer: SDPA's memory-efficient kernel, faster there at PI0's shapes; docs/benchmarks.md)
+CUDNN_MIN_IMAGES = 4
 
 #: served batch sizes a graph is captured for (a request pads up to the next one)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -123,7 +128,9 @@ class FastPiSampler:
         self.step_attention = step_attention  # the denoising steps' attention (fast_attention.py)
         if prefix_attention not in ("default", "cudnn"):
             raise ValueError(f"FastPiSampler: prefix_attention must be default or cudnn, got {prefix_attention!r}")
-        self.prefix_attention = prefix_attention  # SDPA's backend order in SigLIP and the prefix pass
+        self.prefix_attention = prefix_attention  # SigLIP's and the prefix pass's attention kernel
+        self._vision_cfgs = list({id(m.config): m.config for m in pwe.paligemma.model.vision_tower.modules()
+                                  if hasattr(m, "config") and hasattr(m, "is_causal")}.values())
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and the bench read it)
         self.compiles = 0  # graphs dynamo compiled during those captures
@@ -184,16 +191,20 @@ class FastPiSampler:
         pwe = self.model.paligemma_with_expert
         embs, pads = [], []
         dyn = self.compile == "dynamic"  # symbolic: batch (>= 2: dynamo's rule) and prompt length
-        with self._swapped("vision"), self._sdpa_order():
+        with self._swapped("vision"):
             if len(images) > 1 and len({tuple(i.shape) for i in images}) == 1:  # one SigLIP pass
                 cat = torch.cat(list(images), dim=0)
                 if dyn:
                     mark_dynamic((0,), cat)
-                feats = self._embed_image(cat).chunk(len(images), dim=0)
+                with self._vision_attention(cat.shape[0]):
+                    feats = self._embed_image(cat).chunk(len(images), dim=0)
             else:
                 if dyn:
                     mark_dynamic((0,), list(images))
-                feats = [self._embed_image(img) for img in images]
+                feats = []
+                for img in images:
+                    with self._vision_attention(img.shape[0]):
+                        feats.append(self._embed_image(img))
         for e, m in zip(feats, img_masks, strict=True):
             embs.append(e)
             pads.append(m[:, None].expand(e.shape[0], e.shape[1]))
@@ -202,24 +213,33 @@ class FastPiSampler:
         embs, pad = torch.cat(embs, dim=1), torch.cat(pads, dim=1)
         # every prefix token has ar-mask 0: full attention among the valid tokens
         self._set_attn(ATTN_NAME)
+        if self.prefix_attention == "cudnn":
+            self.vlm.config._attn_implementation = CUDNN_NAME  # noqa: SLF001
         cache = _PrefixKV(len(self.vlm.layers))
         if dyn:
             mark_dynamic((0, 1), embs, pad)
-        with self._swapped("vlm"), self._sdpa_order():
+        with self._swapped("vlm"):
             cache.k, cache.v = self._prefix_kv(embs, pad)
         cache.recording = False
         return cache, pad
 
-    def _sdpa_order(self):
-        """``prefix_attention="cudnn"``: SDPA tries cuDNN's attention first (head dimension 256
-        with a mask on Hopper; where it cannot run, the usual order follows), read when the
-        compiled stages trace; "default": torch's order."""
-        if self.prefix_attention == "default":
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                            SDPBackend.MATH], set_priority=True)
+    @contextlib.contextmanager
+    def _vision_attention(self, images: int):
+        """``prefix_attention="cudnn"``: SigLIP's attention runs :func:`cudnn_attention` inside,
+        where the pass holds ``CUDNN_MIN_IMAGES`` images or more (fewer: SDPA's kernel); the
+        setting is restored after. Compiled, it is read when the stage traces (dynamo guards on
+        it: a graph per setting)."""
+        if self.prefix_attention == "default" or images < CUDNN_MIN_IMAGES:
+            yield
+            return
+        old = [c._attn_implementation for c in self._vision_cfgs]  # noqa: SLF001
+        for c in self._vision_cfgs:
+            c._attn_implementation = CUDNN_NAME  # noqa: SLF001
+        try:
+            yield
+        finally:
+            for c, impl in zip(self._vision_cfgs, old, strict=True):
+                c._attn_implementation = impl  # noqa: SLF001
 
     def prefix_kv(self, embs: torch.Tensor, pad: torch.Tensor) -> tuple[list, list]:
         """The VLM layer stack over the prefix embeddings: each layer's keys and values."""

@@ -115,12 +115,43 @@ def flex_step_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     return out.transpose(1, 2).contiguous(), None
 
 
+#: the attention interface of SigLIP and the prefix pass with ``prefix_attention="cudnn"``
+CUDNN_NAME = "tandem_cudnn"
+
+
+def cudnn_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface through cuDNN's fused attention, called as its own op
+    (``aten._scaled_dot_product_cudnn_attention``, ``FastPiSampler(prefix_attention="cudnn")``):
+    which kernel runs is then part of the traced graph. Through SDPA the kernel is chosen from
+    the backend order in force when a graph is traced, and the compile caches do not key on that
+    order: a graph cached under another order keeps that order's kernel. The key/value heads are
+    repeated for the query heads that share them; the additive mask goes in as cuDNN's bias.
+    Elsewhere (not on a GPU, dropout, a head dimension that is not a multiple of 8 up to 256, a
+    key count not a multiple of 8, a boolean mask): SDPA as transformers calls it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, q, d = query.shape
+    hkv, k = key.shape[1], key.shape[2]
+    boolean = attention_mask is not None and attention_mask.dtype == torch.bool
+    if not query.is_cuda or dropout or d % 8 or d > 256 or k % 8 or boolean:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if hkv != h:
+        key, value = (t[:, :, None].expand(b, hkv, h // hkv, k, d).reshape(b, h, k, d) for t in (key, value))
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, attention_mask, False, 0.0, False,
+                                                             False, scale=scaling)[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _register_attention(*extra: tuple[str, object]) -> None:
     """This module's attention functions (and ``extra`` (name, function) pairs) in transformers'
     attention registry, once."""
     from transformers import AttentionInterface
 
-    for name, fn in ((ATTN_NAME, mqa_attention), (FLEX_NAME, flex_step_attention), *extra):
+    for name, fn in ((ATTN_NAME, mqa_attention), (FLEX_NAME, flex_step_attention), (CUDNN_NAME, cudnn_attention),
+                     *extra):
         if name not in AttentionInterface._global_mapping:  # noqa: SLF001
             AttentionInterface.register(name, fn)
 
