@@ -194,3 +194,41 @@ def test_the_policy_setting_turns_the_buffers_on(ckpts, built):  # noqa: F811
             outs.append(p.act(obs(), deterministic=True, noise=noise).actions)
     assert len(built) == 1  # the buffers, on the second policy's act only
     torch.testing.assert_close(outs[0], outs[1], **CPU_TOL)
+
+
+def test_the_softmax_key_count_is_bounded_when_compiled():
+    """:func:`mqa_attention` under dynamo with the key count symbolic: the graph is traced with
+    the count at most ``SOFTMAX_BOUND`` (its range narrowed: what inductor needs to run the
+    softmax as one persistent reduction), counts within it share that graph, and a count past it
+    gets a graph of its own; each gives eager's result."""
+    from agents.policies.pi0.fast_attention import SOFTMAX_BOUND, mqa_attention
+
+    ranges = []
+
+    def backend(gm, example_inputs):
+        env = torch._guards.TracingContext.get().fake_mode.shape_env  # noqa: SLF001
+        vals = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+        ranges.append({int(vals[s]): (int(r.lower), r.upper) for s, r in env.var_to_range.items() if s in vals})
+        return gm.forward
+
+    def attend(q, k, v, m):
+        return mqa_attention(None, q, k, v, m)[0]
+
+    torch._dynamo.reset()  # noqa: SLF001
+    fn = torch.compile(attend, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    for keys in (40, 48, 1200):
+        q = torch.randn(2, 8, 6, 16, generator=g)
+        k, v = (torch.randn(2, 1, keys, 16, generator=g) for _ in range(2))
+        m = torch.zeros(2, 1, 6, keys)
+        m[..., -3:] = torch.finfo(torch.float32).min
+        for t, dim in ((k, 2), (v, 2), (m, 3)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)  # noqa: SLF001
+        torch.testing.assert_close(fn(q, k, v, m), attend(q, k, v, m))
+        if keys == 48:
+            assert len(ranges) == 1  # the first graph again
+    assert len(ranges) == 2
+    low, high = ranges
+    assert low[40][1] <= SOFTMAX_BOUND  # the key count's upper bound, where a bound was unknown
+    assert high[1200][0] > SOFTMAX_BOUND
+    torch._dynamo.reset()  # noqa: SLF001

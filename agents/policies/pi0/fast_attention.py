@@ -50,6 +50,10 @@ def _additive(mask2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 #: computes attention itself; beyond, SDPA (the prefix: ~800 queries, the kernel is efficient)
 MQA_MAX_ROWS = 1024
 ATTN_NAME = "tandem_mqa"
+#: key counts up to which the softmax's reduction has a known bound when compiled (inductor runs
+#: a reduction of at most 1024 as one persistent kernel; with no bound on a symbolic size, a
+#: looped one)
+SOFTMAX_BOUND = 1024
 
 
 def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -76,6 +80,7 @@ def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
             attention_mask = torch.zeros(b, 1, q, k, dtype=query.dtype, device=query.device)
         attention_mask = nn.functional.pad(attention_mask[..., :k], (0, pad), value=neg)
         k += pad
+    bounded(k, SOFTMAX_BOUND)
     scores = torch.matmul(query.reshape(b, hkv, g * q, d), key.transpose(2, 3)) * scale
     scores = scores.view(b, hkv, g, q, k)
     if attention_mask is not None:
@@ -83,6 +88,15 @@ def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.matmul(probs.view(b, hkv, g * q, k), value)
     return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
+
+
+def bounded(n, limit: int) -> bool:
+    """``n <= limit``. For a symbolic size under dynamo the branch is a guard, and a guard
+    narrows the size's range: where it holds, the graph is traced with ``n`` at most ``limit``
+    (what lets inductor pick kernels that need a static bound); where it does not, another graph."""
+    if n <= limit:  # a branch, not a value: dynamo keeps an unused comparison symbolic, no guard
+        return True
+    return False
 
 
 #: the attention interface of the denoising steps with ``step_attention="flex"``
