@@ -17,6 +17,8 @@ prefix length changes.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -52,8 +54,8 @@ MQA_MAX_ROWS = 1024
 ATTN_NAME = "tandem_mqa"
 #: key counts up to which the softmax's reduction has a known bound when compiled (inductor runs
 #: a reduction of at most 1024 as one persistent kernel; with no bound on a symbolic size, a
-#: looped one)
-SOFTMAX_BOUND = 1024
+#: looped one); env TANDEM_PI0_SOFTMAX_BOUND overrides it, 0: no bound (for benchmarks)
+SOFTMAX_BOUND = int(os.environ.get("TANDEM_PI0_SOFTMAX_BOUND", "1024"))
 
 
 def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -80,7 +82,8 @@ def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
             attention_mask = torch.zeros(b, 1, q, k, dtype=query.dtype, device=query.device)
         attention_mask = nn.functional.pad(attention_mask[..., :k], (0, pad), value=neg)
         k += pad
-    bounded(k, SOFTMAX_BOUND)
+    if SOFTMAX_BOUND:
+        bounded(k, SOFTMAX_BOUND)
     scores = torch.matmul(query.reshape(b, hkv, g * q, d), key.transpose(2, 3)) * scale
     scores = scores.view(b, hkv, g, q, k)
     if attention_mask is not None:
