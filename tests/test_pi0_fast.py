@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agents.policies.pi0.fast import FastPiSampler
 from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
 from data.core.spec import EnvSpec
 from tools.make_tiny_checkpoints import make_pi0
@@ -100,6 +101,25 @@ def test_fast_compile_setting():
     assert Pi0PolicyConfig().fast_compile == "auto" and Pi0PolicyConfig().fast_warmup_buckets == (1, 2, 4, 8)
     with pytest.raises(ValueError, match="fast_compile"):
         Pi0PolicyConfig(fast_compile="fastest").validate()
+
+
+def test_the_compiles_take_inductor_options(ckpts, monkeypatch):
+    """``FastPiSampler(inductor=...)`` reaches every compile of the fast path, beside autotune's
+    option; without either, no options (a spy on torch.compile records them; it compiles)."""
+    seen = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        seen.append(kw.get("options"))
+        return real(fn, **kw)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    p = make(ckpts["pi0"], "pi0", fast_serving="eager", device="cpu")
+    FastPiSampler(p.inner.model, "pi0", graphs=False, compile=True)
+    FastPiSampler(p.inner.model, "pi0", graphs=False, compile=True, autotune=True, inductor={"combo_kernels": True})
+    FastPiSampler(p.inner.model, "pi0", graphs=False, compile=True, inductor={"coordinate_descent_tuning": True})
+    assert seen == [None] * 3 + [{"max_autotune": True, "combo_kernels": True}] * 3 \
+        + [{"coordinate_descent_tuning": True}] * 3
 
 
 def test_inference_server_warms_the_policy_up(ckpts):

@@ -37,8 +37,11 @@ expert / all), ``bf16_vision_autotune`` / ``bf16_vision_fused_autotune`` (``poli
 attention through FlexAttention, ``step_attention="flex"``), ``default_triton`` /
 ``default_step_kv_triton`` (Triton kernels, agents/policies/pi0/fast_triton.py),
 ``default_cudnn_prefix`` / ``default_step_kv_cudnn_prefix`` (the prefix pass's attention, and
-SigLIP's in passes of 4+ images, as cuDNN's fused attention op, ``prefix_attention="cudnn"``;
-step_attention and prefix_attention are sampler arguments, not policy settings). A lever's results sit under
+SigLIP's in passes of 4+ images, as cuDNN's fused attention op, ``prefix_attention="cudnn"``),
+``default_combo`` / ``default_cdt`` (the defaults compiled with inductor's combo kernels, which
+launch independent small kernels as one, or with coordinate-descent tuning of the Triton kernels'
+configs; ``inductor=`` options); step_attention, prefix_attention and inductor are sampler
+arguments, not policy settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
 ``max_abs_diff_vs_baseline`` (against the same mode's baseline: the lever's own change).
@@ -106,7 +109,11 @@ LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto
                                      "step_attention": "triton"},
           "default_cudnn_prefix": {"vision_dtype": "auto", "fuse_proj": "auto", "prefix_attention": "cudnn"},
           "default_step_kv_cudnn_prefix": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                                           "prefix_attention": "cudnn"}}
+                                           "prefix_attention": "cudnn"},
+          "default_combo": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
+                            "inductor": {"combo_kernels": True}},
+          "default_cdt": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
+                          "inductor": {"coordinate_descent_tuning": True}}}
 
 
 def lever_kwargs(lever: str, device) -> dict:
@@ -117,7 +124,7 @@ def lever_kwargs(lever: str, device) -> dict:
     s = {"vision_dtype": "fp32", "expert_fp8": False, "fuse_proj": "off", "autotune": False, **LEVERS[lever]}
     # step_kv is policy.fast_step_kv; step_attention a sampler argument (agents/policies/pi0/fast_attention.py)
     sampler = {"step_kv": s.pop("step_kv", False), "step_attention": s.pop("step_attention", "mqa"),
-               "prefix_attention": s.pop("prefix_attention", "default")}
+               "prefix_attention": s.pop("prefix_attention", "default"), "inductor": s.pop("inductor", None)}
     kw = lever_settings(SimpleNamespace(**{f"fast_{k}": v for k, v in s.items()}),
                         getattr(device, "type", device) == "cuda")
     if kw["expert_fp8"] == "cuda" and getattr(device, "type", device) != "cuda":
@@ -138,7 +145,7 @@ def bench_mode(policy, mode: str, obs, inputs, noise, args, sync, lever: str = "
     res: dict = {"mode": mode, "lever": lever, "vision_dtype": str(kw["vision_dtype"]),
                  "expert_fp8": kw["expert_fp8"], "fuse_proj": kw["fuse"], "autotune": kw["autotune"], "step_kv": kw["step_kv"],
                  "step_attention": kw["step_attention"], "prefix_attention": kw["prefix_attention"],
-                 "warmup_s": {}, "warmup_compiled_graphs": {}}
+                 "inductor": kw["inductor"], "warmup_s": {}, "warmup_compiled_graphs": {}}
     if fast.levers is not None and fast.levers.fp8 is not None:
         res["fp8_layers"], res["fp8_skipped"] = len(fast.levers.fp8.sites), fast.levers.fp8.skipped
     for b in args.warmup_buckets:

@@ -53,7 +53,8 @@ the expert's step linears in FP8 e4m3 (``torch._scaled_mm``, row-wise scales), `
 in per-call buffers, ``step_attention`` ("flex" or "triton") runs the steps' attention as fused
 kernels (FlexAttention or Triton) and
 ``prefix_attention="cudnn"`` runs the prefix pass's attention, and SigLIP's in passes of
-``CUDNN_MIN_IMAGES`` images or more, as cuDNN's fused attention op; :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
+``CUDNN_MIN_IMAGES`` images or more, as cuDNN's fused attention op, ``inductor`` adds options to
+the compiles; :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
 each call.
 RTC (real-time chunking, :mod:`agents.policies.pi0.rtc`): ``sample(..., rtc=...)`` with per-row
 tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
@@ -110,7 +111,8 @@ class FastPiSampler:
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, compile: bool | str | None = False,
                  cache_dir: str | None = CACHE_DIR, vision_dtype: torch.dtype | None = None,
                  expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False,
-                 step_kv: bool = False, step_attention: str = "mqa", prefix_attention: str = "default"):
+                 step_kv: bool = False, step_attention: str = "mqa", prefix_attention: str = "default",
+                 inductor: dict | None = None):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention((TRITON_NAME, triton_step_attention))
@@ -147,7 +149,9 @@ class FastPiSampler:
         # cuBLAS per shape and fuses elementwise epilogues into the chosen template (longer
         # compiles; the choices persist in the inductor cache and the compile artefacts)
         self.autotune = bool(autotune and mode)
-        opts = {"max_autotune": True} if self.autotune else None
+        # ``inductor``: more of inductor's options for these compiles (benchmarks: combo kernels,
+        # coordinate-descent tuning of the Triton kernels' configs)
+        opts = {**({"max_autotune": True} if self.autotune else {}), **(inductor or {})} or None
 
         def comp(fn):
             return torch.compile(fn, dynamic=dyn, options=opts) if mode else fn
