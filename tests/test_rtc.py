@@ -17,6 +17,7 @@ import pytest
 import torch
 import zmq
 
+from agents.policies.pi0.fast import FastPiSampler
 from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig
 from agents.policies.pi0.rtc import RtcRows, RtcSettings, rtc_inputs
 from data.core.codec import decode, encode
@@ -149,6 +150,11 @@ def test_sampler_freezes_exactly_and_matches_lerobots_rtc_guidance(policy):
     out, pn = sample([4, 2], [5, 5])
     assert torch.equal(out[0, :4], pn[0, :4]) and torch.equal(out[1, :2], pn[1, :2])  # exactly
     assert not torch.equal(out[1, 2:4], pn[1, 2:4])
+    plain, fast = fast, FastPiSampler(policy.inner.model, policy.variant, graphs=False, compile=None, step_kv=True)
+    buffered, _ = sample([4, 2], [5, 5])  # the steps' buffers (the default on a GPU): the same guided chunk
+    torch.testing.assert_close(buffered, out, atol=2e-5, rtol=1e-4)
+    assert torch.equal(buffered[0, :4], pn[0, :4])
+    fast = plain
     # delay 0, both rows pending 5: lerobot's sample_actions with its RTCProcessor
     out, pn = sample([0, 0], [5, 5])
     model = policy.inner.model
