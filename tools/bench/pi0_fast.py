@@ -38,9 +38,10 @@ attention through FlexAttention, ``step_attention="flex"``), ``default_triton`` 
 ``default_step_kv_triton`` (Triton kernels, agents/policies/pi0/fast_triton.py),
 ``default_cudnn_prefix`` / ``default_step_kv_cudnn_prefix`` (the prefix pass's attention, and
 SigLIP's in passes of 4+ images, as cuDNN's fused attention op, ``prefix_attention="cudnn"``),
-``default_combo`` / ``default_cdt`` (the defaults compiled with inductor's combo kernels, which
-launch independent small kernels as one, or with coordinate-descent tuning of the Triton kernels'
-configs; ``inductor=`` options); step_attention, prefix_attention and inductor are sampler
+``default_combo`` / ``default_cdt`` / ``default_pdl`` (the defaults compiled with inductor's
+combo kernels, which launch independent small kernels as one; with coordinate-descent tuning of
+the Triton kernels' configs; or with programmatic dependent launch, a Triton kernel starting
+while the one before it finishes, on Hopper; ``inductor=`` options); step_attention, prefix_attention and inductor are sampler
 arguments, not policy settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
@@ -113,7 +114,9 @@ LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto
           "default_combo": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
                             "inductor": {"combo_kernels": True}},
           "default_cdt": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                          "inductor": {"coordinate_descent_tuning": True}}}
+                          "inductor": {"coordinate_descent_tuning": True}},
+          "default_pdl": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
+                          "inductor": {"triton.enable_pdl": True}}}
 
 
 def lever_kwargs(lever: str, device) -> dict:
