@@ -110,9 +110,9 @@ def test_step_buffers_in_the_flow_rl_chain(ckpts, built):  # noqa: F811
 @pytest.mark.parametrize("variant", ["pi0", "pi05"])
 @pytest.mark.parametrize("attention", ["mqa", "flex", "triton"])
 def test_step_buffers_under_graphs_and_compile_on_gpu(ckpts, variant, attention):  # noqa: F811
-    """The step buffers (and the fused attention kernels: FlexAttention, the Triton kernels) under CUDA graphs and the compiled
-    steps with the GPU defaults: lerobot's actions within the bf16 tolerance, new weights with
-    no capture."""
+    """The step buffers (and the fused attention kernels: FlexAttention, the Triton kernels)
+    under CUDA graphs and the compiled steps with the GPU defaults: lerobot's actions within the
+    bf16 tolerance, new weights with no capture."""
     p = policy(ckpts, variant, device="cuda", dtype="bfloat16", fast_serving="auto")
     noise = noise_for(p)
     plain, ref = both(p, obs(), noise)
@@ -174,7 +174,6 @@ def test_the_policy_setting_turns_the_buffers_on(ckpts, built):  # noqa: F811
     import yaml
 
     from agents.policies.pi0.config import Pi0PolicyConfig
-
     from agents.policies.pi0.fast_levers import lever_settings
 
     assert Pi0PolicyConfig().fast_step_kv == "auto"

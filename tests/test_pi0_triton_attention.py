@@ -53,29 +53,28 @@ def sampler_checks(root: str) -> None:
     from agents.policies.pi0.fast import FastPiSampler
     from tools.make_tiny_checkpoints import make_pi0
 
-    for variant, step_kv in (("pi0", True),):
-        torch.manual_seed(0)
-        p = make(make_pi0(Path(root) / variant, SPEC, variant=variant, chunk_size=CHUNK), variant,
-                 fast_serving="eager", device="cpu")
-        noise = noise_for(p)
-        p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None)
-        plain, ref = both(p, obs(), noise)
-        calls = []
+    torch.manual_seed(0)
+    p = make(make_pi0(Path(root) / "pi0", SPEC, variant="pi0", chunk_size=CHUNK), "pi0", fast_serving="eager",
+             device="cpu")
+    noise = noise_for(p)
+    p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None)
+    plain, ref = both(p, obs(), noise)
+    calls = []
 
-        def counted(*a, **kw):
-            calls.append(a[1].shape[2])
-            return fast_triton.triton_step_attention(*a, **kw)
+    def counted(*a, **kw):
+        calls.append(a[1].shape[2])
+        return fast_triton.triton_step_attention(*a, **kw)
 
-        AttentionInterface._global_mapping[fast_triton.TRITON_NAME] = counted  # noqa: SLF001
-        p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None, step_kv=step_kv,
-                                step_attention="triton")
-        out, _ = both(p, obs(), noise)
-        AttentionInterface._global_mapping[fast_triton.TRITON_NAME] = fast_triton.triton_step_attention  # noqa: SLF001
-        layers = p.inner.model.paligemma_with_expert.gemma_expert.model.config.num_hidden_layers
-        assert len(calls) == layers * int(p.lr_cfg.num_inference_steps)  # the steps only
-        assert set(calls) == {CHUNK + (variant == "pi0")}
-        torch.testing.assert_close(out, plain, **CPU_TOL)
-        torch.testing.assert_close(out, ref, **CPU_TOL)
+    AttentionInterface._global_mapping[fast_triton.TRITON_NAME] = counted  # noqa: SLF001
+    p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None, step_kv=True,
+                            step_attention="triton")
+    out, _ = both(p, obs(), noise)
+    AttentionInterface._global_mapping[fast_triton.TRITON_NAME] = fast_triton.triton_step_attention  # noqa: SLF001
+    layers = p.inner.model.paligemma_with_expert.gemma_expert.model.config.num_hidden_layers
+    assert len(calls) == layers * int(p.lr_cfg.num_inference_steps)  # the steps only
+    assert set(calls) == {CHUNK + 1}  # PI0's suffix: the state token and the chunk
+    torch.testing.assert_close(out, plain, **CPU_TOL)
+    torch.testing.assert_close(out, ref, **CPU_TOL)
     print("sampler ok")
 
 

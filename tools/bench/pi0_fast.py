@@ -92,31 +92,28 @@ def batch_of(obs: dict, b: int) -> dict:
     return {k: (v * b if isinstance(v, list) else v.repeat(b, *([1] * (v.dim() - 1)))) for k, v in obs.items()}
 
 
+_DEFAULT = {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True}  # the policy's defaults
+_NO_KV = {"vision_dtype": "auto", "fuse_proj": "auto"}  # the defaults before the step buffers
 #: --levers: name -> the lever's settings (policy.fast_* without the prefix; unnamed ones off: fp32 SigLIP,
-#: no FP8, no fusion, no autotune, no step buffers) and the sampler arguments step_attention, prefix_attention
-LEVERS = {"baseline": {}, "default": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True},
-          "no_step_kv": {"vision_dtype": "auto", "fuse_proj": "auto"}, "bf16_vision": {"vision_dtype": "bf16"},
+#: no FP8, no fusion, no autotune, no step buffers) and the sampler arguments step_attention,
+#: prefix_attention, inductor
+LEVERS = {"baseline": {}, "default": _DEFAULT, "no_step_kv": _NO_KV, "bf16_vision": {"vision_dtype": "bf16"},
           "bf16_vision_fp8": {"vision_dtype": "bf16", "expert_fp8": "true"}, "fp8": {"expert_fp8": "true"},
           "bf16_vision_fused_expert": {"vision_dtype": "bf16", "fuse_proj": "expert"},
           "bf16_vision_fused": {"vision_dtype": "bf16", "fuse_proj": "all"},
           "bf16_vision_autotune": {"vision_dtype": "bf16", "autotune": "true"},
           "bf16_vision_fused_autotune": {"vision_dtype": "bf16", "fuse_proj": "all", "autotune": "true"},
-          "default_step_kv": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True},
-          "default_flex": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "flex"},
-          "default_step_kv_flex": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                                   "step_attention": "flex"},
-          "default_triton": {"vision_dtype": "auto", "fuse_proj": "auto", "step_attention": "triton"},
-          "default_step_kv_triton": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                                     "step_attention": "triton"},
-          "default_cudnn_prefix": {"vision_dtype": "auto", "fuse_proj": "auto", "prefix_attention": "cudnn"},
-          "default_step_kv_cudnn_prefix": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                                           "prefix_attention": "cudnn"},
-          "default_combo": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                            "inductor": {"combo_kernels": True}},
-          "default_cdt": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                          "inductor": {"coordinate_descent_tuning": True}},
-          "default_pdl": {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True,
-                          "inductor": {"triton.enable_pdl": True}}}
+          # the names below were given when "default" had no buffers: default_X is no_step_kv + X
+          "default_step_kv": _DEFAULT,
+          "default_flex": {**_NO_KV, "step_attention": "flex"},
+          "default_step_kv_flex": {**_DEFAULT, "step_attention": "flex"},
+          "default_triton": {**_NO_KV, "step_attention": "triton"},
+          "default_step_kv_triton": {**_DEFAULT, "step_attention": "triton"},
+          "default_cudnn_prefix": {**_NO_KV, "prefix_attention": "cudnn"},
+          "default_step_kv_cudnn_prefix": {**_DEFAULT, "prefix_attention": "cudnn"},
+          "default_combo": {**_DEFAULT, "inductor": {"combo_kernels": True}},
+          "default_cdt": {**_DEFAULT, "inductor": {"coordinate_descent_tuning": True}},
+          "default_pdl": {**_DEFAULT, "inductor": {"triton.enable_pdl": True}}}
 
 
 def lever_kwargs(lever: str, device) -> dict:

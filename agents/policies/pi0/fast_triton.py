@@ -46,6 +46,19 @@ except ImportError:  # pragma: no cover - a torch build without triton
 if triton is not None:
 
     @triton.jit
+    def _stacked_rows(pid_m, bh, hkv, groups, q_len, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+        """Block ``pid_m`` of (batch, key/value head) ``bh``: the batch ``b`` and key/value head
+        ``h``, the stacked row count, the block's rows ``r`` and head-dimension lanes ``d`` with
+        their in-range masks, and each row's query (the mask's row) and query head."""
+        b = bh // hkv
+        h = bh % hkv
+        rows = groups * q_len
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        return b, h, rows, r, d, r < rows, d < D, r % q_len, h * groups + r // q_len
+
+    @triton.jit
     def _partial_kernel(Q, K, V, M, Pacc, Pml, groups, q_len, k_len, hkv, splits,
                         sqb, sqh, sqq, skb, skh, skn, svb, svh, svn, smb, smq, smn,
                         scale: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -53,18 +66,10 @@ if triton is not None:
         """BLOCK_M stacked rows (query head in the group x query) of one (batch, key/value head)
         over one split of SPLIT_BLOCKS x BLOCK_N keys: the split's unnormalised value sum
         ``Pacc`` [BH, splits, rows, D] and its row maxima and sums ``Pml`` [BH, splits, 2, rows]."""
-        pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         split = tl.program_id(2)
-        b = bh // hkv
-        h = bh % hkv
-        rows = groups * q_len
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        d = tl.arange(0, BLOCK_D)
-        r_ok = r < rows
-        d_ok = d < D
-        qi = r % q_len  # stacked row -> its query (the mask's row) and its query head
-        head = h * groups + r // q_len
+        b, h, rows, r, d, r_ok, d_ok, qi, head = _stacked_rows(tl.program_id(0), bh, hkv, groups, q_len, D, BLOCK_D,
+                                                               BLOCK_M)
         q = tl.load(Q + b * sqb + head[:, None] * sqh + qi[:, None] * sqq + d[None, :],
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -101,15 +106,9 @@ if triton is not None:
                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         """The splits' partial sums of BLOCK_M rows combined (rescaled to the overall row maximum,
         divided by the overall sum), written in the [B, Q, H, D] layout."""
-        pid_m = tl.program_id(0)
         bh = tl.program_id(1)
-        b = bh // hkv
-        h = bh % hkv
-        rows = groups * q_len
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        d = tl.arange(0, BLOCK_D)
-        r_ok = r < rows
-        d_ok = d < D
+        b, h, rows, r, d, r_ok, d_ok, qi, head = _stacked_rows(tl.program_id(0), bh, hkv, groups, q_len, D, BLOCK_D,
+                                                               BLOCK_M)
         log2e = 1.4426950408889634
         m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -127,8 +126,6 @@ if triton is not None:
             l_sum = l_sum * alpha + l_s * beta
             m = m_new
         acc = acc / l_sum[:, None]
-        qi = r % q_len
-        head = h * groups + r // q_len
         tl.store(Out + b * sob + qi[:, None] * soq + head[:, None] * soh + d[None, :], acc.to(Out.dtype.element_ty),
                  mask=r_ok[:, None] & d_ok[None, :])
 
