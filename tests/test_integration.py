@@ -170,8 +170,16 @@ def test_learner_sigkill_restart_from_checkpoint_receives_spooled_transitions(ru
     run.wait(lambda: run.status().get("received", {}).get("a0") == final - 1, 120, "all records")
     st = run.status()
     # everything the actor spooled after the old learner's last ack reached the new learner:
-    # stored now, or dropped as a duplicate of what the old learner had already made durable
-    assert st["stored"] + st["duplicates"] == final - 1 - acked_at_kill
+    # stored now, or dropped as a duplicate (of what the old learner had already made durable,
+    # or of a batch resent after a timeout or by the restarted actor: a loaded machine makes those)
+    assert st["stored"] <= final - 1 - acked_at_kill <= st["stored"] + st["duplicates"]
+    # and no record is in the dataset twice, across both learners
+    import pandas as pd
+
+    rows = pd.concat(pd.read_parquet(f, columns=["actor_id", "actor_seq"])
+                     for f in (run.dir / "dataset").rglob("data/**/*.parquet"))
+    seqs = rows.loc[rows["actor_id"] == "a0", "actor_seq"]
+    assert len(seqs) > acked_at_kill and seqs.is_unique
     assert st["updates"] > 20  # training continued from the checkpoint's counters
 
 
