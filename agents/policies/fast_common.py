@@ -205,3 +205,36 @@ def warm_up(policy, get_fast, batch_sizes, *, max_batch: int | None = None,
             log.info("%s: warm-up batch %d ready in %.1f s (%d capture(s), %d compiled graph(s), compile=%s)",
                      policy.who, b, out[b], fast.captures - captures, fast.compiles - compiles, fast.compile)
     return out
+
+
+# -- a CUDA graph's static inputs (agents/policies/pi0/fast.py) -------------------------------------
+
+def input_signature(inputs: dict) -> tuple:
+    """Shapes and dtypes past the batch dimension, by input name (a graph serves one signature)."""
+    def sig(t):
+        return None if t is None else (tuple(t.shape[1:]), t.dtype)
+
+    return tuple((k, tuple(sig(t) for t in v) if isinstance(v, list) else sig(v)) for k, v in sorted(inputs.items()))
+
+
+def padded_inputs(inputs: dict, n: int) -> dict:
+    """Static buffers of batch ``n``: the inputs, rows repeated to fill (cloned, owned here)."""
+    def grow(t):
+        if t is None:
+            return None
+        idx = torch.arange(n, device=t.device) % t.shape[0]
+        return t[idx].clone()
+
+    return {k: ([grow(t) for t in v] if isinstance(v, list) else grow(v)) for k, v in inputs.items()}
+
+
+def copy_inputs(static: dict, inputs: dict, b: int) -> None:
+    """The first ``b`` rows of each static buffer from ``inputs`` (no host sync)."""
+    for k, v in inputs.items():
+        if v is None:
+            continue
+        if isinstance(v, list):
+            for dst, src in zip(static[k], v, strict=True):
+                dst[:b].copy_(src, non_blocking=True)
+        else:
+            static[k][:b].copy_(v, non_blocking=True)

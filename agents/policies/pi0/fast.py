@@ -54,7 +54,8 @@ in per-call buffers, ``step_attention`` ("flex" or "triton") runs the steps' att
 kernels (FlexAttention or Triton) and
 ``prefix_attention="cudnn"`` runs the prefix pass's attention, and SigLIP's in passes of
 ``CUDNN_MIN_IMAGES`` images or more, as cuDNN's fused attention op, ``inductor`` adds options to
-the compiles; :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
+the compiles, ``step_layers="triton"`` runs the expert's decoder layers in the steps as Triton
+kernels (:mod:`agents.policies.pi0.fast_step_layers`; with ``step_kv``); :meth:`FastPiSampler.sync_weights` refreshes the levers' copies in place before
 each call.
 RTC (real-time chunking, :mod:`agents.policies.pi0.rtc`): ``sample(..., rtc=...)`` with per-row
 tensors (the normalised pending prefix, lerobot's prefix weights, the frozen steps) guides each
@@ -73,11 +74,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic,
-                                         prepare_compile, static_shapes_only)
+from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, copy_inputs, gpu_kernels,
+                                         input_signature, mark_dynamic, padded_inputs, prepare_compile,
+                                         static_shapes_only)
 from agents.policies.pi0.fast_attention import (ATTN_NAME, CUDNN_NAME, FLEX_NAME, StepKV, _additive, _PrefixKV,
                                                 _register_attention)
 from agents.policies.pi0.fast_levers import Levers
+from agents.policies.pi0.fast_step_layers import StepLayers
 from agents.policies.pi0.fast_triton import TRITON_NAME, triton_step_attention
 from agents.policies.pi0.rtc import freeze, guide
 
@@ -112,7 +115,7 @@ class FastPiSampler:
                  cache_dir: str | None = CACHE_DIR, vision_dtype: torch.dtype | None = None,
                  expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False,
                  step_kv: bool = False, step_attention: str = "mqa", prefix_attention: str = "default",
-                 inductor: dict | None = None):
+                 inductor: dict | None = None, step_layers: str = "default"):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention((TRITON_NAME, triton_step_attention))
@@ -131,6 +134,11 @@ class FastPiSampler:
         if prefix_attention not in ("default", "cudnn"):
             raise ValueError(f"FastPiSampler: prefix_attention must be default or cudnn, got {prefix_attention!r}")
         self.prefix_attention = prefix_attention  # SigLIP's and the prefix pass's attention kernel
+        if step_layers not in ("default", "triton") or (step_layers == "triton" and (not step_kv or expert_fp8)):
+            raise ValueError("FastPiSampler: step_layers must be default, or triton with step_kv and without "
+                             f"expert_fp8; got {step_layers!r} (step_kv={step_kv}, expert_fp8={expert_fp8})")
+        # the expert's decoder layers as Triton kernels in the steps (fast_step_layers.py)
+        self.step_layers = StepLayers(self.expert) if step_layers == "triton" else None
         self._vision_cfgs = list({id(m.config): m.config for m in pwe.paligemma.model.vision_tower.modules()
                                   if hasattr(m, "config") and hasattr(m, "is_causal")}.values())
         self._pool = None
@@ -346,8 +354,10 @@ class FastPiSampler:
                                   features=features)
 
     def _swapped(self, what: str):
-        """The levers' stand-ins ("vision": bf16 SigLIP, "expert": FP8 linears or fused
+        """The levers' stand-ins ("vision": bf16 SigLIP, "expert": the step layers, FP8 linears or fused
         projections, "vlm": the VLM's fused projections) while inside."""
+        if what == "expert" and self.step_layers is not None and self.step_layers.sites:
+            return self.step_layers.swapped()
         if self.levers is None:
             return contextlib.nullcontext()
         return {"vision": self.levers.vision_swapped, "expert": self.levers.expert_swapped,
@@ -356,8 +366,9 @@ class FastPiSampler:
     def sync_weights(self, force: bool = False) -> None:
         """Before a call, outside any graph: the levers' copies of weights written since (in
         place: the graphs read them). Nothing without levers (the graphs read the parameters)."""
-        if self.levers is not None:
-            self.levers.sync(force)
+        for part in (self.levers, self.step_layers):
+            if part is not None:
+                part.sync(force)
 
     def _sample(self, images, img_masks, tokens, lang_masks, state, noise, num_steps: int,
                 rtc: dict | None = None, gws: tuple[float, ...] = ()) -> torch.Tensor:
@@ -421,14 +432,14 @@ class FastPiSampler:
         computation; ``run`` must read tensors only from the dict it is given."""
         b = inputs["noise"].shape[0]
         bucket = self.bucket(b)
-        gkey = (bucket, key, _signature(inputs))
+        gkey = (bucket, key, input_signature(inputs))
         if gkey not in self._graphs:
             # static buffers and the graph's tensors are normal tensors even when the first call
             # comes under inference_mode (later calls may come under no_grad, and copy into them)
             with torch.inference_mode(False), torch.no_grad():
-                self._graphs[gkey] = self._capture(_pad(inputs, bucket), run, what)
+                self._graphs[gkey] = self._capture(padded_inputs(inputs, bucket), run, what)
         graph, static, outs = self._graphs[gkey]
-        _copy_into(static, inputs, b)
+        copy_inputs(static, inputs, b)
         graph.replay()
         return tuple(o[:b].clone() for o in outs)
 
@@ -461,32 +472,3 @@ class FastPiSampler:
                  f", {new} graph(s) compiled ({self.compile})" if self.compile else "")
         return graph, static, outs
 
-
-def _signature(inputs: dict) -> tuple:
-    """Shapes and dtypes past the batch dimension, by input name (a graph serves one signature)."""
-    def sig(t):
-        return None if t is None else (tuple(t.shape[1:]), t.dtype)
-
-    return tuple((k, tuple(sig(t) for t in v) if isinstance(v, list) else sig(v)) for k, v in sorted(inputs.items()))
-
-
-def _pad(inputs: dict, n: int) -> dict:
-    """Static buffers of batch ``n``: the inputs, rows repeated to fill (cloned, owned here)."""
-    def grow(t):
-        if t is None:
-            return None
-        idx = torch.arange(n, device=t.device) % t.shape[0]
-        return t[idx].clone()
-
-    return {k: ([grow(t) for t in v] if isinstance(v, list) else grow(v)) for k, v in inputs.items()}
-
-
-def _copy_into(static: dict, inputs: dict, b: int) -> None:
-    for k, v in inputs.items():
-        if v is None:
-            continue
-        if isinstance(v, list):
-            for dst, src in zip(static[k], v, strict=True):
-                dst[:b].copy_(src, non_blocking=True)
-        else:
-            static[k][:b].copy_(v, non_blocking=True)

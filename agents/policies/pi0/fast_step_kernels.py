@@ -1,0 +1,209 @@
+"""Triton kernels for the denoising steps' decoder layers (``FastPiSampler(step_layers="triton")``,
+:mod:`agents.policies.pi0.fast_step_layers`).
+
+A denoising step's GEMMs have few rows (PI0: 51 per observation) and read the expert's weights
+once per step, so their time is set by the number of kernels and by how fast each reads its
+weights, not by arithmetic. Unfused, a Gemma layer-step runs its four projection GEMMs (q/k/v and
+gate/up stacked) through cuBLAS and, between them, inductor's kernels for the RMS norms, the rotary
+embedding, the copy of the keys/values, gelu x up and the residual adds. Here three kinds of
+kernel do all of it, each a GEMM over weights prepared once (``fast_step_layers``):
+
+- :func:`qkv_rope`: the input RMS norm (its weight folded into the stacked q/k/v weights; the
+  row's ``rsqrt(mean(x^2) + eps)`` accumulated in the same loop over the row that feeds the
+  GEMM and applied to the product), the q/k/v projection and the rotary embedding. Each block
+  computes columns ``d`` and ``d + D/2`` of one head together (the two halves that rotary mixes)
+  and writes q as [B, H, S, D] (what attention reads) and k, v as [B, Hkv, S, D];
+- :func:`gate_up`: the post-attention RMS norm (folded the same way), the gate and up
+  projections (columns ``n`` of both in one block) and ``gelu_tanh(gate) * up``;
+- :func:`linear_residual`: a projection plus the residual (``o_proj`` and ``down_proj``).
+
+Each is a ``torch.library.triton_op``: eager it launches its kernel, and under ``torch.compile``
+inductor places the kernel in its generated code, so CUDA graphs capture it. On a CPU they run
+only under Triton's interpreter (``TRITON_INTERPRET=1``: the tests). Tiles come from
+:data:`TILES`, overridable per kernel for tuning on a new GPU (``TANDEM_PI0_STEP_TILES``).
+
+Arithmetic: products accumulate in float32 and round once to the output dtype; lerobot rounds the
+normed input, each projection and the rotary product to bf16 on the way. The results agree within
+bf16 round-off, not bit for bit; on a CPU in float32, to float32 round-off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+#: per kernel: rows per block, columns per block (of each of the pair), reduction step, warps,
+#: pipeline stages. ``TANDEM_PI0_STEP_TILES`` (JSON, e.g. ``{"qkv": [64, 16, 128, 4, 3]}``)
+#: overrides some of them.
+TILES = {"qkv": (64, 16, 128, 4, 3), "gate_up": (64, 32, 128, 4, 3), "residual": (64, 16, 128, 4, 3)}
+TILES.update({k: tuple(v) for k, v in json.loads(os.environ.get("TANDEM_PI0_STEP_TILES", "{}")).items()})
+
+try:  # triton ships with CUDA builds of torch
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - a torch build without triton
+    triton = None
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the kernels can run for tensors on ``device`` (a GPU, or Triton's interpreter)."""
+    return triton is not None and (torch.device(device).type == "cuda" or interpreted())
+
+
+def _launcher(kernel):
+    """Inductor wraps the kernel (``wrap_triton``); Triton's interpreter makes no JIT function to
+    wrap, so there it is launched as is."""
+    if interpreted():
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dots(X, W, rows, row_ok, ca, cb, col_ok, K, sxm, swn, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr):
+        """``X[rows] @ W[ca]^T`` (and ``W[cb]^T`` with PAIR) over the whole reduction, float32
+        accumulators [BM, BN]; with NORM also each row's sum of squares (the RMS norm's)."""
+        acc_a = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_b = tl.zeros([BM, BN], dtype=tl.float32)
+        ss = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_ok = kk < K
+            x = tl.load(X + rows[:, None] * sxm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:
+                xf = x.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+            w = tl.load(W + ca[None, :] * swn + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_a = tl.dot(x, w, acc_a)
+            if PAIR:
+                w2 = tl.load(W + cb[None, :] * swn + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc_b = tl.dot(x, w2, acc_b)
+        return acc_a, acc_b, ss
+
+    @triton.jit
+    def _qkv_kernel(X, W, Cos, Sin, Q, Kn, Vn, M, S, K, H, HKV, eps, sxm, swn, scm,
+                    D: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Block (pid 0: head x half-block, pid 1: rows): columns ``d`` and ``d + HALF`` of one
+        head of the normed q/k/v projection, rotated (q and k heads), stored per head."""
+        blocks = tl.cdiv(HALF, BN)
+        head = tl.program_id(0) // blocks
+        d = (tl.program_id(0) % blocks) * BN + tl.arange(0, BN)
+        d_ok = d < HALF
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        ca = head * D + d
+        acc_a, acc_b, ss = _dots(X, W, rows, row_ok, ca, ca + HALF, d_ok, K, sxm, swn, BM, BN, BK, True, True)
+        r = 1.0 / tl.sqrt(ss / K + eps)
+        a = acc_a * r[:, None]
+        b = acc_b * r[:, None]
+        ok = row_ok[:, None] & d_ok[None, :]
+        if head < H + HKV:  # rotary: x * cos + rotate_half(x) * sin, rotate_half = (-x2, x1)
+            cs = Cos + rows[:, None] * scm + d[None, :]
+            sn = Sin + rows[:, None] * scm + d[None, :]
+            cos_a = tl.load(cs, mask=ok, other=0.0).to(tl.float32)
+            cos_b = tl.load(cs + HALF, mask=ok, other=0.0).to(tl.float32)
+            sin_a = tl.load(sn, mask=ok, other=0.0).to(tl.float32)
+            sin_b = tl.load(sn + HALF, mask=ok, other=0.0).to(tl.float32)
+            a, b = a * cos_a - b * sin_a, b * cos_b + a * sin_b
+        bi = rows // S
+        si = rows % S
+        if head < H:  # q: [B, H, S, D]
+            base = Q + ((bi * H + head) * S + si) * D
+        elif head < H + HKV:  # k, v: [B, Hkv, S, D]
+            base = Kn + ((bi * HKV + head - H) * S + si) * D
+        else:
+            base = Vn + ((bi * HKV + head - H - HKV) * S + si) * D
+        tl.store(base[:, None] + d[None, :], a.to(Q.dtype.element_ty), mask=ok)
+        tl.store(base[:, None] + HALF + d[None, :], b.to(Q.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _gate_up_kernel(X, W, Out, M, N, K, eps, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
+        """Columns ``n`` of gelu_tanh(normed x @ gate^T) * (normed x @ up^T); W is [gate; up]."""
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        acc_g, acc_u, ss = _dots(X, W, rows, row_ok, cols, cols + N, col_ok, K, sxm, swn, BM, BN, BK, True, True)
+        r = 1.0 / tl.sqrt(ss / K + eps)
+        g = acc_g * r[:, None]
+        u = acc_u * r[:, None]
+        # gelu's tanh form: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+        act = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+        tl.store(Out + rows[:, None] * som + cols[None, :], (act * u).to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _residual_kernel(X, W, Res, Out, M, N, K, sxm, swn, srm, som, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr):
+        """Columns ``n`` of Res + X @ W^T."""
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        acc, _, _ = _dots(X, W, rows, row_ok, cols, cols, col_ok, K, sxm, swn, BM, BN, BK, False, False)
+        ok = row_ok[:, None] & col_ok[None, :]
+        res = tl.load(Res + rows[:, None] * srm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(Out + rows[:, None] * som + cols[None, :], (acc + res).to(Out.dtype.element_ty), mask=ok)
+
+    def _tiles(name: str, m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+        bm, bn, bk, warps, stages = TILES[name]
+        return bm, min(bn, _pow2(n)), min(bk, _pow2(k)), warps, stages
+
+    @torch.library.triton_op("tandem::pi0_step_qkv", mutates_args=())
+    def qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: int, heads: int,
+                 kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B * seq, width] (rows contiguous), w [(heads + 2 kv_heads) * D, width] (q, k, v
+        stacked, the norm's ``1 + weight`` folded in), cos / sin [B * seq, D] -> q [B, heads,
+        seq, D], k and v [B, kv_heads, seq, D] in x's dtype: the normed projection, q and k
+        rotated."""
+        m, k = x.shape
+        d = cos.shape[-1]
+        b = m // seq
+        q = x.new_empty(b, heads, seq, d)
+        kn, vn = x.new_empty(b, kv_heads, seq, d), x.new_empty(b, kv_heads, seq, d)
+        bm, bn, bk, warps, stages = _tiles("qkv", m, d // 2, k)
+        grid = ((heads + 2 * kv_heads) * triton.cdiv(d // 2, bn), triton.cdiv(m, bm))
+        _launcher(_qkv_kernel)[grid](x, w, cos, sin, q, kn, vn, m, seq, k, heads, kv_heads, eps, x.stride(0),
+                                     w.stride(0), cos.stride(0), D=d, HALF=d // 2, BM=bm, BN=bn, BK=bk,
+                                     num_warps=warps, num_stages=stages)
+        return q, kn, vn
+
+    @torch.library.triton_op("tandem::pi0_step_gate_up", mutates_args=())
+    def gate_up(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [M, width], w [2 N, width] (gate then up, the norm's ``1 + weight`` folded in) ->
+        gelu_tanh(gate) * up [M, N] of the normed x."""
+        m, k = x.shape
+        n = w.shape[0] // 2
+        out = x.new_empty(m, n)
+        bm, bn, bk, warps, stages = _tiles("gate_up", m, n, k)
+        _launcher(_gate_up_kernel)[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+            x, w, out, m, n, k, eps, x.stride(0), w.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk,
+            num_warps=warps, num_stages=stages)
+        return out
+
+    @torch.library.triton_op("tandem::pi0_step_residual", mutates_args=())
+    def linear_residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        """x [M, K], w [N, K], res [M, N] -> res + x @ w^T in res's dtype."""
+        m, k = x.shape
+        n = w.shape[0]
+        out = res.new_empty(m, n)
+        bm, bn, bk, warps, stages = _tiles("residual", m, n, k)
+        _launcher(_residual_kernel)[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+            x, w, res, out, m, n, k, x.stride(0), w.stride(0), res.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk,
+            num_warps=warps, num_stages=stages)
+        return out

@@ -1,0 +1,191 @@
+"""The denoising steps' decoder layers as Triton kernels (agents/policies/pi0/fast_step_layers.py,
+``FastPiSampler(step_layers="triton")``). On a CPU the kernels run under Triton's interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported: a subprocess): each equals the torch
+computation it replaces (RMS norm with its weight, q/k/v, rotary; norm, gelu_tanh(gate) x up;
+projection + residual) to float32 round-off on PI0's head layout and on odd sizes; PI0's actions
+with them equal the default path's and lerobot's, and new weights (LoRA and norm weights written
+in place) are re-folded before the next call. Without the interpreter a CPU runs the layers as
+they are; PI0.5 (AdaRMS norms) builds no stand-ins. The GPU test (compiled, under CUDA graphs)
+is skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_pi0_fast import both, obs
+from test_pi0_fused import CPU_TOL, GPU_TOL, ckpts  # noqa: F401 - the module's checkpoints
+from test_pi0_levers import noise_for, perturb
+
+pytest.importorskip("triton")
+
+
+def rms(x, w, eps):
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x * torch.rsqrt(var + eps) * (1 + w.float())).to(x.dtype)
+
+
+def rotary(x, cos, sin):
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+
+
+def kernel_checks() -> None:
+    """Run under the interpreter: each kernel against the torch computation it replaces."""
+    from agents.policies.pi0 import fast_step_kernels as kernels
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    # (batch, suffix, width, heads, kv heads, head dim, mlp): PI0's layout small, odd sizes
+    for b, s, width, h, hkv, d, inter in [(2, 5, 32, 8, 1, 8, 40), (1, 51, 64, 4, 2, 32, 96), (3, 7, 48, 2, 1, 16, 24)]:
+        m, eps = b * s, 1e-6
+        x, n1, n2 = rand(m, width), rand(width, scale=0.3), rand(width, scale=0.3)
+        wq, wk, wv = rand(h * d, width, scale=0.1), rand(hkv * d, width, scale=0.1), rand(hkv * d, width, scale=0.1)
+        cos, sin = rand(b, s, d), rand(b, s, d)
+        q, k, v = kernels.qkv_rope(x, torch.cat([wq, wk, wv]) * (1 + n1)[None], cos.reshape(m, d),
+                                   sin.reshape(m, d), s, h, hkv, eps)
+        hn = rms(x, n1, eps)
+
+        def heads(t, n):
+            return t.view(b, s, n, d).transpose(1, 2)
+
+        c, sn = cos[:, None], sin[:, None]
+        tol = dict(atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(q, rotary(heads(hn @ wq.T, h), c, sn), **tol)
+        torch.testing.assert_close(k, rotary(heads(hn @ wk.T, hkv), c, sn), **tol)
+        torch.testing.assert_close(v, heads(hn @ wv.T, hkv), **tol)
+        wg, wu = rand(inter, width, scale=0.1), rand(inter, width, scale=0.1)
+        act = kernels.gate_up(x, torch.cat([wg, wu]) * (1 + n2)[None], eps)
+        hn2 = rms(x, n2, eps)
+        torch.testing.assert_close(act, torch.nn.functional.gelu(hn2 @ wg.T, approximate="tanh") * (hn2 @ wu.T), **tol)
+        wd, res = rand(width, inter, scale=0.1), rand(m, width)
+        torch.testing.assert_close(kernels.linear_residual(act, wd, res), res + act @ wd.T, **tol)
+    print("kernels ok")
+
+
+def with_norms(p, seed=4):
+    """Non-zero RMS norm weights in PI0's expert (lerobot initialises them to zero: folding 1 + 0
+    would go unchecked)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in p.inner.model.paligemma_with_expert.gemma_expert.model.layers:
+            for n in (layer.input_layernorm, layer.post_attention_layernorm):
+                if getattr(n, "dense", None) is None:  # PI0.5's AdaRMS norms have no weight
+                    n.weight.copy_(0.3 * torch.randn(n.weight.shape, generator=g))
+    return p
+
+
+def sampler_checks(root: str) -> None:
+    """Run under the interpreter: PI0's actions with the step layers."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_pi0_fast import CHUNK, SPEC, make
+
+    from agents.policies.pi0 import fast_step_kernels as kernels
+    from agents.policies.pi0.fast import FastPiSampler
+    from tools.make_tiny_checkpoints import make_pi0
+
+    torch.manual_seed(0)
+    p = with_norms(make(make_pi0(Path(root) / "pi0", SPEC, variant="pi0", chunk_size=CHUNK), "pi0",
+                        fast_serving="eager", device="cpu"))
+    noise = noise_for(p)
+    p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None, step_kv=True)
+    plain, ref = both(p, obs(), noise)
+    calls = []
+    orig = kernels.qkv_rope
+
+    def counted(*a, **kw):
+        calls.append(a[0].shape[0])
+        return orig(*a, **kw)
+
+    kernels.qkv_rope = counted
+    p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None, step_kv=True, step_layers="triton")
+    out, _ = both(p, obs(), noise)
+    layers = p.inner.model.paligemma_with_expert.gemma_expert.model.config.num_hidden_layers
+    assert len(calls) == layers * int(p.lr_cfg.num_inference_steps)  # every expert layer of every step
+    assert set(calls) == {3 * (CHUNK + 1)}  # rows: the batch x PI0's suffix (state token and chunk)
+    torch.testing.assert_close(out, plain, **CPU_TOL)
+    torch.testing.assert_close(out, ref, **CPU_TOL)
+    # new weights: LoRA and heads pushed (perturb), a norm weight written in place
+    before = p._fast.step_layers.refreshed
+    perturb(p)
+    with_norms(p, seed=5)
+    new, ref2 = both(p, obs(), noise)
+    assert p._fast.step_layers.refreshed > before
+    assert float((new - out).abs().max()) > 1e-3  # the new weights count
+    torch.testing.assert_close(new, ref2, **CPU_TOL)
+    print("sampler ok")
+
+
+def interpreted(code: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1]), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout
+
+
+def test_kernels_equal_torch_under_the_interpreter():
+    assert "kernels ok" in interpreted("import test_pi0_step_layers as t; t.kernel_checks()")
+
+
+def test_actions_with_step_layers_equal_the_default_path(tmp_path):
+    assert "sampler ok" in interpreted(f"import test_pi0_step_layers as t; t.sampler_checks({str(tmp_path)!r})")
+
+
+def test_settings_fallbacks_and_pi05(ckpts):  # noqa: F811
+    """The lever needs the step buffers and excludes FP8; on a CPU without the interpreter the
+    layers run as they are (the same actions); PI0.5's AdaRMS layers get no stand-ins."""
+    from agents.policies.pi0 import fast_step_kernels
+    from agents.policies.pi0.fast import FastPiSampler
+    from test_pi0_step_kv import policy
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter runs the kernels on a CPU")
+    assert not fast_step_kernels.available("cpu")
+    for variant in ("pi0", "pi05"):
+        p = with_norms(policy(ckpts, variant))
+        noise = noise_for(p)
+        model = p.inner.model
+        with pytest.raises(ValueError, match="step_layers"):
+            FastPiSampler(model, p.variant, graphs=False, step_layers="triton")
+        with pytest.raises(ValueError, match="step_layers"):
+            FastPiSampler(model, p.variant, graphs=False, step_kv=True, step_layers="cuda")
+        p._fast = FastPiSampler(model, p.variant, graphs=False, step_kv=True)
+        plain, _ = both(p, obs(), noise)
+        p._fast = FastPiSampler(model, p.variant, graphs=False, step_kv=True, step_layers="triton")
+        out, _ = both(p, obs(), noise)
+        assert len(p._fast.step_layers.sites) == (2 if variant == "pi0" else 0)
+        torch.testing.assert_close(out, plain, **CPU_TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("variant", ["pi0"])
+def test_step_layers_under_graphs_and_compile_on_gpu(ckpts, variant):  # noqa: F811
+    """The kernels compiled into the steps under CUDA graphs with the GPU defaults: lerobot's
+    actions within the bf16 tolerance, new weights re-folded with no capture."""
+    from agents.policies.pi0.fast import FastPiSampler
+    from test_pi0_step_kv import policy
+
+    p = with_norms(policy(ckpts, variant, device="cuda", dtype="bfloat16", fast_serving="auto"))
+    noise = noise_for(p)
+    plain, ref = both(p, obs(), noise)
+    levers = p._fast.levers
+    p._fast = FastPiSampler(p.inner.model, p.variant, graphs=True, compile=True, step_kv=True, step_layers="triton",
+                            vision_dtype=levers.vision.dtype, fuse="all")
+    out, _ = both(p, obs(), noise)
+    assert p._fast.captures == 1
+    torch.testing.assert_close(out, ref, **GPU_TOL)
+    torch.testing.assert_close(out, plain, **GPU_TOL)
+    perturb(p)
+    with_norms(p, seed=5)
+    new, ref2 = both(p, obs(), noise)
+    assert p._fast.captures == 1 and p._fast.step_layers.refreshed > 0
+    torch.testing.assert_close(new, ref2, **GPU_TOL)
