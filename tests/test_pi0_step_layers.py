@@ -189,3 +189,20 @@ def test_step_layers_under_graphs_and_compile_on_gpu(ckpts, variant):  # noqa: F
     new, ref2 = both(p, obs(), noise)
     assert p._fast.captures == 1 and p._fast.step_layers.refreshed > 0
     torch.testing.assert_close(new, ref2, **GPU_TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_kernel_bench_runs_on_gpu(tmp_path):
+    """tools/bench/pi0_step_kernels.py at batch 1: every kernel and its reference timed, and the
+    kernels equal their references within bf16 round-off at PI0's full expert shapes."""
+    import json
+
+    from tools.bench import pi0_step_kernels as bench
+
+    for name, (ref, kern, _, _) in bench.cases(1).items():
+        for a, b in zip(torch.utils._pytree.tree_leaves(kern()), torch.utils._pytree.tree_leaves(ref()), strict=True):
+            torch.testing.assert_close(a.float(), b.float(), atol=6e-2, rtol=3e-2, msg=name)
+    assert bench.main(["--batches", "1", "--json", str(tmp_path / "k.json")]) == 0
+    rows = json.loads((tmp_path / "k.json").read_text())["batches"]["1"]
+    assert set(rows) == {"qkv", "gate_up", "o_residual", "down_residual"}
+    assert all(r["kernel_us"] > 0 and r["reference_us"] > 0 for r in rows.values())

@@ -41,7 +41,10 @@ SigLIP's in passes of 4+ images, as cuDNN's fused attention op, ``prefix_attenti
 ``default_combo`` / ``default_cdt`` / ``default_pdl`` (the defaults compiled with inductor's
 combo kernels, which launch independent small kernels as one; with coordinate-descent tuning of
 the Triton kernels' configs; or with programmatic dependent launch, a Triton kernel starting
-while the one before it finishes, on Hopper; ``inductor=`` options); step_attention, prefix_attention and inductor are sampler
+while the one before it finishes, on Hopper; ``inductor=`` options), ``default_step_layers`` (the
+expert's decoder layers in the steps as Triton kernels, agents/policies/pi0/fast_step_layers.py,
+``step_layers="triton"``; ``default_step_layers_cudnn_prefix`` with cuDNN's prefix attention too);
+step_attention, prefix_attention, inductor and step_layers are sampler
 arguments, not policy settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
 ``forward_ms``, ``max_abs_diff`` (against lerobot's float32-SigLIP bf16 ``sample_actions``) and
@@ -96,7 +99,7 @@ _DEFAULT = {"vision_dtype": "auto", "fuse_proj": "auto", "step_kv": True}  # the
 _NO_KV = {"vision_dtype": "auto", "fuse_proj": "auto"}  # the defaults before the step buffers
 #: --levers: name -> the lever's settings (policy.fast_* without the prefix; unnamed ones off: fp32 SigLIP,
 #: no FP8, no fusion, no autotune, no step buffers) and the sampler arguments step_attention,
-#: prefix_attention, inductor
+#: prefix_attention, inductor, step_layers
 LEVERS = {"baseline": {}, "default": _DEFAULT, "no_step_kv": _NO_KV, "bf16_vision": {"vision_dtype": "bf16"},
           "bf16_vision_fp8": {"vision_dtype": "bf16", "expert_fp8": "true"}, "fp8": {"expert_fp8": "true"},
           "bf16_vision_fused_expert": {"vision_dtype": "bf16", "fuse_proj": "expert"},
@@ -113,7 +116,9 @@ LEVERS = {"baseline": {}, "default": _DEFAULT, "no_step_kv": _NO_KV, "bf16_visio
           "default_step_kv_cudnn_prefix": {**_DEFAULT, "prefix_attention": "cudnn"},
           "default_combo": {**_DEFAULT, "inductor": {"combo_kernels": True}},
           "default_cdt": {**_DEFAULT, "inductor": {"coordinate_descent_tuning": True}},
-          "default_pdl": {**_DEFAULT, "inductor": {"triton.enable_pdl": True}}}
+          "default_pdl": {**_DEFAULT, "inductor": {"triton.enable_pdl": True}},
+          "default_step_layers": {**_DEFAULT, "step_layers": "triton"},
+          "default_step_layers_cudnn_prefix": {**_DEFAULT, "step_layers": "triton", "prefix_attention": "cudnn"}}
 
 
 def lever_kwargs(lever: str, device) -> dict:
@@ -124,7 +129,8 @@ def lever_kwargs(lever: str, device) -> dict:
     s = {"vision_dtype": "fp32", "expert_fp8": False, "fuse_proj": "off", "autotune": False, **LEVERS[lever]}
     # step_kv is policy.fast_step_kv; step_attention a sampler argument (agents/policies/pi0/fast_attention.py)
     sampler = {"step_kv": s.pop("step_kv", False), "step_attention": s.pop("step_attention", "mqa"),
-               "prefix_attention": s.pop("prefix_attention", "default"), "inductor": s.pop("inductor", None)}
+               "prefix_attention": s.pop("prefix_attention", "default"), "inductor": s.pop("inductor", None),
+               "step_layers": s.pop("step_layers", "default")}
     kw = lever_settings(SimpleNamespace(**{f"fast_{k}": v for k, v in s.items()}),
                         getattr(device, "type", device) == "cuda")
     if kw["expert_fp8"] == "cuda" and getattr(device, "type", device) != "cuda":
@@ -145,7 +151,7 @@ def bench_mode(policy, mode: str, obs, inputs, noise, args, sync, lever: str = "
     res: dict = {"mode": mode, "lever": lever, "vision_dtype": str(kw["vision_dtype"]),
                  "expert_fp8": kw["expert_fp8"], "fuse_proj": kw["fuse"], "autotune": kw["autotune"], "step_kv": kw["step_kv"],
                  "step_attention": kw["step_attention"], "prefix_attention": kw["prefix_attention"],
-                 "inductor": kw["inductor"], "warmup_s": {}, "warmup_compiled_graphs": {}}
+                 "inductor": kw["inductor"], "step_layers": kw["step_layers"], "warmup_s": {}, "warmup_compiled_graphs": {}}
     if fast.levers is not None and fast.levers.fp8 is not None:
         res["fp8_layers"], res["fp8_skipped"] = len(fast.levers.fp8.sites), fast.levers.fp8.skipped
     for b in args.warmup_buckets:

@@ -66,6 +66,11 @@ def _launcher(kernel):
     return wrap_triton(kernel)
 
 
+def _rows(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each 2-D tensor with unit stride along its rows (what the kernels' indexing assumes)."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
+
+
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
@@ -171,6 +176,7 @@ if triton is not None:
         stacked, the norm's ``1 + weight`` folded in), cos / sin [B * seq, D] -> q [B, heads,
         seq, D], k and v [B, kv_heads, seq, D] in x's dtype: the normed projection, q and k
         rotated."""
+        x, w, cos, sin = _rows(x, w, cos, sin)
         m, k = x.shape
         d = cos.shape[-1]
         b = m // seq
@@ -187,6 +193,7 @@ if triton is not None:
     def gate_up(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """x [M, width], w [2 N, width] (gate then up, the norm's ``1 + weight`` folded in) ->
         gelu_tanh(gate) * up [M, N] of the normed x."""
+        x, w = _rows(x, w)
         m, k = x.shape
         n = w.shape[0] // 2
         out = x.new_empty(m, n)
@@ -199,6 +206,7 @@ if triton is not None:
     @torch.library.triton_op("tandem::pi0_step_residual", mutates_args=())
     def linear_residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
         """x [M, K], w [N, K], res [M, N] -> res + x @ w^T in res's dtype."""
+        x, w, res = _rows(x, w, res)
         m, k = x.shape
         n = w.shape[0]
         out = res.new_empty(m, n)

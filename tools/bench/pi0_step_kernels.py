@@ -1,0 +1,157 @@
+"""The step layers' Triton kernels alone against what they replace, at PI0's expert shapes.
+
+    python -m tools.bench.pi0_step_kernels [--batches 1,8] [--sweep] [--json out.json]
+
+For each kernel of :mod:`agents.policies.pi0.fast_step_kernels` (``qkv``: RMS norm + q/k/v +
+rotary; ``gate_up``: RMS norm + gate/up + gelu x up; ``o_residual`` / ``down_residual``: a
+projection + the residual) and its reference (the same arithmetic in torch, compiled as the fast
+path compiles the unfused step: cuBLAS GEMMs over the stacked weights, inductor's kernels around
+them), at PI0's action expert (width 1024, 8 query heads and 1 key/value head of 256, MLP 4096,
+51 suffix rows per observation) and each batch: microseconds per call, the mean of 50 calls
+replayed in a CUDA graph (what serving runs), with the time it takes to read the kernel's weights
+once at the copy bandwidth measured in the same run. ``--sweep`` also times each kernel over a grid
+of tiles (rows, columns, reduction step, warps, stages) and reports the best; the winners go in
+``fast_step_kernels.TILES`` (or ``TANDEM_PI0_STEP_TILES``). Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+CALLS = 50
+WIDTH, HEADS, KV_HEADS, HEAD_DIM, MLP, SUFFIX, EPS = 1024, 8, 1, 256, 4096, 51, 1e-6
+
+
+def graph_us(fn, calls: int = CALLS, reps: int = 5) -> float:
+    """Mean microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / calls)
+    return round(best, 2)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
+    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    us = graph_us(lambda: b.copy_(a), calls=5)
+    return 2 * a.numel() * 2 / (us * 1e-6)
+
+
+def _rms(x, w):
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x * torch.rsqrt(var + EPS) * (1 + w.float())).to(x.dtype)
+
+
+def cases(batch: int) -> dict:
+    """name -> (reference fn, kernel fn, weight bytes), over random bf16 tensors of one batch."""
+    from agents.policies.pi0 import fast_step_kernels as kernels
+
+    dev, dt = "cuda", torch.bfloat16
+    m, half = batch * SUFFIX, HEAD_DIM // 2
+
+    def r(*shape, scale=0.02):
+        return torch.randn(*shape, device=dev, dtype=dt) * scale
+
+    x, n1, n2 = r(m, WIDTH, scale=1.0), r(WIDTH), r(WIDTH)
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    w_qkv, w_o, w_gu, w_d = r(qkv_rows, WIDTH), r(WIDTH, HEADS * HEAD_DIM), r(2 * MLP, WIDTH), r(WIDTH, MLP)
+    cos, sin = r(m, HEAD_DIM, scale=1.0), r(m, HEAD_DIM, scale=1.0)
+    attn, act = r(m, HEADS * HEAD_DIM, scale=1.0), r(m, MLP, scale=1.0)
+
+    def ref_qkv():
+        h = F.linear(_rms(x, n1), w_qkv).view(batch, SUFFIX, -1, HEAD_DIM).transpose(1, 2)
+        q, k, v = h.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+        c, s = cos.view(batch, 1, SUFFIX, HEAD_DIM), sin.view(batch, 1, SUFFIX, HEAD_DIM)
+
+        def rot(t):
+            return t * c + torch.cat([-t[..., half:], t[..., :half]], -1) * s
+
+        return rot(q), rot(k), v.contiguous()
+
+    def ref_gate_up():
+        g, u = F.linear(_rms(x, n2), w_gu).chunk(2, dim=-1)
+        return F.gelu(g, approximate="tanh") * u
+
+    comp = {name: torch.compile(fn, dynamic=False) for name, fn in
+            (("qkv", ref_qkv), ("gate_up", ref_gate_up), ("o_residual", lambda: x + F.linear(attn, w_o)),
+             ("down_residual", lambda: x + F.linear(act, w_d)))}
+    nbytes = {"qkv": w_qkv, "gate_up": w_gu, "o_residual": w_o, "down_residual": w_d}
+    kern = {"qkv": lambda: kernels.qkv_rope(x, w_qkv, cos, sin, SUFFIX, HEADS, KV_HEADS, EPS),
+            "gate_up": lambda: kernels.gate_up(x, w_gu, EPS),
+            "o_residual": lambda: kernels.linear_residual(attn, w_o, x),
+            "down_residual": lambda: kernels.linear_residual(act, w_d, x)}
+    tile_of = {"qkv": "qkv", "gate_up": "gate_up", "o_residual": "residual", "down_residual": "residual"}
+    return {n: (comp[n], kern[n], nbytes[n].numel() * 2, tile_of[n]) for n in kern}
+
+
+def sweep_grid(batch: int) -> list[tuple[int, int, int, int, int]]:
+    rows = (64,) if batch == 1 else (64, 128)
+    return list(itertools.product(rows, (16, 32, 64), (64, 128, 256), (4, 8), (3,)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from agents.policies.pi0 import fast_step_kernels as kernels
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--sweep", action="store_true", help="time each kernel over a grid of tiles")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("pi0_step_kernels: needs a GPU", file=sys.stderr)
+        return 2
+    bw = copy_bandwidth()
+    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": round(bw / 1e9),
+           "tiles": {k: list(v) for k, v in kernels.TILES.items()}, "batches": {}}
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; tiles {kernels.TILES}")
+    default_tiles = dict(kernels.TILES)
+    for b in [int(x) for x in args.batches.split(",") if x]:
+        out = res["batches"][str(b)] = {}
+        for name, (ref, kern, nbytes, tile) in cases(b).items():
+            kernels.TILES.update(default_tiles)
+            row = out[name] = {"reference_us": graph_us(ref), "kernel_us": graph_us(kern),
+                               "weights_read_us": round(nbytes / bw * 1e6, 2)}
+            if args.sweep:
+                timed = []
+                for t in sweep_grid(b):
+                    kernels.TILES[tile] = t
+                    try:
+                        timed.append((graph_us(kern, reps=3), t))
+                    except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit
+                        row.setdefault("refused", []).append([list(t), str(e)[:120]])
+                timed.sort()
+                row["sweep_best"] = [[us, list(t)] for us, t in timed[:5]]
+            kernels.TILES.update(default_tiles)
+            print(f"batch {b} {name:14s} " + "  ".join(f"{k}: {v}" for k, v in row.items() if k != "refused"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
