@@ -3,8 +3,9 @@
     python -m tools.bench.pi0_step_kernels [--batches 1,8] [--sweep] [--json out.json]
 
 For each kernel of :mod:`agents.policies.pi0.fast_step_kernels` (``qkv``: RMS norm + q/k/v +
-rotary; ``gate_up``: RMS norm + gate/up + gelu x up; ``o_residual`` / ``down_residual``: a
-projection + the residual) and its reference (the same arithmetic in torch, compiled as the fast
+rotary, k and v written into the step buffers; ``gate_up``: RMS norm + gate/up + gelu x up;
+``o_residual`` / ``down_residual``: a projection + the residual, o_proj reading attention's
+[B, H, S, D] output where the reference first copies it to [B, S, H, D]) and its reference (the same arithmetic in torch, compiled as the fast
 path compiles the unfused step: cuBLAS GEMMs over the stacked weights, inductor's kernels around
 them), at PI0's action expert (width 1024, 8 query heads and 1 key/value head of 256, MLP 4096,
 51 suffix rows per observation) and each batch: microseconds per call, the mean of 50 calls
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 CALLS = 50
 WIDTH, HEADS, KV_HEADS, HEAD_DIM, MLP, SUFFIX, EPS = 1024, 8, 1, 256, 4096, 51, 1e-6
+KEYS = 624  # the step buffers' length: 51 suffix + ~570 prefix tokens, a multiple of 8
 
 
 def graph_us(fn, calls: int = CALLS, reps: int = 5) -> float:
@@ -80,9 +82,11 @@ def cases(batch: int) -> dict:
     qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     w_qkv, w_o, w_gu, w_d = r(qkv_rows, WIDTH), r(WIDTH, HEADS * HEAD_DIM), r(2 * MLP, WIDTH), r(WIDTH, MLP)
     cos, sin = r(m, HEAD_DIM, scale=1.0), r(m, HEAD_DIM, scale=1.0)
-    attn, act = r(m, HEADS * HEAD_DIM, scale=1.0), r(m, MLP, scale=1.0)
+    # attention's output as its GEMM writes it [B, H, S, D]; the step buffers [B, Hkv, keys, D]
+    attn, act = r(batch, HEADS, SUFFIX, HEAD_DIM, scale=1.0), r(m, MLP, scale=1.0)
+    kbuf, vbuf = r(batch, KV_HEADS, KEYS, HEAD_DIM), r(batch, KV_HEADS, KEYS, HEAD_DIM)
 
-    def ref_qkv():
+    def ref_qkv(kb, vb):
         h = F.linear(_rms(x, n1), w_qkv).view(batch, SUFFIX, -1, HEAD_DIM).transpose(1, 2)
         q, k, v = h.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
         c, s = cos.view(batch, 1, SUFFIX, HEAD_DIM), sin.view(batch, 1, SUFFIX, HEAD_DIM)
@@ -90,17 +94,23 @@ def cases(batch: int) -> dict:
         def rot(t):
             return t * c + torch.cat([-t[..., half:], t[..., :half]], -1) * s
 
-        return rot(q), rot(k), v.contiguous()
+        kb[:, :, :SUFFIX] = rot(k)
+        vb[:, :, :SUFFIX] = v
+        return rot(q)
 
     def ref_gate_up():
         g, u = F.linear(_rms(x, n2), w_gu).chunk(2, dim=-1)
         return F.gelu(g, approximate="tanh") * u
 
+    o_in = attn.transpose(1, 2)  # what the unfused path copies to [B, S, H, D] before o_proj
     comp = {name: torch.compile(fn, dynamic=False) for name, fn in
-            (("qkv", ref_qkv), ("gate_up", ref_gate_up), ("o_residual", lambda: x + F.linear(attn, w_o)),
+            (("qkv", ref_qkv), ("gate_up", ref_gate_up),
+             ("o_residual", lambda: x + F.linear(o_in.reshape(m, -1), w_o)),
              ("down_residual", lambda: x + F.linear(act, w_d)))}
+    qkv_ref = comp["qkv"]
+    comp["qkv"] = lambda: qkv_ref(kbuf, vbuf)
     nbytes = {"qkv": w_qkv, "gate_up": w_gu, "o_residual": w_o, "down_residual": w_d}
-    kern = {"qkv": lambda: kernels.qkv_rope(x, w_qkv, cos, sin, SUFFIX, HEADS, KV_HEADS, EPS),
+    kern = {"qkv": lambda: kernels.qkv_rope(x, w_qkv, cos, sin, kbuf, vbuf, SUFFIX, HEADS, EPS),
             "gate_up": lambda: kernels.gate_up(x, w_gu, EPS),
             "o_residual": lambda: kernels.linear_residual(attn, w_o, x),
             "down_residual": lambda: kernels.linear_residual(act, w_d, x)}

@@ -82,6 +82,18 @@ def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
             attention_mask = torch.zeros(b, 1, q, k, dtype=query.dtype, device=query.device)
         attention_mask = nn.functional.pad(attention_mask[..., :k], (0, pad), value=neg)
         k += pad
+    out = stacked_heads(query, key, value, attention_mask, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def stacked_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    """:func:`mqa_attention`'s arithmetic with the key count already a multiple of 8, the output
+    left as the GEMM writes it: [B, H, Q, D] (query [B, H, Q, D], key/value [B, Hkv, K, D],
+    additive mask [B, 1, Q, >= K])."""
+    b, h, q, d = query.shape
+    hkv, k = key.shape[1], key.shape[2]
+    g = h // hkv
     if SOFTMAX_BOUND:
         bounded(k, SOFTMAX_BOUND)
     scores = torch.matmul(query.reshape(b, hkv, g * q, d), key.transpose(2, 3)) * scale
@@ -89,8 +101,7 @@ def mqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, None, :, :k]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs.view(b, hkv, g * q, k), value)
-    return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
+    return torch.matmul(probs.view(b, hkv, g * q, k), value).view(b, h, q, d)
 
 
 def bounded(n, limit: int) -> bool:

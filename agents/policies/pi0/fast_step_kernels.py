@@ -12,10 +12,12 @@ kernel do all of it, each a GEMM over weights prepared once (``fast_step_layers`
   row's ``rsqrt(mean(x^2) + eps)`` accumulated in the same loop over the row that feeds the
   GEMM and applied to the product), the q/k/v projection and the rotary embedding. Each block
   computes columns ``d`` and ``d + D/2`` of one head together (the two halves that rotary mixes)
-  and writes q as [B, H, S, D] (what attention reads) and k, v as [B, Hkv, S, D];
+  and writes q as [B, H, S, D] (what attention reads) and k, v into the first S rows of the
+  step's key/value buffers, in place;
 - :func:`gate_up`: the post-attention RMS norm (folded the same way), the gate and up
   projections (columns ``n`` of both in one block) and ``gelu_tanh(gate) * up``;
-- :func:`linear_residual`: a projection plus the residual (``o_proj`` and ``down_proj``).
+- :func:`linear_residual`: a projection plus the residual (``o_proj``, reading attention's
+  output in the [B, H, S, D] layout its GEMM wrote, and ``down_proj``).
 
 Each is a ``torch.library.triton_op``: eager it launches its kernel, and under ``torch.compile``
 inductor places the kernel in its generated code, so CUDA graphs capture it. On a CPU they run
@@ -78,17 +80,24 @@ def _pow2(n: int, lo: int = 16) -> int:
 if triton is not None:
 
     @triton.jit
-    def _dots(X, W, rows, row_ok, ca, cb, col_ok, K, sxm, swn, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr):
+    def _dots(X, W, xrow, row_ok, ca, cb, col_ok, K, sxh, swn, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, XD: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr):
         """``X[rows] @ W[ca]^T`` (and ``W[cb]^T`` with PAIR) over the whole reduction, float32
-        accumulators [BM, BN]; with NORM also each row's sum of squares (the RMS norm's)."""
+        accumulators [BM, BN]; with NORM also each row's sum of squares (the RMS norm's). Row
+        ``i`` of X starts at ``xrow[i]``; XD = 0: its columns are contiguous; XD > 0: X is
+        attention's output [B, H, S, XD], a row's column ``k`` is head ``k // XD`` (``sxh``
+        apart), lane ``k % XD``."""
         acc_a = tl.zeros([BM, BN], dtype=tl.float32)
         acc_b = tl.zeros([BM, BN], dtype=tl.float32)
         ss = tl.zeros([BM], dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             k_ok = kk < K
-            x = tl.load(X + rows[:, None] * sxm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if XD > 0:
+                xk = (kk // XD) * sxh + kk % XD
+            else:
+                xk = kk
+            x = tl.load(X + xrow[:, None] + xk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:
                 xf = x.to(tl.float32)
                 ss += tl.sum(xf * xf, axis=1)
@@ -100,10 +109,11 @@ if triton is not None:
         return acc_a, acc_b, ss
 
     @triton.jit
-    def _qkv_kernel(X, W, Cos, Sin, Q, Kn, Vn, M, S, K, H, HKV, eps, sxm, swn, scm,
+    def _qkv_kernel(X, W, Cos, Sin, Q, Kb, Vb, M, S, K, H, HKV, eps, sxm, swn, scm, skb, skh, skn, svb, svh, svn,
                     D: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """Block (pid 0: head x half-block, pid 1: rows): columns ``d`` and ``d + HALF`` of one
-        head of the normed q/k/v projection, rotated (q and k heads), stored per head."""
+        head of the normed q/k/v projection, rotated (q and k heads), stored per head: q in Q
+        [B, H, S, D], k and v in the first S rows of the buffers Kb, Vb [B, HKV, >= S, D]."""
         blocks = tl.cdiv(HALF, BN)
         head = tl.program_id(0) // blocks
         d = (tl.program_id(0) % blocks) * BN + tl.arange(0, BN)
@@ -111,7 +121,8 @@ if triton is not None:
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         row_ok = rows < M
         ca = head * D + d
-        acc_a, acc_b, ss = _dots(X, W, rows, row_ok, ca, ca + HALF, d_ok, K, sxm, swn, BM, BN, BK, True, True)
+        acc_a, acc_b, ss = _dots(X, W, rows * sxm, row_ok, ca, ca + HALF, d_ok, K, 0, swn, BM, BN, BK, 0, True,
+                                 True)
         r = 1.0 / tl.sqrt(ss / K + eps)
         a = acc_a * r[:, None]
         b = acc_b * r[:, None]
@@ -128,10 +139,10 @@ if triton is not None:
         si = rows % S
         if head < H:  # q: [B, H, S, D]
             base = Q + ((bi * H + head) * S + si) * D
-        elif head < H + HKV:  # k, v: [B, Hkv, S, D]
-            base = Kn + ((bi * HKV + head - H) * S + si) * D
+        elif head < H + HKV:  # k, v: rows 0..S-1 of the step buffers
+            base = Kb + bi * skb + (head - H) * skh + si * skn
         else:
-            base = Vn + ((bi * HKV + head - H - HKV) * S + si) * D
+            base = Vb + bi * svb + (head - H - HKV) * svh + si * svn
         tl.store(base[:, None] + d[None, :], a.to(Q.dtype.element_ty), mask=ok)
         tl.store(base[:, None] + HALF + d[None, :], b.to(Q.dtype.element_ty), mask=ok)
 
@@ -143,7 +154,8 @@ if triton is not None:
         col_ok = cols < N
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         row_ok = rows < M
-        acc_g, acc_u, ss = _dots(X, W, rows, row_ok, cols, cols + N, col_ok, K, sxm, swn, BM, BN, BK, True, True)
+        acc_g, acc_u, ss = _dots(X, W, rows * sxm, row_ok, cols, cols + N, col_ok, K, 0, swn, BM, BN, BK, 0, True,
+                                 True)
         r = 1.0 / tl.sqrt(ss / K + eps)
         g = acc_g * r[:, None]
         u = acc_u * r[:, None]
@@ -153,14 +165,18 @@ if triton is not None:
                  mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _residual_kernel(X, W, Res, Out, M, N, K, sxm, swn, srm, som, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr):
-        """Columns ``n`` of Res + X @ W^T."""
+    def _residual_kernel(X, W, Res, Out, M, N, K, S, XH, sxm, swn, srm, som, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, XD: tl.constexpr):
+        """Columns ``n`` of Res + X @ W^T; X [M, K] (XD = 0) or attention's [B, XH, S, XD]."""
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         col_ok = cols < N
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         row_ok = rows < M
-        acc, _, _ = _dots(X, W, rows, row_ok, cols, cols, col_ok, K, sxm, swn, BM, BN, BK, False, False)
+        if XD > 0:
+            xrow = ((rows // S) * XH * S + rows % S) * XD
+        else:
+            xrow = rows * sxm
+        acc, _, _ = _dots(X, W, xrow, row_ok, cols, cols, col_ok, K, S * XD, swn, BM, BN, BK, XD, False, False)
         ok = row_ok[:, None] & col_ok[None, :]
         res = tl.load(Res + rows[:, None] * srm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(Out + rows[:, None] * som + cols[None, :], (acc + res).to(Out.dtype.element_ty), mask=ok)
@@ -169,25 +185,26 @@ if triton is not None:
         bm, bn, bk, warps, stages = TILES[name]
         return bm, min(bn, _pow2(n)), min(bk, _pow2(k)), warps, stages
 
-    @torch.library.triton_op("tandem::pi0_step_qkv", mutates_args=())
-    def qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq: int, heads: int,
-                 kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B * seq, width] (rows contiguous), w [(heads + 2 kv_heads) * D, width] (q, k, v
-        stacked, the norm's ``1 + weight`` folded in), cos / sin [B * seq, D] -> q [B, heads,
-        seq, D], k and v [B, kv_heads, seq, D] in x's dtype: the normed projection, q and k
-        rotated."""
+    @torch.library.triton_op("tandem::pi0_step_qkv", mutates_args=("kbuf", "vbuf"))
+    def qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kbuf: torch.Tensor,
+                 vbuf: torch.Tensor, seq: int, heads: int, eps: float) -> torch.Tensor:
+        """x [B * seq, width] (rows contiguous), w [(heads + 2 Hkv) * D, width] (q, k, v stacked,
+        the norm's ``1 + weight`` folded in), cos / sin [B * seq, D], the step buffers kbuf / vbuf
+        [B, Hkv, >= seq, D] (last dimension contiguous) -> q [B, heads, seq, D] in x's dtype: the
+        normed projection, q and k rotated; k and v written into the buffers' first ``seq`` rows."""
         x, w, cos, sin = _rows(x, w, cos, sin)
+        if kbuf.stride(-1) != 1 or vbuf.stride(-1) != 1:
+            raise ValueError("qkv_rope: the key/value buffers need a contiguous last dimension")
         m, k = x.shape
-        d = cos.shape[-1]
-        b = m // seq
-        q = x.new_empty(b, heads, seq, d)
-        kn, vn = x.new_empty(b, kv_heads, seq, d), x.new_empty(b, kv_heads, seq, d)
+        d, kv_heads = cos.shape[-1], kbuf.shape[1]
+        q = x.new_empty(m // seq, heads, seq, d)
         bm, bn, bk, warps, stages = _tiles("qkv", m, d // 2, k)
         grid = ((heads + 2 * kv_heads) * triton.cdiv(d // 2, bn), triton.cdiv(m, bm))
-        _launcher(_qkv_kernel)[grid](x, w, cos, sin, q, kn, vn, m, seq, k, heads, kv_heads, eps, x.stride(0),
-                                     w.stride(0), cos.stride(0), D=d, HALF=d // 2, BM=bm, BN=bn, BK=bk,
-                                     num_warps=warps, num_stages=stages)
-        return q, kn, vn
+        _launcher(_qkv_kernel)[grid](x, w, cos, sin, q, kbuf, vbuf, m, seq, k, heads, kv_heads, eps, x.stride(0),
+                                     w.stride(0), cos.stride(0), kbuf.stride(0), kbuf.stride(1), kbuf.stride(2),
+                                     vbuf.stride(0), vbuf.stride(1), vbuf.stride(2), D=d, HALF=d // 2, BM=bm, BN=bn,
+                                     BK=bk, num_warps=warps, num_stages=stages)
+        return q
 
     @torch.library.triton_op("tandem::pi0_step_gate_up", mutates_args=())
     def gate_up(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -205,13 +222,19 @@ if triton is not None:
 
     @torch.library.triton_op("tandem::pi0_step_residual", mutates_args=())
     def linear_residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-        """x [M, K], w [N, K], res [M, N] -> res + x @ w^T in res's dtype."""
-        x, w, res = _rows(x, w, res)
-        m, k = x.shape
-        n = w.shape[0]
+        """x [M, K], or attention's output [B, H, S, D] read as [B * S, H * D] (contiguous), w
+        [N, K], res [M, N] -> res + x @ w^T in res's dtype."""
+        heads = x.dim() == 4
+        x = x.contiguous() if heads else _rows(x)[0]
+        w, res = _rows(w, res)
+        m, n = res.shape
+        k = w.shape[1]
+        s, xh, xd = (x.shape[2], x.shape[1], x.shape[3]) if heads else (1, 1, 0)
         out = res.new_empty(m, n)
         bm, bn, bk, warps, stages = _tiles("residual", m, n, k)
+        if heads:
+            bk = min(bk, _pow2(xd))  # a reduction step stays within one head
         _launcher(_residual_kernel)[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-            x, w, res, out, m, n, k, x.stride(0), w.stride(0), res.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk,
-            num_warps=warps, num_stages=stages)
+            x, w, res, out, m, n, k, s, xh, 0 if heads else x.stride(0), w.stride(0), res.stride(0), out.stride(0),
+            BM=bm, BN=bn, BK=bk, XD=xd, num_warps=warps, num_stages=stages)
         return out

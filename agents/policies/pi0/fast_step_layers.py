@@ -7,9 +7,10 @@ another RMS norm, gate/up, gelu x up, the down projection and residual: about a 
 besides attention when compiled, each short at ~51 rows. :class:`StepLayer` stands in for each
 expert decoder layer around the fast path's velocity call and runs
 :mod:`agents.policies.pi0.fast_step_kernels`' three kernels instead: ``qkv_rope`` (norm, q/k/v,
-rotary), the attention the sampler is set to (over the step buffers,
-:class:`agents.policies.pi0.fast_attention.StepKV`), ``linear_residual`` (o_proj + residual),
-``gate_up`` (norm, gate/up, gelu x up) and ``linear_residual`` again (down + residual).
+rotary; k and v written into the step buffers, :class:`agents.policies.pi0.fast_attention.StepKV`),
+the attention the sampler is set to over those buffers (the default's, ``stacked_heads``, with its
+output left as [B, H, S, D]), ``linear_residual`` (o_proj + residual, reading that layout as it
+is), ``gate_up`` (norm, gate/up, gelu x up) and ``linear_residual`` again (down + residual).
 
 Weights: each layer's q/k/v and gate/up are stacked with the preceding norm's ``1 + weight``
 folded into their input columns (``(x r (1 + w)) @ W^T = r (x @ (W diag(1 + w))^T)``, ``r`` the row's
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from agents.policies.pi0 import fast_step_kernels as kernels
-from agents.policies.pi0.fast_attention import StepKV
+from agents.policies.pi0.fast_attention import ATTN_NAME, StepKV, stacked_heads
 from agents.policies.pi0.stand_ins import Site, StandIns
 from agents.policies.vla_common import effective_weight
 
@@ -88,13 +89,17 @@ class StepLayer(nn.Module):
         b, s, width = hidden_states.shape
         x = hidden_states.reshape(b * s, width)
         cos, sin = (t.expand(b, s, t.shape[-1]).reshape(b * s, t.shape[-1]) for t in position_embeddings)
-        q, k, v = kernels.qkv_rope(x, self.w_qkv, cos, sin, s, self.heads, self.kv_heads, self.eps[0])
-        k, v = past_key_values.update(k, v, self.layer_idx)
+        kb, vb = past_key_values.k[self.layer_idx], past_key_values.v[self.layer_idx]
+        q = kernels.qkv_rope(x, self.w_qkv, cos, sin, kb, vb, s, self.heads, self.eps[0])  # k, v into kb, vb
         attn = self.src.self_attn
-        fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,  # noqa: SLF001
-                                                   eager_attention_forward)
-        out, _ = fn(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
-        x = kernels.linear_residual(out.reshape(b * s, -1), self.w_o, x)
+        impl = attn.config._attn_implementation  # noqa: SLF001
+        if impl == ATTN_NAME:  # the output as its GEMM writes it, [B, H, S, D]: o_proj's kernel reads that
+            out = stacked_heads(q, kb, vb, attention_mask, attn.scaling)
+        else:
+            fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+            out = fn(attn, q, kb, vb, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)[0]
+            out = out.reshape(b * s, -1)
+        x = kernels.linear_residual(out, self.w_o, x)
         h = kernels.gate_up(x, self.w_gate_up, self.eps[1])
         return kernels.linear_residual(h, self.w_down, x).view(b, s, width)
 
