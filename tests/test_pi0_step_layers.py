@@ -4,9 +4,9 @@
 computation it replaces (RMS norm with its weight, q/k/v, rotary; norm, gelu_tanh(gate) x up;
 projection + residual) to float32 round-off on PI0's head layout and on odd sizes; PI0's actions
 with them equal the default path's and lerobot's, and new weights (LoRA and norm weights written
-in place) are re-folded before the next call. Without the interpreter a CPU runs the layers as
-they are; PI0.5 (AdaRMS norms) builds no stand-ins. The GPU test (compiled, under CUDA graphs)
-is skipped without CUDA."""
+in place) are re-folded before the next call; PI0.5's AdaRMS norms (scale and shift into the
+GEMMs, the gated residuals) likewise. Without the interpreter a CPU runs the layers as they are.
+The GPU tests (compiled, under CUDA graphs; the kernel bench) are skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -74,6 +74,18 @@ def kernel_checks() -> None:
         torch.testing.assert_close(act, torch.nn.functional.gelu(hn2 @ wg.T, approximate="tanh") * (hn2 @ wu.T), **tol)
         wd, res = rand(width, inter, scale=0.1), rand(m, width)
         torch.testing.assert_close(kernels.linear_residual(act, wd, res), res + act @ wd.T, **tol)
+        # PI0.5's AdaRMS: x r (1 + scale) + shift into the GEMM, the gated residual after it
+        mod = rand(1, 3 * width, scale=0.5)
+        scale, shift, gate = mod.chunk(3, dim=-1)
+        ada = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * (1 + scale) + shift
+        w = torch.cat([wq, wk, wv])
+        q = kernels.qkv_rope(x, w, cos.reshape(m, d), sin.reshape(m, d), kbuf, vbuf, s, h, eps, mod, shift @ w.T)
+        torch.testing.assert_close(q, rotary(heads(ada @ wq.T, h), c, sn), **tol)
+        torch.testing.assert_close(vbuf[:, :, :s], heads(ada @ wv.T, hkv), **tol)
+        w = torch.cat([wg, wu])
+        act = kernels.gate_up(x, w, eps, mod, shift @ w.T)
+        torch.testing.assert_close(act, torch.nn.functional.gelu(ada @ wg.T, approximate="tanh") * (ada @ wu.T), **tol)
+        torch.testing.assert_close(kernels.linear_residual(act, wd, res, gate), res + (act @ wd.T) * gate, **tol)
     print("kernels ok")
 
 
@@ -89,8 +101,8 @@ def with_norms(p, seed=4):
     return p
 
 
-def sampler_checks(root: str) -> None:
-    """Run under the interpreter: PI0's actions with the step layers."""
+def sampler_checks(root: str, variant: str = "pi0") -> None:
+    """Run under the interpreter: PI0's or PI0.5's actions with the step layers."""
     sys.path.insert(0, str(Path(__file__).parent))
     from test_pi0_fast import CHUNK, SPEC, make
 
@@ -99,7 +111,7 @@ def sampler_checks(root: str) -> None:
     from tools.make_tiny_checkpoints import make_pi0
 
     torch.manual_seed(0)
-    p = with_norms(make(make_pi0(Path(root) / "pi0", SPEC, variant="pi0", chunk_size=CHUNK), "pi0",
+    p = with_norms(make(make_pi0(Path(root) / variant, SPEC, variant=variant, chunk_size=CHUNK), variant,
                         fast_serving="eager", device="cpu"))
     noise = noise_for(p)
     p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None, step_kv=True)
@@ -116,7 +128,7 @@ def sampler_checks(root: str) -> None:
     out, _ = both(p, obs(), noise)
     layers = p.inner.model.paligemma_with_expert.gemma_expert.model.config.num_hidden_layers
     assert len(calls) == layers * int(p.lr_cfg.num_inference_steps)  # every expert layer of every step
-    assert set(calls) == {3 * (CHUNK + 1)}  # rows: the batch x PI0's suffix (state token and chunk)
+    assert set(calls) == {3 * (CHUNK + (variant == "pi0"))}  # rows: the batch x the suffix (PI0: + the state)
     torch.testing.assert_close(out, plain, **CPU_TOL)
     torch.testing.assert_close(out, ref, **CPU_TOL)
     # new weights: LoRA and heads pushed (perturb), a norm weight written in place
@@ -142,13 +154,15 @@ def test_kernels_equal_torch_under_the_interpreter():
     assert "kernels ok" in interpreted("import test_pi0_step_layers as t; t.kernel_checks()")
 
 
-def test_actions_with_step_layers_equal_the_default_path(tmp_path):
-    assert "sampler ok" in interpreted(f"import test_pi0_step_layers as t; t.sampler_checks({str(tmp_path)!r})")
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
+def test_actions_with_step_layers_equal_the_default_path(tmp_path, variant):
+    code = f"import test_pi0_step_layers as t; t.sampler_checks({str(tmp_path)!r}, {variant!r})"
+    assert "sampler ok" in interpreted(code)
 
 
 def test_settings_fallbacks_and_pi05(ckpts):  # noqa: F811
     """The lever needs the step buffers and excludes FP8; on a CPU without the interpreter the
-    layers run as they are (the same actions); PI0.5's AdaRMS layers get no stand-ins."""
+    layers run as they are (the same actions)."""
     from agents.policies.pi0 import fast_step_kernels
     from agents.policies.pi0.fast import FastPiSampler
     from test_pi0_step_kv import policy
@@ -168,12 +182,12 @@ def test_settings_fallbacks_and_pi05(ckpts):  # noqa: F811
         plain, _ = both(p, obs(), noise)
         p._fast = FastPiSampler(model, p.variant, graphs=False, step_kv=True, step_layers="triton")
         out, _ = both(p, obs(), noise)
-        assert len(p._fast.step_layers.sites) == (2 if variant == "pi0" else 0)
+        assert len(p._fast.step_layers.sites) == 2  # every expert layer of the tiny checkpoint
         torch.testing.assert_close(out, plain, **CPU_TOL)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("variant", ["pi0"])
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
 def test_step_layers_under_graphs_and_compile_on_gpu(ckpts, variant):  # noqa: F811
     """The kernels compiled into the steps under CUDA graphs with the GPU defaults: lerobot's
     actions within the bf16 tolerance, new weights re-folded with no capture."""
@@ -211,3 +225,36 @@ def test_the_kernel_bench_runs_on_gpu(tmp_path):
     rows = json.loads((tmp_path / "k.json").read_text())["batches"]["1"]
     assert set(rows) == {"qkv", "gate_up", "o_residual", "down_residual"}
     assert all(r["kernel_us"] > 0 and r["reference_us"] > 0 for r in rows.values())
+
+
+def test_the_kernels_compile_for_hopper():
+    """Each kernel, in each of its variants (AdaRMS, attention's layout, the gate), compiles for
+    an H100/H200 (sm_90) with the default tiles, without a GPU (Triton's own compiler and the
+    ptxas it ships), into a pipelined loop (asynchronous copies) on Hopper's warp-group MMA, within
+    the shared memory an SM has (227 KB)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from agents.policies.pi0 import fast_step_kernels as kernels
+
+    ints = {"M", "S", "K", "H", "HKV", "N", "XH", "sxm", "swn", "scm", "skb", "skh", "skn", "svb", "svh", "svn", "srm",
+            "som"}
+    aligned = ints - {"M", "S", "H", "HKV", "XH"}  # what the JIT specializes as multiples of 16 at PI0's sizes
+    cases = [(kernels._qkv_kernel, "qkv", dict(D=256, HALF=128), ("ADA",)),
+             (kernels._gate_up_kernel, "gate_up", {}, ("ADA",)),
+             (kernels._residual_kernel, "residual", dict(XD=256), ("GATED",))]
+    for fn, tile, consts, flags in cases:
+        bm, bn, bk, warps, stages = kernels.TILES[tile]
+        for on in (False, True):
+            c = {**consts, "BM": bm, "BN": bn, "BK": bk, **{f: on for f in flags}}
+            if tile == "residual" and not on:
+                c["XD"] = 0
+            sig = {a: "constexpr" if a in c else "i32" if a in ints else "fp32" if a == "eps" else "*bf16"
+                   for a in fn.arg_names}
+            attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in fn.arg_names
+                     if sig[a] == "*bf16" or a in aligned}
+            out = compile(ASTSource(fn=fn, signature=sig, constexprs=c, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+            ptx = out.asm["ptx"]
+            assert "wgmma.mma_async" in ptx and "cp.async" in ptx, (tile, c)
+            assert out.metadata.shared <= 227 * 1024, (tile, c, out.metadata.shared)

@@ -185,10 +185,13 @@ class FastPiSampler:
         hidden = hidden.to(dtype) if dtype == torch.bfloat16 else hidden
         mask = _additive(mask2d, hidden.dtype) if mask is None else mask
         pe = lm.rotary_emb(hidden, pos)
-        for i, layer in enumerate(lm.layers[: lm.config.num_hidden_layers]):
-            if mods is None:
+        n = lm.config.num_hidden_layers
+        for i, layer in enumerate(lm.layers[:n]):
+            ada = mods is not None and hasattr(layer, "ada_mods") and layer.runs(hidden, cache)  # step layers
+            if mods is None or ada:
                 hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                               use_cache=True, position_embeddings=pe)
+                               use_cache=True, position_embeddings=pe, **({"ada": layer.ada_mods(mods, i, n)} if ada
+                                                                         else {}))
                 continue
             h, gate = _ada_norm(layer.input_layernorm, hidden, mods[2 * i])
             h, _ = layer.self_attn(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
@@ -196,7 +199,7 @@ class FastPiSampler:
             hidden = _gated_residual(hidden, h, gate)
             h, gate = _ada_norm(layer.post_attention_layernorm, hidden, mods[2 * i + 1])
             hidden = _gated_residual(hidden, layer.mlp(h), gate)
-        return hidden if mods is None else _ada_norm(lm.norm, hidden, mods[-1])[0]
+        return hidden if mods is None else _ada_norm(lm.norm, hidden, mods[2 * n])[0]
 
     def prefix(self, images, img_masks, tokens, lang_masks) -> tuple[_PrefixKV, torch.Tensor]:
         """The VLM pass: each layer's keys/values, and the prefix pad mask [B, P]."""
@@ -295,12 +298,15 @@ class FastPiSampler:
         """PI0.5: every AdaRMS norm's ``dense(cond)`` for every flow time at once, [S, 3 * width]
         each (input and post-attention norm of each expert layer, then the final norm). The
         condition depends on the time alone (the same for every row), so the 37 small GEMMs of
-        each step become 37 for the whole call."""
+        each step become 37 for the whole call. With step layers, their shift biases follow."""
         m = self.model
         cond = nn.functional.silu(m.time_mlp_out(nn.functional.silu(m.time_mlp_in(self._time_emb(times)))))
         norms = [n for layer in self.expert.layers[: self.expert.config.num_hidden_layers]
                  for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.expert.norm]
-        return [n.dense(cond) for n in norms]
+        mods = [n.dense(cond) for n in norms]
+        if self.step_layers is not None:  # then each step layer's shift biases (fast_step_layers.py)
+            mods += self.step_layers.shift_biases(mods)
+        return mods
 
     def velocity(self, cache: _PrefixKV, pad: torch.Tensor, state, x_t: torch.Tensor, t: torch.Tensor,
                  mods: list[torch.Tensor] | None = None, features: bool = False):

@@ -73,6 +73,16 @@ def _rows(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
 
 
+def _ada(x: torch.Tensor, mod: torch.Tensor | None, bias: torch.Tensor | None):
+    """(whether AdaRMS applies, the modulation row and the shift bias as flat contiguous vectors;
+    x in their place where it does not)."""
+    if (mod is None) != (bias is None):
+        raise ValueError("the step kernels take an AdaRMS modulation and its shift bias together")
+    if mod is None:
+        return False, x, x
+    return True, mod.reshape(-1).contiguous(), bias.reshape(-1).contiguous()
+
+
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
@@ -80,13 +90,14 @@ def _pow2(n: int, lo: int = 16) -> int:
 if triton is not None:
 
     @triton.jit
-    def _dots(X, W, xrow, row_ok, ca, cb, col_ok, K, sxh, swn, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, XD: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr):
+    def _dots(X, W, xrow, row_ok, ca, cb, col_ok, K, sxh, swn, Mod, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, XD: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr, ADA: tl.constexpr):
         """``X[rows] @ W[ca]^T`` (and ``W[cb]^T`` with PAIR) over the whole reduction, float32
         accumulators [BM, BN]; with NORM also each row's sum of squares (the RMS norm's). Row
         ``i`` of X starts at ``xrow[i]``; XD = 0: its columns are contiguous; XD > 0: X is
         attention's output [B, H, S, XD], a row's column ``k`` is head ``k // XD`` (``sxh``
-        apart), lane ``k % XD``."""
+        apart), lane ``k % XD``. ADA: X's columns scaled by ``1 + Mod[k]`` (AdaRMS's scale) after
+        the sum of squares and before the product."""
         acc_a = tl.zeros([BM, BN], dtype=tl.float32)
         acc_b = tl.zeros([BM, BN], dtype=tl.float32)
         ss = tl.zeros([BM], dtype=tl.float32)
@@ -101,6 +112,9 @@ if triton is not None:
             if NORM:
                 xf = x.to(tl.float32)
                 ss += tl.sum(xf * xf, axis=1)
+            if ADA:
+                pre = 1.0 + tl.load(Mod + kk, mask=k_ok, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * pre[None, :]).to(X.dtype.element_ty)
             w = tl.load(W + ca[None, :] * swn + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc_a = tl.dot(x, w, acc_a)
             if PAIR:
@@ -109,11 +123,13 @@ if triton is not None:
         return acc_a, acc_b, ss
 
     @triton.jit
-    def _qkv_kernel(X, W, Cos, Sin, Q, Kb, Vb, M, S, K, H, HKV, eps, sxm, swn, scm, skb, skh, skn, svb, svh, svn,
-                    D: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _qkv_kernel(X, W, Cos, Sin, Q, Kb, Vb, Mod, Bias, M, S, K, H, HKV, eps, sxm, swn, scm, skb, skh, skn, svb,
+                    svh, svn, D: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, ADA: tl.constexpr):
         """Block (pid 0: head x half-block, pid 1: rows): columns ``d`` and ``d + HALF`` of one
         head of the normed q/k/v projection, rotated (q and k heads), stored per head: q in Q
-        [B, H, S, D], k and v in the first S rows of the buffers Kb, Vb [B, HKV, >= S, D]."""
+        [B, H, S, D], k and v in the first S rows of the buffers Kb, Vb [B, HKV, >= S, D]. ADA
+        (PI0.5): the norm's scale from Mod, its shift through ``Bias`` (shift @ W^T)."""
         blocks = tl.cdiv(HALF, BN)
         head = tl.program_id(0) // blocks
         d = (tl.program_id(0) % blocks) * BN + tl.arange(0, BN)
@@ -121,11 +137,14 @@ if triton is not None:
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         row_ok = rows < M
         ca = head * D + d
-        acc_a, acc_b, ss = _dots(X, W, rows * sxm, row_ok, ca, ca + HALF, d_ok, K, 0, swn, BM, BN, BK, 0, True,
-                                 True)
+        acc_a, acc_b, ss = _dots(X, W, rows * sxm, row_ok, ca, ca + HALF, d_ok, K, 0, swn, Mod, BM, BN, BK, 0,
+                                 True, True, ADA)
         r = 1.0 / tl.sqrt(ss / K + eps)
         a = acc_a * r[:, None]
         b = acc_b * r[:, None]
+        if ADA:
+            a += tl.load(Bias + ca, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            b += tl.load(Bias + ca + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         ok = row_ok[:, None] & d_ok[None, :]
         if head < H + HKV:  # rotary: x * cos + rotate_half(x) * sin, rotate_half = (-x2, x1)
             cs = Cos + rows[:, None] * scm + d[None, :]
@@ -147,27 +166,32 @@ if triton is not None:
         tl.store(base[:, None] + HALF + d[None, :], b.to(Q.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gate_up_kernel(X, W, Out, M, N, K, eps, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr):
-        """Columns ``n`` of gelu_tanh(normed x @ gate^T) * (normed x @ up^T); W is [gate; up]."""
+    def _gate_up_kernel(X, W, Out, Mod, Bias, M, N, K, eps, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, ADA: tl.constexpr):
+        """Columns ``n`` of gelu_tanh(normed x @ gate^T) * (normed x @ up^T); W is [gate; up].
+        ADA as in :func:`_qkv_kernel`."""
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         col_ok = cols < N
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
         row_ok = rows < M
-        acc_g, acc_u, ss = _dots(X, W, rows * sxm, row_ok, cols, cols + N, col_ok, K, 0, swn, BM, BN, BK, 0, True,
-                                 True)
+        acc_g, acc_u, ss = _dots(X, W, rows * sxm, row_ok, cols, cols + N, col_ok, K, 0, swn, Mod, BM, BN, BK, 0,
+                                 True, True, ADA)
         r = 1.0 / tl.sqrt(ss / K + eps)
         g = acc_g * r[:, None]
         u = acc_u * r[:, None]
+        if ADA:
+            g += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            u += tl.load(Bias + cols + N, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         # gelu's tanh form: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
         act = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
         tl.store(Out + rows[:, None] * som + cols[None, :], (act * u).to(Out.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _residual_kernel(X, W, Res, Out, M, N, K, S, XH, sxm, swn, srm, som, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, XD: tl.constexpr):
-        """Columns ``n`` of Res + X @ W^T; X [M, K] (XD = 0) or attention's [B, XH, S, XD]."""
+    def _residual_kernel(X, W, Res, Out, Gate, M, N, K, S, XH, sxm, swn, srm, som, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, XD: tl.constexpr, GATED: tl.constexpr):
+        """Columns ``n`` of Res + X @ W^T (GATED: Res + (X @ W^T) * Gate[n]); X [M, K] (XD = 0)
+        or attention's [B, XH, S, XD]."""
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         col_ok = cols < N
         rows = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -176,7 +200,10 @@ if triton is not None:
             xrow = ((rows // S) * XH * S + rows % S) * XD
         else:
             xrow = rows * sxm
-        acc, _, _ = _dots(X, W, xrow, row_ok, cols, cols, col_ok, K, S * XD, swn, BM, BN, BK, XD, False, False)
+        acc, _, _ = _dots(X, W, xrow, row_ok, cols, cols, col_ok, K, S * XD, swn, X, BM, BN, BK, XD, False, False,
+                          False)
+        if GATED:
+            acc *= tl.load(Gate + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
         res = tl.load(Res + rows[:, None] * srm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(Out + rows[:, None] * som + cols[None, :], (acc + res).to(Out.dtype.element_ty), mask=ok)
@@ -187,12 +214,16 @@ if triton is not None:
 
     @torch.library.triton_op("tandem::pi0_step_qkv", mutates_args=("kbuf", "vbuf"))
     def qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kbuf: torch.Tensor,
-                 vbuf: torch.Tensor, seq: int, heads: int, eps: float) -> torch.Tensor:
+                 vbuf: torch.Tensor, seq: int, heads: int, eps: float, mod: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [B * seq, width] (rows contiguous), w [(heads + 2 Hkv) * D, width] (q, k, v stacked,
         the norm's ``1 + weight`` folded in), cos / sin [B * seq, D], the step buffers kbuf / vbuf
         [B, Hkv, >= seq, D] (last dimension contiguous) -> q [B, heads, seq, D] in x's dtype: the
-        normed projection, q and k rotated; k and v written into the buffers' first ``seq`` rows."""
+        normed projection, q and k rotated; k and v written into the buffers' first ``seq`` rows.
+        PI0.5's AdaRMS norm: ``mod`` its modulation row (scale, shift, gate; the scale is read)
+        and ``bias`` its shift through w (``shift @ w^T``, [N]), both or neither."""
         x, w, cos, sin = _rows(x, w, cos, sin)
+        ada, mod, bias = _ada(x, mod, bias)
         if kbuf.stride(-1) != 1 or vbuf.stride(-1) != 1:
             raise ValueError("qkv_rope: the key/value buffers need a contiguous last dimension")
         m, k = x.shape
@@ -200,30 +231,34 @@ if triton is not None:
         q = x.new_empty(m // seq, heads, seq, d)
         bm, bn, bk, warps, stages = _tiles("qkv", m, d // 2, k)
         grid = ((heads + 2 * kv_heads) * triton.cdiv(d // 2, bn), triton.cdiv(m, bm))
-        _launcher(_qkv_kernel)[grid](x, w, cos, sin, q, kbuf, vbuf, m, seq, k, heads, kv_heads, eps, x.stride(0),
-                                     w.stride(0), cos.stride(0), kbuf.stride(0), kbuf.stride(1), kbuf.stride(2),
-                                     vbuf.stride(0), vbuf.stride(1), vbuf.stride(2), D=d, HALF=d // 2, BM=bm, BN=bn,
-                                     BK=bk, num_warps=warps, num_stages=stages)
+        _launcher(_qkv_kernel)[grid](x, w, cos, sin, q, kbuf, vbuf, mod, bias, m, seq, k, heads, kv_heads, eps,
+                                     x.stride(0), w.stride(0), cos.stride(0), kbuf.stride(0), kbuf.stride(1),
+                                     kbuf.stride(2), vbuf.stride(0), vbuf.stride(1), vbuf.stride(2), D=d, HALF=d // 2,
+                                     BM=bm, BN=bn, BK=bk, ADA=ada, num_warps=warps, num_stages=stages)
         return q
 
     @torch.library.triton_op("tandem::pi0_step_gate_up", mutates_args=())
-    def gate_up(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def gate_up(x: torch.Tensor, w: torch.Tensor, eps: float, mod: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, width], w [2 N, width] (gate then up, the norm's ``1 + weight`` folded in) ->
-        gelu_tanh(gate) * up [M, N] of the normed x."""
+        gelu_tanh(gate) * up [M, N] of the normed x; ``mod``, ``bias``: as for :func:`qkv_rope`."""
         x, w = _rows(x, w)
+        ada, mod, bias = _ada(x, mod, bias)
         m, k = x.shape
         n = w.shape[0] // 2
         out = x.new_empty(m, n)
         bm, bn, bk, warps, stages = _tiles("gate_up", m, n, k)
         _launcher(_gate_up_kernel)[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-            x, w, out, m, n, k, eps, x.stride(0), w.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk,
-            num_warps=warps, num_stages=stages)
+            x, w, out, mod, bias, m, n, k, eps, x.stride(0), w.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk,
+            ADA=ada, num_warps=warps, num_stages=stages)
         return out
 
     @torch.library.triton_op("tandem::pi0_step_residual", mutates_args=())
-    def linear_residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    def linear_residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor,
+                        gate: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K], or attention's output [B, H, S, D] read as [B * S, H * D] (contiguous), w
-        [N, K], res [M, N] -> res + x @ w^T in res's dtype."""
+        [N, K], res [M, N] -> res + x @ w^T in res's dtype; with ``gate`` ([N], PI0.5's gated
+        residual) res + (x @ w^T) * gate."""
         heads = x.dim() == 4
         x = x.contiguous() if heads else _rows(x)[0]
         w, res = _rows(w, res)
@@ -235,6 +270,7 @@ if triton is not None:
         if heads:
             bk = min(bk, _pow2(xd))  # a reduction step stays within one head
         _launcher(_residual_kernel)[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-            x, w, res, out, m, n, k, s, xh, 0 if heads else x.stride(0), w.stride(0), res.stride(0), out.stride(0),
-            BM=bm, BN=bn, BK=bk, XD=xd, num_warps=warps, num_stages=stages)
+            x, w, res, out, res if gate is None else gate.reshape(-1).contiguous(), m, n, k, s, xh,
+            0 if heads else x.stride(0), w.stride(0), res.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk, XD=xd,
+            GATED=gate is not None, num_warps=warps, num_stages=stages)
         return out

@@ -18,10 +18,16 @@ inverse RMS, applied inside the kernel), o_proj and down_proj copied: the effect
 folded ones, or base + LoRA where adapters are live), re-made in place when their sources change
 (version counters, as the other levers: no recapture), ~35 MB a layer for PI0's expert in bf16.
 
-Where a layer cannot run them it runs as it is: PI0.5's AdaRMS norms (the time-conditioned
-scale, shift and gate; not done yet), projections with a bias, an activation other than gelu's
-tanh form, a device without the kernels (a CPU without Triton's interpreter), and any call whose
-cache is not the step buffers (``step_kv`` off). The sampler requires ``step_kv`` with the lever.
+PI0.5's AdaRMS norms (``x r (1 + scale) + shift``, then a gated residual ``x + y gate``, with
+scale, shift and gate from the flow time): the kernels scale the row by ``1 + scale`` inside the
+GEMM's loop and add ``shift @ W^T`` after it (:meth:`StepLayers.shift_biases`: for every step and
+layer at once, once a call, beside the sampler's ``modulations``), and the residual kernels
+multiply by the gate.
+
+Where a layer cannot run them it runs as it is: projections with a bias, an activation other than
+gelu's tanh form, a device without the kernels (a CPU without Triton's interpreter), and any call
+whose cache is not the step buffers (``step_kv`` off). The sampler requires ``step_kv`` with the
+lever.
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ def supported(layer: nn.Module) -> str | None:
     from transformers.activations import GELUTanh, PytorchGELUTanh
 
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        if getattr(norm, "dense", None) is not None or not hasattr(norm, "weight"):
-            return "adaptive (AdaRMS) norms"
+        if (getattr(norm, "dense", None) is None) != hasattr(norm, "weight"):
+            return f"a norm of kind {type(norm).__name__}"
     if not isinstance(layer.mlp.act_fn, (GELUTanh, PytorchGELUTanh)):
         return f"activation {type(layer.mlp.act_fn).__name__}"
     for block, name in PROJECTIONS:
@@ -73,14 +79,31 @@ class StepLayer(nn.Module):
         for name, (n, k) in widths.items():
             self.register_buffer(name, torch.empty(n, k, device=device, dtype=dtype))
 
-    @property
-    def self_attn(self) -> nn.Module:
-        """The layer's own attention (what callers read the dtype and config of)."""
-        return self.src.self_attn
+    # the layer's own modules, for callers that read them (dtype, config) or run them one by one
+    # (the sampler's AdaRMS path where the kernels do not run)
+    self_attn = property(lambda self: self.src.self_attn)
+    mlp = property(lambda self: self.src.mlp)
+    input_layernorm = property(lambda self: self.src.input_layernorm)
+    post_attention_layernorm = property(lambda self: self.src.post_attention_layernorm)
+
+    @staticmethod
+    def runs(hidden: torch.Tensor, cache) -> bool:
+        """Whether a call over ``hidden`` with ``cache`` runs the kernels."""
+        return isinstance(cache, StepKV) and kernels.available(hidden.device)
+
+    def ada_mods(self, mods: list[torch.Tensor], i: int, n: int) -> tuple[torch.Tensor, ...]:
+        """PI0.5: this layer's (input norm, post-attention norm) modulations and the two shift
+        biases, from the sampler's per-step ``mods`` (``n`` layers' norms, the final norm, then
+        :meth:`StepLayers.shift_biases`)."""
+        j = 2 * n + 1 + 2 * self.ordinal
+        return mods[2 * i], mods[2 * i + 1], mods[j], mods[j + 1]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache: bool = False, position_embeddings=None, **kwargs) -> torch.Tensor:
-        if not isinstance(past_key_values, StepKV) or not kernels.available(hidden_states.device):
+                use_cache: bool = False, position_embeddings=None, ada: tuple | None = None, **kwargs) -> torch.Tensor:
+        """The decoder layer; ``ada`` (PI0.5): :meth:`ada_mods`' four tensors for this step."""
+        if not self.runs(hidden_states, past_key_values):
+            if ada is not None:
+                raise RuntimeError("step layers: an AdaRMS call where the kernels do not run (check runs() first)")
             return self.src(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=past_key_values, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
@@ -89,8 +112,10 @@ class StepLayer(nn.Module):
         b, s, width = hidden_states.shape
         x = hidden_states.reshape(b * s, width)
         cos, sin = (t.expand(b, s, t.shape[-1]).reshape(b * s, t.shape[-1]) for t in position_embeddings)
+        mod_in, mod_post, b_qkv, b_gu = ada if ada is not None else (None,) * 4
+        gates = (None, None) if ada is None else (mod_in[..., 2 * width:], mod_post[..., 2 * width:])
         kb, vb = past_key_values.k[self.layer_idx], past_key_values.v[self.layer_idx]
-        q = kernels.qkv_rope(x, self.w_qkv, cos, sin, kb, vb, s, self.heads, self.eps[0])  # k, v into kb, vb
+        q = kernels.qkv_rope(x, self.w_qkv, cos, sin, kb, vb, s, self.heads, self.eps[0], mod_in, b_qkv)  # k, v: kb, vb
         attn = self.src.self_attn
         impl = attn.config._attn_implementation  # noqa: SLF001
         if impl == ATTN_NAME:  # the output as its GEMM writes it, [B, H, S, D]: o_proj's kernel reads that
@@ -99,9 +124,9 @@ class StepLayer(nn.Module):
             fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
             out = fn(attn, q, kb, vb, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)[0]
             out = out.reshape(b * s, -1)
-        x = kernels.linear_residual(out, self.w_o, x)
-        h = kernels.gate_up(x, self.w_gate_up, self.eps[1])
-        return kernels.linear_residual(h, self.w_down, x).view(b, s, width)
+        x = kernels.linear_residual(out, self.w_o, x, gates[0])
+        h = kernels.gate_up(x, self.w_gate_up, self.eps[1], mod_post, b_gu)
+        return kernels.linear_residual(h, self.w_down, x, gates[1]).view(b, s, width)
 
 
 class _LayerSite(Site):
@@ -126,13 +151,15 @@ class _LayerSite(Site):
         mods = self.live()
         ws = [effective_weight(m) for m in mods]
         q, k, v, o, g, u, d = (w for w, _, _ in ws)
-        n1, n2 = self.layer.input_layernorm.weight, self.layer.post_attention_layernorm.weight
+        # the norms' weights (PI0; PI0.5's AdaRMS norms have none: their scale comes per step)
+        norms = [getattr(n, "weight", None) for n in (self.layer.input_layernorm, self.layer.post_attention_layernorm)]
+        n1, n2 = (1.0 if w is None else (1.0 + w.float())[None, :] for w in norms)
         s = self.stand_in
-        s.w_qkv.copy_(torch.cat([q, k, v]) * (1.0 + n1.float())[None, :])
+        s.w_qkv.copy_(torch.cat([q, k, v]) * n1)
         s.w_o.copy_(o)
-        s.w_gate_up.copy_(torch.cat([g, u]) * (1.0 + n2.float())[None, :])
+        s.w_gate_up.copy_(torch.cat([g, u]) * n2)
         s.w_down.copy_(d)
-        self.bind(mods, [p for _, _, srcs in ws for p in srcs] + [n1, n2])
+        self.bind(mods, [p for _, _, srcs in ws for p in srcs] + [w for w in norms if w is not None])
 
     def installed(self) -> bool:
         return self.layers[self.index] is self.stand_in
@@ -156,8 +183,22 @@ class StepLayers(StandIns):
         with torch.inference_mode(False), torch.no_grad():
             sites = [_LayerSite(layers, i) for i, w in why.items() if w is None]
         super().__init__(sites, "step layers")
+        for j, site in enumerate(sites):
+            site.stand_in.ordinal = j  # where its shift biases sit after the norms' modulations
         if len(sites) < len(why):
             log.info("PI fast path: step layers: %d of %d expert layers run as they are (%s)",
                      len(why) - len(sites), len(why), sorted({w for w in why.values() if w}))
         mb = sum(b.numel() * b.element_size() for s in sites for b in s.stand_in.buffers()) / 1e6
         log.info("PI fast path: step layers for %d expert layers (%.0f MB of prepared weights)", len(sites), mb)
+
+    def shift_biases(self, mods: list[torch.Tensor]) -> list[torch.Tensor]:
+        """PI0.5: for every stand-in layer (in order), ``shift @ W^T`` of its input norm through
+        the stacked q/k/v and of its post-attention norm through gate/up, for every flow time at
+        once ([S, N] each), from the sampler's ``modulations`` (each norm's [S, 3 width])."""
+        out = []
+        for site in self.sites:
+            i, layer = site.index, site.stand_in
+            width = layer.w_qkv.shape[1]
+            for m, w in ((mods[2 * i], layer.w_qkv), (mods[2 * i + 1], layer.w_gate_up)):
+                out.append(nn.functional.linear(m[:, width:2 * width].to(w.dtype), w))
+        return out
