@@ -258,3 +258,47 @@ def test_the_kernels_compile_for_hopper():
             ptx = out.asm["ptx"]
             assert "wgmma.mma_async" in ptx and "cp.async" in ptx, (tile, c)
             assert out.metadata.shared <= 227 * 1024, (tile, c, out.metadata.shared)
+
+
+def mutation_checks() -> None:
+    """Run in a subprocess (it sets Triton's active driver to a stand-in that names an sm_90
+    target): what inductor's analysis finds each kernel writes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    class Target:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    triton.runtime.driver.set_active(Target())
+    from torch._higher_order_ops.triton_kernel_wrap import identify_mutated_tensors
+
+    from agents.policies.pi0 import fast_step_kernels as kernels
+
+    def args(fn, **given):
+        return {a: given.get(a, torch.empty(4, dtype=torch.bfloat16)) for a in fn.arg_names}
+
+    ints = dict(M=51, S=51, K=1024, H=8, HKV=1, N=1024, XH=8, eps=1e-6, sxm=1024, swn=1024, scm=256, skb=159744,
+                skh=159744, skn=256, svb=159744, svh=159744, svn=256, srm=1024, som=1024)
+    tiles = dict(BM=64, BN=16, BK=128)
+    found = {
+        "qkv": identify_mutated_tensors(kernels._qkv_kernel, args(kernels._qkv_kernel, **ints, **tiles, D=256,
+                                                                 HALF=128, ADA=True), {}),
+        "gate_up": identify_mutated_tensors(kernels._gate_up_kernel, args(kernels._gate_up_kernel, **ints, **tiles,
+                                                                          ADA=True), {}),
+        "residual": identify_mutated_tensors(kernels._residual_kernel, args(kernels._residual_kernel, **ints, **tiles,
+                                                                            XD=256, GATED=True), {})}
+    assert found == {"qkv": ["Q", "Kb", "Vb"], "gate_up": ["Out"], "residual": ["Out"]}, found
+    print("mutations ok")
+
+
+def test_inductor_sees_what_each_kernel_writes():
+    """Compiled, inductor treats each tensor a user kernel may write as written (a copy where it
+    cannot write in place); where its analysis cannot follow a store to an argument it assumes
+    every argument, the stacked weights included (megabytes a layer and step). Each kernel's
+    stores lead to its outputs only: q and the two step buffers, or its one output."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(Path(__file__).parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", "import test_pi0_step_layers as t; t.mutation_checks()"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "mutations ok" in r.stdout, r.stderr[-3000:]

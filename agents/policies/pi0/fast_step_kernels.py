@@ -156,14 +156,23 @@ if triton is not None:
             a, b = a * cos_a - b * sin_a, b * cos_b + a * sin_b
         bi = rows // S
         si = rows % S
-        if head < H:  # q: [B, H, S, D]
-            base = Q + ((bi * H + head) * S + si) * D
-        elif head < H + HKV:  # k, v: rows 0..S-1 of the step buffers
-            base = Kb + bi * skb + (head - H) * skh + si * skn
-        else:
-            base = Vb + bi * svb + (head - H - HKV) * svh + si * svn
-        tl.store(base[:, None] + d[None, :], a.to(Q.dtype.element_ty), mask=ok)
-        tl.store(base[:, None] + HALF + d[None, :], b.to(Q.dtype.element_ty), mask=ok)
+        # three predicated stores, not a pointer chosen by branch: inductor's analysis of which
+        # arguments a kernel writes follows each store to its argument (q, then the buffers)
+        a = a.to(Q.dtype.element_ty)
+        b = b.to(Q.dtype.element_ty)
+        hq = tl.minimum(head, H - 1)
+        hk = tl.minimum(tl.maximum(head - H, 0), HKV - 1)
+        hv = tl.minimum(tl.maximum(head - H - HKV, 0), HKV - 1)
+        qp = Q + (((bi * H + hq) * S + si) * D)[:, None] + d[None, :]  # q: [B, H, S, D]
+        kp = Kb + (bi * skb + hk * skh + si * skn)[:, None] + d[None, :]  # k, v: rows 0..S-1 of the buffers
+        vp = Vb + (bi * svb + hv * svh + si * svn)[:, None] + d[None, :]
+        is_q, is_k, is_v = head < H, (head >= H) & (head < H + HKV), head >= H + HKV
+        tl.store(qp, a, mask=ok & is_q)
+        tl.store(qp + HALF, b, mask=ok & is_q)
+        tl.store(kp, a, mask=ok & is_k)
+        tl.store(kp + HALF, b, mask=ok & is_k)
+        tl.store(vp, a, mask=ok & is_v)
+        tl.store(vp + HALF, b, mask=ok & is_v)
 
     @triton.jit
     def _gate_up_kernel(X, W, Out, Mod, Bias, M, N, K, eps, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr,
