@@ -302,3 +302,34 @@ def test_inductor_sees_what_each_kernel_writes():
     r = subprocess.run([sys.executable, "-c", "import test_pi0_step_layers as t; t.mutation_checks()"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "mutations ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_the_policy_setting(ckpts):  # noqa: F811
+    """``policy.fast_step_layers``: off by default (config and shipped YAML); true builds the fast
+    path with the step layers (on this CPU without the interpreter they run as they are: the same
+    actions); with the step buffers off, or with the FP8 expert, it is refused naming the setting."""
+    import yaml
+
+    from agents.policies.pi0.config import Pi0PolicyConfig
+    from agents.policies.pi0.fast_levers import lever_settings
+    from test_pi0_step_kv import policy
+
+    assert Pi0PolicyConfig().fast_step_layers is False
+    for name in ("pi0", "pi05"):
+        assert yaml.safe_load(open(f"config/policy/{name}.yaml"))["fast_step_layers"] is False
+    assert lever_settings(Pi0PolicyConfig(), cuda=True)["step_layers"] == "default"
+    assert lever_settings(Pi0PolicyConfig(fast_step_layers=True), cuda=True)["step_layers"] == "triton"
+    for bad in (dict(fast_step_layers=True, fast_step_kv=False), dict(fast_step_layers="maybe"),
+                dict(fast_step_layers=True, fast_step_kv=True, fast_expert_fp8=True)):
+        with pytest.raises(ValueError, match="policy.fast_step_layers"):
+            Pi0PolicyConfig(**bad).validate()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    outs, noise = [], None
+    for on in (False, True):
+        p = policy(ckpts, "pi0", fast_step_kv=True, fast_step_layers=on).eval()
+        noise = noise_for(p) if noise is None else noise
+        with torch.no_grad():
+            assert (p._fast_sampler().step_layers is not None) is on
+            outs.append(p.act(obs(), deterministic=True, noise=noise).actions)
+    torch.testing.assert_close(outs[0], outs[1], **CPU_TOL)

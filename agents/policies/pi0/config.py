@@ -85,6 +85,9 @@ class Pi0PolicyConfig:
     #: the denoising steps' keys/values in per-call buffers, their mask built once a call
     #: (fast_attention.StepKV): auto (on a GPU) | true | false
     fast_step_kv: Any = "auto"
+    #: the expert's decoder layers in the denoising steps as Triton kernels (fast_step_layers.py;
+    #: needs fast_step_kv): false | true
+    fast_step_layers: Any = False
     gradient_checkpointing: bool = False
     #: seed of the random initial weights (both learner copies must agree)
     seed: int = 0
@@ -112,7 +115,7 @@ class Pi0PolicyConfig:
         if self.fast_serving not in ("auto", "graphs", "eager", "off"):
             raise ValueError(f"policy.fast_serving must be auto, graphs, eager or off, got {self.fast_serving!r}")
         resolve_compile(self.fast_compile, False)  # raises on anything but auto / true / false
-        lever_settings(self)  # fast_vision_dtype, fast_expert_fp8, fast_fuse_proj, fast_autotune, fast_step_kv
+        lever_settings(self)  # the fast_* levers (fast_levers.py)
         if self.prompt_pad_multiple < 0:
             raise ValueError(f"policy.prompt_pad_multiple must be >= 0, got {self.prompt_pad_multiple}")
         if self.variant not in ("pi0", "pi05"):

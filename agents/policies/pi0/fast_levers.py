@@ -90,7 +90,7 @@ def resolve_expert_fp8(value: Any) -> str | None:
 
 def lever_settings(cfg, cuda: bool = False) -> dict:
     """A PI0 config's ``fast_vision_dtype`` / ``fast_expert_fp8`` / ``fast_fuse_proj`` /
-    ``fast_autotune`` / ``fast_step_kv`` (off when absent) as :class:`FastPiSampler` arguments
+    ``fast_autotune`` / ``fast_step_kv`` / ``fast_step_layers`` (off when absent) as :class:`FastPiSampler` arguments
     for a fast path on a GPU (``cuda``) or not: ``auto`` settings resolve by it (raises on a bad value: the config's validation
     calls it). An explicit FP8 expert turns ``fast_fuse_proj=auto`` off (both replace the
     expert's linear layers); an explicit fusion with FP8 is an error."""
@@ -99,10 +99,14 @@ def lever_settings(cfg, cuda: bool = False) -> dict:
     out = {"vision_dtype": resolve_vision_dtype(cfg.fast_vision_dtype, cuda), "expert_fp8": fp8,
            "fuse": None if auto_fuse and fp8 else resolve_fuse(cfg.fast_fuse_proj, cuda),
            "autotune": resolve_flag(cfg.fast_autotune, "policy.fast_autotune"),
-           "step_kv": resolve_flag(getattr(cfg, "fast_step_kv", False), "policy.fast_step_kv", cuda)}
+           "step_kv": resolve_flag(getattr(cfg, "fast_step_kv", False), "policy.fast_step_kv", cuda),
+           "step_layers": "triton" if resolve_flag(getattr(cfg, "fast_step_layers", False),
+                                                   "policy.fast_step_layers") else "default"}
     if out["fuse"] and out["expert_fp8"]:
         raise ValueError("policy.fast_fuse_proj and policy.fast_expert_fp8 both replace the expert's linear "
                          "layers; set one of them")
+    if out["step_layers"] != "default" and (out["expert_fp8"] or not out["step_kv"]):
+        raise ValueError("policy.fast_step_layers needs policy.fast_step_kv on and policy.fast_expert_fp8 off")
     return out
 
 
