@@ -139,6 +139,14 @@ def sampler_checks(root: str, variant: str = "pi0") -> None:
     assert p._fast.step_layers.refreshed > before
     assert float((new - out).abs().max()) > 1e-3  # the new weights count
     torch.testing.assert_close(new, ref2, **CPU_TOL)
+    # with the fused projections: the kernels for calls within max_rows, the fused layers beyond
+    for max_rows, kernel_calls in ((3 * (CHUNK + 1), True), (8, False)):
+        calls.clear()
+        p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile=None, step_kv=True,
+                                step_layers="triton", step_layers_max_rows=max_rows, fuse="all")
+        out, _ = both(p, obs(), noise)
+        assert bool(calls) is kernel_calls
+        torch.testing.assert_close(out, ref2, **CPU_TOL)
     print("sampler ok")
 
 

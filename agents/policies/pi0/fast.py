@@ -95,6 +95,16 @@ log = logging.getLogger("tandem.policies.pi0_fast")
 #: (fewer: SDPA's memory-efficient kernel, faster there at PI0's shapes; docs/benchmarks.md)
 CUDNN_MIN_IMAGES = 4
 
+@contextlib.contextmanager
+def _nested(*contexts):
+    """The contexts (None: none) entered in order, left in reverse."""
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            if c is not None:
+                stack.enter_context(c)
+        yield
+
+
 #: served batch sizes a graph is captured for (a request pads up to the next one)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 def _ada_norm(norm: nn.Module, x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +125,7 @@ class FastPiSampler:
                  cache_dir: str | None = CACHE_DIR, vision_dtype: torch.dtype | None = None,
                  expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False,
                  step_kv: bool = False, step_attention: str = "mqa", prefix_attention: str = "default",
-                 inductor: dict | None = None, step_layers: str = "default"):
+                 inductor: dict | None = None, step_layers: str = "default", step_layers_max_rows: int | None = None):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention((TRITON_NAME, triton_step_attention))
@@ -138,7 +148,8 @@ class FastPiSampler:
             raise ValueError("FastPiSampler: step_layers must be default, or triton with step_kv and without "
                              f"expert_fp8; got {step_layers!r} (step_kv={step_kv}, expert_fp8={expert_fp8})")
         # the expert's decoder layers as Triton kernels in the steps (fast_step_layers.py)
-        self.step_layers = StepLayers(self.expert) if step_layers == "triton" else None
+        # (``step_layers_max_rows``: only for calls of at most that many rows, batch x suffix)
+        self.step_layers = StepLayers(self.expert, step_layers_max_rows) if step_layers == "triton" else None
         self._vision_cfgs = list({id(m.config): m.config for m in pwe.paligemma.model.vision_tower.modules()
                                   if hasattr(m, "config") and hasattr(m, "is_causal")}.values())
         self._pool = None
@@ -363,7 +374,9 @@ class FastPiSampler:
         """The levers' stand-ins ("vision": bf16 SigLIP, "expert": the step layers, FP8 linears or fused
         projections, "vlm": the VLM's fused projections) while inside."""
         if what == "expert" and self.step_layers is not None and self.step_layers.sites:
-            return self.step_layers.swapped()
+            # the levers' expert stand-ins too, inside the layers (after the step layers' check of
+            # them), for the calls the kernels do not take
+            return _nested(self.step_layers.swapped(), self.levers.expert_swapped() if self.levers else None)
         if self.levers is None:
             return contextlib.nullcontext()
         return {"vision": self.levers.vision_swapped, "expert": self.levers.expert_swapped,

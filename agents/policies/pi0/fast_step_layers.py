@@ -86,10 +86,13 @@ class StepLayer(nn.Module):
     input_layernorm = property(lambda self: self.src.input_layernorm)
     post_attention_layernorm = property(lambda self: self.src.post_attention_layernorm)
 
-    @staticmethod
-    def runs(hidden: torch.Tensor, cache) -> bool:
+    #: calls of more rows (batch x suffix) than this run the layer as it is (None: no limit)
+    max_rows: int | None = None
+
+    def runs(self, hidden: torch.Tensor, cache) -> bool:
         """Whether a call over ``hidden`` with ``cache`` runs the kernels."""
-        return isinstance(cache, StepKV) and kernels.available(hidden.device)
+        rows_ok = self.max_rows is None or hidden.shape[0] * hidden.shape[1] <= self.max_rows
+        return isinstance(cache, StepKV) and kernels.available(hidden.device) and rows_ok
 
     def ada_mods(self, mods: list[torch.Tensor], i: int, n: int) -> tuple[torch.Tensor, ...]:
         """PI0.5: this layer's (input norm, post-attention norm) modulations and the two shift
@@ -175,9 +178,11 @@ class _LayerSite(Site):
 
 class StepLayers(StandIns):
     """:class:`StepLayer` stand-ins for the decoder layers of ``lm`` (the action expert) that
-    can run the kernels: :meth:`sync` before a call, :meth:`swapped` around the steps."""
+    can run the kernels: :meth:`sync` before a call, :meth:`swapped` around the steps. With
+    ``max_rows`` only calls of at most that many rows (batch x suffix) run the kernels; the others
+    run the layers as they are (with the sampler's other expert levers, the fused projections)."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, max_rows: int | None = None):
         layers = lm.layers
         why = {i: supported(layers[i]) for i in range(lm.config.num_hidden_layers)}
         with torch.inference_mode(False), torch.no_grad():
@@ -185,6 +190,7 @@ class StepLayers(StandIns):
         super().__init__(sites, "step layers")
         for j, site in enumerate(sites):
             site.stand_in.ordinal = j  # where its shift biases sit after the norms' modulations
+            site.stand_in.max_rows = max_rows
         if len(sites) < len(why):
             log.info("PI fast path: step layers: %d of %d expert layers run as they are (%s)",
                      len(why) - len(sites), len(why), sorted({w for w in why.values() if w}))
