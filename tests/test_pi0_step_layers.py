@@ -11,13 +11,13 @@ The GPU tests (compiled, under CUDA graphs; the kernel bench) are skipped withou
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tandem_testutil import python_code
 from test_pi0_fast import both, obs
 from test_pi0_fused import CPU_TOL, GPU_TOL, ckpts  # noqa: F401 - the module's checkpoints
 from test_pi0_levers import noise_for, perturb
@@ -151,11 +151,7 @@ def sampler_checks(root: str, variant: str = "pi0") -> None:
 
 
 def interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parents[1]), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return r.stdout
+    return python_code(code, timeout=900)
 
 
 def test_kernels_equal_torch_under_the_interpreter():
@@ -305,11 +301,8 @@ def test_inductor_sees_what_each_kernel_writes():
     cannot write in place); where its analysis cannot follow a store to an argument it assumes
     every argument, the stacked weights included (megabytes a layer and step). Each kernel's
     stores lead to its outputs only: q and the two step buffers, or its one output."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(Path(__file__).parent),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", "import test_pi0_step_layers as t; t.mutation_checks()"], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "mutations ok" in r.stdout, r.stderr[-3000:]
+    out = python_code("import test_pi0_step_layers as t; t.mutation_checks()", timeout=300, triton_interpret=False)
+    assert "mutations ok" in out
 
 
 def test_the_policy_setting(ckpts):  # noqa: F811

@@ -10,12 +10,13 @@ test (compiled, under CUDA graphs) is in tests/test_pi0_step_kv.py."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tandem_testutil import python_code
 
 pytest.importorskip("triton")
 
@@ -79,11 +80,7 @@ def sampler_checks(root: str) -> None:
 
 
 def interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parents[1]), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return r.stdout
+    return python_code(code, timeout=600)
 
 
 def test_kernel_equals_mqa_attention_under_the_interpreter():
