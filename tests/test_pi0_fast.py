@@ -78,6 +78,37 @@ def test_fast_path_equals_lerobot_on_cpu(ckpts, variant):
     torch.testing.assert_close(a, p.act(obs(), noise=noise).actions, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
+def test_act_hands_the_frames_to_the_fast_path(ckpts, variant, monkeypatch):
+    """Where the fast path serves, act hands it the cameras' frames as they came (uint8 [B, H,
+    W, C]) with the policy's mapping to lerobot's images, run inside its graph on a GPU: the same
+    actions as the mapped inputs give, bit for bit here (the same arithmetic); lerobot's path maps
+    them first."""
+    from agents.policies.pi0.fast import FastPiSampler
+
+    p = make(ckpts[variant], variant, fast_serving="eager", device="cpu")
+    noise = torch.randn(3, CHUNK, int(p.lr_cfg.max_action_dim), generator=torch.Generator().manual_seed(2))
+    seen = []
+    orig = FastPiSampler.sample
+
+    def spy(self, images, *a, prep=None, **kw):
+        seen.append((images[0].dtype, prep is not None))
+        return orig(self, images, *a, prep=prep, **kw)
+
+    monkeypatch.setattr(FastPiSampler, "sample", spy)
+    a = p.act(obs(), noise=noise).actions
+    assert seen == [(torch.uint8, True)]
+    with torch.no_grad():
+        mapped = p._postprocess(p.forward_model(p.model_inputs(obs()), noise))
+    assert seen[-1] == (torch.float32, False)
+    assert torch.equal(a, mapped)
+    with torch.no_grad():  # the frames without the fast path: mapped before lerobot's sample_actions
+        inputs = p._model_inputs(p.lerobot_batch(obs(), frames=True), frames=True)
+        p.cfg.fast_serving = "off"
+        torch.testing.assert_close(p._postprocess(p.forward_model(inputs, noise, frames=True)), a, atol=2e-5,
+                                   rtol=1e-4)
+
+
 def test_fast_path_is_not_used_for_training(ckpts):
     p = make(ckpts["pi0"], "pi0", fast_serving="eager", device="cpu").train()
     p._fast = None
@@ -212,6 +243,14 @@ def test_graphs_equal_lerobot_on_gpu(ckpts, variant):
     torch.testing.assert_close(fast2, plain, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(fast2, ref2, atol=3e-2, rtol=3e-2)
     assert not torch.allclose(fast2, fast, atol=1e-2)
+    # act: the frames into a graph of their own, their mapping inside it, the same actions
+    p.cfg.fast_serving, p._fast = "auto", None
+    a = p.act(obs(), noise=noise).actions
+    assert p._fast.captures == 1
+    with torch.no_grad():
+        torch.testing.assert_close(a, p._postprocess(p.forward_model(p.model_inputs(obs()), noise)), atol=1e-3,
+                                   rtol=1e-3)
+    assert p._fast.captures == 2
 
 
 @pytest.mark.parametrize("hkv,q", [(1, 7), (2, 5), (1, 200)])

@@ -81,6 +81,7 @@ from agents.policies.pi0.fast_attention import (ATTN_NAME, CUDNN_NAME, FLEX_NAME
                                                 _register_attention)
 from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.fast_step_layers import StepLayers
+from agents.policies.pi0.stand_ins import nested
 from agents.policies.pi0.fast_triton import TRITON_NAME, triton_step_attention
 from agents.policies.pi0.rtc import freeze, guide
 
@@ -94,16 +95,6 @@ log = logging.getLogger("tandem.policies.pi0_fast")
 #: ``prefix_attention="cudnn"``: SigLIP passes of this many images or more run cuDNN's attention
 #: (fewer: SDPA's memory-efficient kernel, faster there at PI0's shapes; docs/benchmarks.md)
 CUDNN_MIN_IMAGES = 4
-
-@contextlib.contextmanager
-def _nested(*contexts):
-    """The contexts (None: none) entered in order, left in reverse."""
-    with contextlib.ExitStack() as stack:
-        for c in contexts:
-            if c is not None:
-                stack.enter_context(c)
-        yield
-
 
 #: served batch sizes a graph is captured for (a request pads up to the next one)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -376,7 +367,7 @@ class FastPiSampler:
         if what == "expert" and self.step_layers is not None and self.step_layers.sites:
             # the levers' expert stand-ins too, inside the layers (after the step layers' check of
             # them), for the calls the kernels do not take
-            return _nested(self.step_layers.swapped(), self.levers.expert_swapped() if self.levers else None)
+            return nested(self.step_layers.swapped(), self.levers.expert_swapped() if self.levers else None)
         if self.levers is None:
             return contextlib.nullcontext()
         return {"vision": self.levers.vision_swapped, "expert": self.levers.expert_swapped,
@@ -416,27 +407,30 @@ class FastPiSampler:
     @torch.no_grad()
     def sample(self, images, img_masks, tokens, lang_masks, state, noise: torch.Tensor,
                num_steps: int, *, key: Any = None, rtc: dict | None = None,
-               guidance: tuple[float, ...] = ()) -> torch.Tensor:
+               guidance: tuple[float, ...] = (), prep=None) -> torch.Tensor:
         """Actions [B, chunk, max_action_dim]. ``key``: anything that changes which modules run
         (the adapter fold state): graphs are kept per (batch bucket, key). ``rtc``: the
         :data:`RTC_KEYS` tensors of every row, with ``guidance`` the guidance weight of each
-        Euler step (:func:`agents.policies.pi0.rtc.guidance_weights`)."""
+        Euler step (:func:`agents.policies.pi0.rtc.guidance_weights`). ``prep``: ``images`` are the
+        cameras' frames as they came and ``prep(images) -> (images, img_masks)`` the policy's
+        mapping to the model's, run inside the graph (its kernels launched by a replay, not one by one)."""
         if rtc is not None and len(guidance) != num_steps:
             raise ValueError(f"RTC needs a guidance weight per Euler step ({num_steps}), got {len(guidance)}")
         gws = tuple(float(g) for g in guidance) if rtc is not None else ()
         self.sync_weights()
         if not (self.graphs and noise.is_cuda) or self.bucket(noise.shape[0]) is None:  # no graph: eager
+            images, img_masks = prep(images) if prep is not None else (images, img_masks)
             return self._sample(images, img_masks, tokens, lang_masks, state, noise, num_steps, rtc, gws)
-        inputs = {"images": list(images), "img_masks": list(img_masks), "tokens": tokens,
-                  "lang_masks": lang_masks, "state": state, "noise": noise, **(rtc or {})}
+        inputs = {"images": list(images), "img_masks": None if prep is not None else list(img_masks),
+                  "tokens": tokens, "lang_masks": lang_masks, "state": state, "noise": noise, **(rtc or {})}
 
         def run(s: dict) -> tuple[torch.Tensor]:
             r = {k: s[k] for k in RTC_KEYS} if gws else None
-            return (self._sample(s["images"], s["img_masks"], s["tokens"], s["lang_masks"], s["state"], s["noise"],
-                                 num_steps, r, gws),)
+            ims, masks = prep(s["images"]) if prep is not None else (s["images"], s["img_masks"])
+            return (self._sample(ims, masks, s["tokens"], s["lang_masks"], s["state"], s["noise"], num_steps, r, gws),)
 
-        what = f"{num_steps} steps{', RTC' if gws else ''}"
-        return self._graphed((num_steps, key, gws), inputs, run, what)[0]
+        what = f"{num_steps} steps{', RTC' if gws else ''}{', frames' if prep is not None else ''}"
+        return self._graphed((num_steps, key, gws, prep is not None), inputs, run, what)[0]
 
     def bucket(self, b: int) -> int | None:
         """The captured batch size a request of ``b`` rows is padded to (None: beyond them)."""

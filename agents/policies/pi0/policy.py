@@ -238,31 +238,49 @@ class Pi0Policy(nn.Module):
     def device(self) -> torch.device:
         return self.inner.model.action_out_proj.weight.device
 
-    def lerobot_batch(self, obs: Batch, *, full_prompt: bool = False) -> dict[str, Any]:
+    def lerobot_batch(self, obs: Batch, *, full_prompt: bool = False, frames: bool = False) -> dict[str, Any]:
         """Tandem observation -> the batch lerobot's PI0Policy reads (tokens included; padded to
-        lerobot's length with ``full_prompt``, else only as far as ``prompt_pad_multiple`` says)."""
+        lerobot's length with ``full_prompt``, else only as far as ``prompt_pad_multiple`` says).
+        ``frames``: the cameras' frames as they came, on the device (:meth:`_frames_to_model`
+        maps them)."""
         b = vc.check_obs(obs, self.spec, self.who)
         tasks = vc.get_tasks(obs, b, self.cfg.default_task, self.who)
         dev = self.device
         out: dict[str, Any] = {}
         for k, lk in self.cam_keys.items():
-            out[lk] = obs[k].to(dev, non_blocking=True).permute(0, 3, 1, 2).float().div_(255.0)
+            out[lk] = obs[k].to(dev, non_blocking=True)
+            if not frames:
+                out[lk] = self._frame(out[lk])
         state = self.norm(obs[OBS_STATE].to(dev).float(), OBS_STATE)
         out[OBS_STATE] = state
         out["observation.language.tokens"], out["observation.language.attention_mask"] = self.prompt_tokens(
             prompts(self.variant, tasks, state), dev, full=full_prompt)
         return out
 
+    @staticmethod
+    def _frame(x: torch.Tensor) -> torch.Tensor:
+        """A camera's frames [B, H, W, C] in 0..255 -> [B, C, H, W] in [0, 1] (lerobot's layout)."""
+        return x.permute(0, 3, 1, 2).float().div_(255.0)
+
+    def _frames_to_model(self, frames: list[torch.Tensor]) -> tuple[list, list]:
+        """The cameras' frames (``lerobot_batch(frames=True)``, in ``cam_keys`` order) -> the
+        images and masks lerobot's PI0Pytorch takes (lerobot's own preprocessing)."""
+        return self.inner._preprocess_images({lk: self._frame(f) for lk, f in zip(self.cam_keys.values(), frames)})
+
     def model_inputs(self, obs: Batch) -> tuple:
         """The tensors lerobot's PI0Pytorch takes (images, masks, tokens, [state])."""
         return self._model_inputs(self.lerobot_batch(obs))
 
-    def forward_model(self, inputs: tuple, noise: torch.Tensor | None = None, rtc: RtcRows | None = None) -> torch.Tensor:
+    def forward_model(self, inputs: tuple, noise: torch.Tensor | None = None, rtc: RtcRows | None = None,
+                      frames: bool = False) -> torch.Tensor:
         """The bare model call: [B, chunk, max_action_dim]. Lerobot's PI0Pytorch.sample_actions,
         or in eval mode without gradients its fast equivalent (``fast_serving``; always with
-        ``rtc``, :mod:`agents.policies.pi0.rtc`: eager where no graphs are captured)."""
+        ``rtc``, :mod:`agents.policies.pi0.rtc`: eager where no graphs are captured). ``frames``:
+        ``inputs`` hold the cameras' frames (no masks), mapped inside the fast path's graph."""
         self._serving_weights()
         fast = self._fast_sampler(force=rtc is not None)
+        if frames and fast is None:
+            inputs = (*self._frames_to_model(inputs[0]), *inputs[2:])
         if fast is None:
             return self.inner.model.sample_actions(*inputs, noise=noise)
         if noise is None:
@@ -274,7 +292,7 @@ class Pi0Policy(nn.Module):
         extra = {} if rtc is None else rtc_inputs(rtc, lambda a: self.norm(a, "action"), self.chunk_size,
                                                    int(self.lr_cfg.max_action_dim), steps, self.device)
         return fast.sample(images, img_masks, toks, masks, state, noise.to(self.device, torch.float32),
-                           steps, key=self.lora.folded, **extra)
+                           steps, key=self.lora.folded, prep=self._frames_to_model if frames else None, **extra)
 
     def _fast_sampler(self, force: bool = False):
         mode = self.cfg.fast_serving
@@ -302,8 +320,11 @@ class Pi0Policy(nn.Module):
         else:
             self.lora.fold()
 
-    def _model_inputs(self, lb: dict) -> tuple:
-        images, img_masks = self.inner._preprocess_images(lb)
+    def _model_inputs(self, lb: dict, frames: bool = False) -> tuple:
+        if frames:  # the cameras' frames as they came (lerobot_batch(frames=True)), no masks yet
+            images, img_masks = [lb[lk] for lk in self.cam_keys.values()], None
+        else:
+            images, img_masks = self.inner._preprocess_images(lb)
         toks, masks = lb["observation.language.tokens"], lb["observation.language.attention_mask"]
         if self.variant == "pi0":
             return images, img_masks, toks, masks, self.inner.prepare_state(lb)
@@ -317,13 +338,17 @@ class Pi0Policy(nn.Module):
         the flow's starting sample (deterministic: zeros; otherwise drawn from ``generator``, or
         torch's global RNG when None). ``rtc``: each row's pending prefix and delay
         (:mod:`agents.policies.pi0.rtc`; its frozen steps are returned as sent)."""
-        inputs = self.model_inputs(obs)  # what lerobot's predict_action_chunk does, minus its eval()
+        # what lerobot's predict_action_chunk does, minus its eval(); where the fast path serves, the
+        # cameras' frames go to it as they came and their preprocessing runs inside its graph
+        self._serving_weights()
+        frames = self._fast_sampler(force=rtc is not None) is not None
+        inputs = self._model_inputs(self.lerobot_batch(obs, frames=frames), frames)
         shape = (inputs[2].shape[0], self.chunk_size, self.lr_cfg.max_action_dim)
         if noise is None:
             noise = (torch.zeros(shape, device=self.device) if deterministic
                      else torch.randn(shape, device=self.device, generator=generator))
         noise = noise.to(self.device, torch.float32)
-        actions = self._postprocess(self.forward_model(inputs, noise, rtc))
+        actions = self._postprocess(self.forward_model(inputs, noise, rtc, frames))
         return ActionChunk(actions if rtc is None else hold_frozen(actions, rtc), None, {"noise": noise})
 
     @property

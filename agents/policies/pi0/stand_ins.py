@@ -95,3 +95,13 @@ class StandIns:
         finally:
             for s in done:
                 s.restore()
+
+
+@contextlib.contextmanager
+def nested(*contexts):
+    """The contexts (None: none) entered in order, left in reverse."""
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            if c is not None:
+                stack.enter_context(c)
+        yield
