@@ -73,8 +73,7 @@ class StepLayer(nn.Module):
         super().__init__()
         self.src = src
         attn = src.self_attn
-        self.heads, self.kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
-        self.head_dim, self.layer_idx = attn.head_dim, attn.layer_idx
+        self.heads, self.layer_idx = attn.config.num_attention_heads, attn.layer_idx
         self.eps = (float(src.input_layernorm.eps), float(src.post_attention_layernorm.eps))
         for name, (n, k) in widths.items():
             self.register_buffer(name, torch.empty(n, k, device=device, dtype=dtype))
