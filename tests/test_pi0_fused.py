@@ -110,6 +110,52 @@ def test_fused_actions_equal_the_plain_fast_path(ckpts, variant, fuse):
     assert_training_unchanged(p, plain)
 
 
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
+@pytest.mark.parametrize("vision_dtype", [None, torch.bfloat16])
+def test_fused_vision_qkv(ckpts, variant, vision_dtype):
+    """``FastPiSampler(fuse_vision=True)``: SigLIP's q/k/v as one GEMM per encoder layer, in the
+    dtype SigLIP runs in (its own, or the bf16 copy's): the same actions as without (float32:
+    to round-off; bf16: SigLIP's own rounding, the bf16 lever's tolerance); the stand-ins run in
+    every encoder layer of each SigLIP pass and nowhere else; new vision weights are re-stacked."""
+    from agents.policies.pi0.fast import FastPiSampler
+    from agents.policies.pi0.fast_fused import FusedVisionAttention
+
+    p = policy(ckpts, variant)
+    noise = noise_for(p)
+    model = p.inner.model
+    p._fast = FastPiSampler(model, p.variant, graphs=False, compile=None, vision_dtype=vision_dtype)
+    base, ref = both(p, obs(), noise)
+    calls = []
+    orig = FusedVisionAttention.forward
+
+    def counted(self, *a, **kw):
+        calls.append((a[0] if a else kw["hidden_states"]).shape[0])
+        return orig(self, *a, **kw)
+
+    FusedVisionAttention.forward = counted
+    try:
+        p._fast = FastPiSampler(model, p.variant, graphs=False, compile=None, vision_dtype=vision_dtype,
+                                fuse_vision=True)
+        out, _ = both(p, obs(), noise)
+    finally:
+        FusedVisionAttention.forward = orig
+    layers = model.paligemma_with_expert.paligemma.model.vision_tower.vision_model.encoder.layers
+    assert len(calls) == len(layers) and set(calls) == {2 * 3}  # one pass of 2 cameras x 3 rows per layer
+    assert p._fast.levers.fused_vision.sites[0].stacked.weight.dtype == (vision_dtype or torch.float32)
+    tol = CPU_TOL if vision_dtype is None else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(out, base, **tol)
+    torch.testing.assert_close(out, ref, **tol)
+    assert type(layers[0].self_attn).__name__ == "SiglipAttention"  # lerobot's modules back after the call
+    with torch.no_grad():  # new vision weights, written in place
+        layers[0].self_attn.k_proj.weight.mul_(1.5)
+        layers[0].self_attn.v_proj.bias.add_(0.3)
+    before = p._fast.levers.fused_vision.restacked
+    new, ref2 = both(p, obs(), noise)
+    assert p._fast.levers.fused_vision.restacked > before
+    torch.testing.assert_close(new, ref2, **tol)
+    assert float((new - out).abs().max()) > 1e-4
+
+
 @pytest.mark.parametrize("fold", [True, False])
 def test_new_weights_are_restacked_in_place(ckpts, fold):
     """The learner's new LoRA weights reach the stacked tensors in place (what a CUDA graph
@@ -180,3 +226,25 @@ def test_fused_autotuned_equal_lerobot_on_gpu(ckpts, variant):
     assert p._fast.levers.fused_expert.sites[0].stacked.weight.data_ptr() == ptr
     torch.testing.assert_close(fast2, ref2, **GPU_TOL)
     assert not torch.allclose(fast2, fast, **GPU_TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
+def test_fused_vision_on_gpu(ckpts, variant):
+    """SigLIP's fused q/k/v (bf16 copies) with the GPU defaults, compiled under CUDA graphs:
+    lerobot's actions within the bf16 tolerance; new vision weights re-stacked, no capture."""
+    from agents.policies.pi0.fast import FastPiSampler
+
+    p = policy(ckpts, variant, device="cuda", dtype="bfloat16", fast_serving="auto")
+    noise = noise_for(p)
+    p._fast = FastPiSampler(p.inner.model, p.variant, graphs=True, compile=True, vision_dtype=torch.bfloat16,
+                            fuse="all", step_kv=True, fuse_vision=True)
+    out, ref = both(p, obs(), noise)
+    assert p._fast.captures == 1
+    torch.testing.assert_close(out, ref, **GPU_TOL)
+    layers = p.inner.model.paligemma_with_expert.paligemma.model.vision_tower.vision_model.encoder.layers
+    with torch.no_grad():
+        layers[0].self_attn.k_proj.weight.mul_(1.5)
+    new, ref2 = both(p, obs(), noise)
+    assert p._fast.captures == 1 and p._fast.levers.fused_vision.restacked > 0
+    torch.testing.assert_close(new, ref2, **GPU_TOL)

@@ -44,7 +44,8 @@ the Triton kernels' configs; or with programmatic dependent launch, a Triton ker
 while the one before it finishes, on Hopper; ``inductor=`` options), ``default_step_layers`` (the
 expert's decoder layers in the steps as Triton kernels, agents/policies/pi0/fast_step_layers.py,
 ``step_layers="triton"``; ``default_step_layers_b1`` for calls of one observation only, larger
-batches as the default; ``default_step_layers_cudnn_prefix`` with cuDNN's prefix attention too);
+batches as the default; ``default_step_layers_cudnn_prefix`` with cuDNN's prefix attention too),
+``default_fuse_vision`` (SigLIP's q/k/v as one GEMM per layer, ``fuse_vision=True``);
 step_attention, prefix_attention, inductor and step_layers are sampler
 arguments, not policy settings). A lever's results sit under
 ``modes["<mode>+<lever>"]`` (the baseline under ``modes["<mode>"]``) with ``act_ms``,
@@ -120,6 +121,7 @@ LEVERS = {"baseline": {}, "default": _DEFAULT, "no_step_kv": _NO_KV, "bf16_visio
           "default_pdl": {**_DEFAULT, "inductor": {"triton.enable_pdl": True}},
           "default_step_layers": {**_DEFAULT, "step_layers": "triton"},
           "default_step_layers_b1": {**_DEFAULT, "step_layers": "triton", "step_layers_max_rows": 64},
+          "default_fuse_vision": {**_DEFAULT, "fuse_vision": True},
           "default_step_layers_cudnn_prefix": {**_DEFAULT, "step_layers": "triton", "prefix_attention": "cudnn"}}
 
 
@@ -133,7 +135,7 @@ def lever_kwargs(lever: str, device) -> dict:
     sampler = {"step_kv": s.pop("step_kv", False), "step_attention": s.pop("step_attention", "mqa"),
                "prefix_attention": s.pop("prefix_attention", "default"), "inductor": s.pop("inductor", None),
                "step_layers": s.pop("step_layers", "default"),
-               "step_layers_max_rows": s.pop("step_layers_max_rows", None)}
+               "step_layers_max_rows": s.pop("step_layers_max_rows", None), "fuse_vision": s.pop("fuse_vision", False)}
     kw = lever_settings(SimpleNamespace(**{f"fast_{k}": v for k, v in s.items()}),
                         getattr(device, "type", device) == "cuda")
     if kw["expert_fp8"] == "cuda" and getattr(device, "type", device) != "cuda":

@@ -52,6 +52,7 @@ the expert's step linears in FP8 e4m3 (``torch._scaled_mm``, row-wise scales), `
 ``autotune`` compiles with inductor's GEMM autotuning, ``step_kv`` keeps the steps' keys/values
 in per-call buffers, ``step_attention`` ("flex" or "triton") runs the steps' attention as fused
 kernels (FlexAttention or Triton) and
+``fuse_vision`` stacks SigLIP's q/k/v weights into one GEMM per layer,
 ``prefix_attention="cudnn"`` runs the prefix pass's attention, and SigLIP's in passes of
 ``CUDNN_MIN_IMAGES`` images or more, as cuDNN's fused attention op, ``inductor`` adds options to
 the compiles, ``step_layers="triton"`` runs the expert's decoder layers in the steps as Triton
@@ -116,7 +117,8 @@ class FastPiSampler:
                  cache_dir: str | None = CACHE_DIR, vision_dtype: torch.dtype | None = None,
                  expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False,
                  step_kv: bool = False, step_attention: str = "mqa", prefix_attention: str = "default",
-                 inductor: dict | None = None, step_layers: str = "default", step_layers_max_rows: int | None = None):
+                 inductor: dict | None = None, step_layers: str = "default", step_layers_max_rows: int | None = None,
+                 fuse_vision: bool = False):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention((TRITON_NAME, triton_step_attention))
@@ -171,7 +173,8 @@ class FastPiSampler:
         # opt-in levers (agents/policies/pi0/fast_levers.py, fast_fused.py): SigLIP in bf16, the
         # expert's step linears in FP8, stacked q/k/v and gate/up GEMMs; None (all off): the
         # computation above, untouched
-        self.levers = Levers(model, vision_dtype, expert_fp8, fuse) if vision_dtype or expert_fp8 or fuse else None
+        self.levers = (Levers(model, vision_dtype, expert_fp8, fuse, fuse_vision)
+                       if vision_dtype or expert_fp8 or fuse or fuse_vision else None)
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
     def _layers(self, lm: nn.Module, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor,

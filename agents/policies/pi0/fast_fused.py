@@ -41,6 +41,8 @@ log = logging.getLogger("tandem.policies.pi0_fast")
 FUSE_CHOICES = ("auto", "off", "expert", "all")
 #: (block attribute of a decoder layer, the projections stacked into one GEMM)
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+#: the same for SigLIP's encoder layers (``fuse_vision``): q, k and v (its MLP has no parallel pair)
+VISION_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")),)
 
 
 def resolve_fuse(value: Any, cuda: bool = False) -> str | None:
@@ -106,6 +108,29 @@ class FusedAttention(nn.Module):
         return self.src.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
+class FusedVisionAttention(nn.Module):
+    """transformers' ``SiglipAttention.forward`` with q, k and v (and their biases) as one GEMM;
+    ``src`` the attention it stands in for (its ``out_proj``, config and sizes)."""
+
+    def __init__(self, src: nn.Module, stacked: _Stacked):
+        super().__init__()
+        self.src, self.stacked = src, stacked
+        self.config, self.head_dim, self.scale, self.dropout = src.config, src.head_dim, src.scale, src.dropout
+        self.is_causal = False
+        self.train(src.training)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
+        from transformers.models.siglip.modeling_siglip import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
+
+        input_shape = hidden_states.shape[:-1]
+        q, k, v = (t.reshape(*input_shape, -1, self.head_dim).transpose(1, 2) for t in self.stacked.split(hidden_states))
+        attn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,  # noqa: SLF001
+                                                     eager_attention_forward)
+        out, weights = attn(self, q, k, v, attention_mask, is_causal=False, scaling=self.scale,
+                            dropout=0.0 if not self.training else self.dropout)
+        return self.src.out_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
 class FusedMLP(nn.Module):
     """transformers' ``GemmaMLP.forward`` with gate and up as one GEMM; ``src`` the MLP it stands
     in for (its ``down_proj`` and activation)."""
@@ -122,7 +147,7 @@ class FusedMLP(nn.Module):
 class _Site(Site):
     """One group of one layer: the block it stands in for, its stand-in, what it was stacked from."""
 
-    def __init__(self, layer: nn.Module, block: str, names: tuple[str, ...]):
+    def __init__(self, layer: nn.Module, block: str, names: tuple[str, ...], dtype: torch.dtype | None = None):
         self.layer, self.block, self.names = layer, block, names
         self.src = layer._modules[block]  # noqa: SLF001
         ws = [effective_weight(m) for m in self.live()]
@@ -134,8 +159,10 @@ class _Site(Site):
             raise ValueError(f"fused projections: {block} {names} mix layers with and without bias")
         m0 = self.live()[0]
         w0 = (m0.base_layer if hasattr(m0, "base_layer") else m0).weight
-        self.stacked = _Stacked([w.shape[0] for w, _, _ in ws], k.pop(), all(has_bias), w0.device, w0.dtype)
-        self.stand_in = (FusedAttention if block == "self_attn" else FusedMLP)(self.src, self.stacked)
+        self.stacked = _Stacked([w.shape[0] for w, _, _ in ws], k.pop(), all(has_bias), w0.device, dtype or w0.dtype)
+        kind = FusedMLP if block != "self_attn" else FusedVisionAttention if hasattr(self.src, "out_proj") \
+            else FusedAttention
+        self.stand_in = kind(self.src, self.stacked)
         self.refresh()
 
     def live(self) -> list[nn.Module]:
@@ -174,13 +201,13 @@ class _Site(Site):
 
 
 class FusedProjections(StandIns):
-    """The stand-ins of every decoder layer of ``lm`` (a Gemma language model): :meth:`sync`
-    before a call, :meth:`swapped` around the fast path's computation over ``lm``."""
+    """The stand-ins of every layer in ``layers`` (a Gemma language model's decoder layers, or
+    with ``VISION_GROUPS`` SigLIP's encoder layers; ``dtype``: of the stacked copies, default the
+    weights'): :meth:`sync` before a call, :meth:`swapped` around the fast path's computation."""
 
-    def __init__(self, lm: nn.Module, name: str):
+    def __init__(self, layers: list[nn.Module], name: str, groups=GROUPS, dtype: torch.dtype | None = None):
         with torch.inference_mode(False), torch.no_grad():
-            sites = [_Site(layer, block, names) for layer in lm.layers[: lm.config.num_hidden_layers]
-                     for block, names in GROUPS]
+            sites = [_Site(layer, block, names, dtype) for layer in layers for block, names in groups]
         super().__init__(sites, f"fused projections ({name})")
         mb = sum(s.stacked.weight.numel() * s.stacked.weight.element_size() for s in self.sites) / 1e6
         log.info("PI fast path: fused projections in the %s: %d groups (%.0f MB of stacked weights)",

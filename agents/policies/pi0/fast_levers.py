@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from agents.policies.pi0.fast_fused import FusedProjections, resolve_fuse
+from agents.policies.pi0.fast_fused import VISION_GROUPS, FusedProjections, resolve_fuse
+from agents.policies.pi0.stand_ins import nested
 from agents.policies.pi0.stand_ins import VERSION, Site, StandIns
 from agents.policies.vla_common import effective_weight
 
@@ -351,16 +352,19 @@ class Levers:
     expert's, and with ``fuse="all"`` the VLM's), synced before each call."""
 
     def __init__(self, model: nn.Module, vision_dtype: torch.dtype | None, expert_fp8: str | None,
-                 fuse: str | None = None):
+                 fuse: str | None = None, fuse_vision: bool = False):
         pwe = model.paligemma_with_expert
-        self.vision = self.fp8 = self.fused_expert = self.fused_vlm = None
+        self.vision = self.fp8 = self.fused_expert = self.fused_vlm = self.fused_vision = None
         fuse = resolve_fuse(fuse)
         if fuse and expert_fp8:
             raise ValueError("the fused projections and the FP8 expert both replace the expert's linear layers")
         if fuse:
-            self.fused_expert = FusedProjections(pwe.gemma_expert.model, "expert")
+            self.fused_expert = FusedProjections(_decoder_layers(pwe.gemma_expert.model), "expert")
         if fuse == "all":
-            self.fused_vlm = FusedProjections(pwe.paligemma.model.language_model, "VLM")
+            self.fused_vlm = FusedProjections(_decoder_layers(pwe.paligemma.model.language_model), "VLM")
+        if fuse_vision:  # SigLIP's q/k/v, stacked in the dtype SigLIP runs in (vision_dtype's copy or its own)
+            self.fused_vision = FusedProjections(list(pwe.paligemma.model.vision_tower.vision_model.encoder.layers),
+                                                 "vision", VISION_GROUPS, vision_dtype)
         if vision_dtype is not None:
             pm = pwe.paligemma.model
             self.vision = VisionCopy([pm.vision_tower, pm.multi_modal_projector], vision_dtype)
@@ -372,12 +376,14 @@ class Levers:
     def sync(self, force: bool = False) -> None:
         if self.vision is not None:
             self.vision.sync(force)
-        for part in (self.fp8, self.fused_expert, self.fused_vlm):
+        for part in (self.fp8, self.fused_expert, self.fused_vlm, self.fused_vision):
             if part is not None:
                 part.sync(force)
 
     def vision_swapped(self):
-        return self.vision.swapped() if self.vision is not None else contextlib.nullcontext()
+        """The bf16 copies, then the fused q/k/v (their own copies) in SigLIP's layers."""
+        return nested(self.vision.swapped() if self.vision is not None else None,
+                      self.fused_vision.swapped() if self.fused_vision is not None else None)
 
     def expert_swapped(self):
         part = self.fp8 or self.fused_expert
@@ -385,3 +391,7 @@ class Levers:
 
     def vlm_swapped(self):
         return self.fused_vlm.swapped() if self.fused_vlm is not None else contextlib.nullcontext()
+
+
+def _decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    return list(lm.layers[: lm.config.num_hidden_layers])
