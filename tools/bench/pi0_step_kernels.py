@@ -156,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
                 timed.sort()
                 row["sweep_best"] = [[us, list(t)] for us, t in timed[:5]]
             kernels.TILES.update(default_tiles)
-            print(f"batch {b} {name:14s} " + "  ".join(f"{k}: {v}" for k, v in row.items() if k != "refused"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            print(f"batch {b} {name:14s} " + "  ".join(f"{k}: {v}" for k, v in row.items() if k != "refused"),
+                  flush=True)
+            if args.json:  # after every kernel: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1)
     return 0
 
 
