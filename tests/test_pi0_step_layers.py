@@ -10,6 +10,7 @@ The GPU tests (compiled, under CUDA graphs; the kernel bench) are skipped withou
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -233,7 +234,7 @@ def test_the_kernel_bench_runs_on_gpu(tmp_path):
 
 def test_the_kernels_compile_for_hopper():
     """Each kernel, in each of its variants (AdaRMS, attention's layout, the gate), compiles for
-    an H100/H200 (sm_90) with the default tiles, without a GPU (Triton's own compiler and the
+    an H100/H200 (sm_90) with the default tiles of both regimes (batch 1, larger batches), without a GPU (Triton's own compiler and the
     ptxas it ships), into a pipelined loop (asynchronous copies) on Hopper's warp-group MMA, within
     the shared memory an SM has (227 KB)."""
     from triton.backends.compiler import GPUTarget
@@ -247,8 +248,8 @@ def test_the_kernels_compile_for_hopper():
     cases = [(kernels._qkv_kernel, "qkv", dict(D=256, HALF=128), ("ADA",)),
              (kernels._gate_up_kernel, "gate_up", {}, ("ADA",)),
              (kernels._residual_kernel, "residual", dict(XD=256), ("GATED",))]
-    for fn, tile, consts, flags in cases:
-        bm, bn, bk, warps, stages = kernels.TILES[tile]
+    for (fn, tile, consts, flags), regime in itertools.product(cases, ("", "@batch")):
+        bm, bn, bk, warps, stages = kernels.TILES[tile + regime]
         for on in (False, True):
             c = {**consts, "BM": bm, "BN": bn, "BK": bk, **{f: on for f in flags}}
             if tile == "residual" and not on:

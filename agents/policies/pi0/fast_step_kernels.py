@@ -37,9 +37,14 @@ import os
 import torch
 
 #: per kernel: rows per block, columns per block (of each of the pair), reduction step, warps,
-#: pipeline stages. ``TANDEM_PI0_STEP_TILES`` (JSON, e.g. ``{"qkv": [64, 16, 128, 4, 3]}``)
-#: overrides some of them.
-TILES = {"qkv": (64, 16, 128, 4, 3), "gate_up": (64, 32, 128, 4, 3), "residual": (64, 16, 128, 4, 3)}
+#: pipeline stages; ``<kernel>`` for calls of at most ``ONE_OBSERVATION_ROWS`` rows (batch 1, where
+#: reading the weights is the cost), ``<kernel>@batch`` for more (the arithmetic grows).
+#: ``TANDEM_PI0_STEP_TILES`` (JSON, e.g. ``{"qkv": [64, 16, 128, 4, 3]}``) overrides some of them.
+TILES = {"qkv": (64, 16, 128, 4, 3), "gate_up": (64, 32, 128, 4, 3), "residual": (64, 16, 128, 4, 3),
+         "qkv@batch": (64, 32, 128, 4, 3), "gate_up@batch": (64, 64, 128, 4, 3), "residual@batch": (64, 32, 128, 4, 3)}
+#: the rows up to which a call uses the batch-1 tiles. Compiled, batch 1 has a graph of its own
+#: and the batch is at least 2 in the dynamic one (PI0: 102 rows and up), so the choice adds no guard
+ONE_OBSERVATION_ROWS = 64
 TILES.update({k: tuple(v) for k, v in json.loads(os.environ.get("TANDEM_PI0_STEP_TILES", "{}")).items()})
 
 try:  # triton ships with CUDA builds of torch
@@ -218,7 +223,7 @@ if triton is not None:
         tl.store(Out + rows[:, None] * som + cols[None, :], (acc + res).to(Out.dtype.element_ty), mask=ok)
 
     def _tiles(name: str, m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-        bm, bn, bk, warps, stages = TILES[name]
+        bm, bn, bk, warps, stages = TILES[name if m <= ONE_OBSERVATION_ROWS else f"{name}@batch"]
         return bm, min(bn, _pow2(n)), min(bk, _pow2(k)), warps, stages
 
     @torch.library.triton_op("tandem::pi0_step_qkv", mutates_args=("kbuf", "vbuf"))
