@@ -151,18 +151,14 @@ def sampler_checks(root: str, variant: str = "pi0") -> None:
     print("sampler ok")
 
 
-def interpreted(code: str) -> str:
-    return python_code(code, timeout=900)
-
-
 def test_kernels_equal_torch_under_the_interpreter():
-    assert "kernels ok" in interpreted("import test_pi0_step_layers as t; t.kernel_checks()")
+    assert "kernels ok" in python_code("import test_pi0_step_layers as t; t.kernel_checks()", timeout=900)
 
 
 @pytest.mark.parametrize("variant", ["pi0", "pi05"])
 def test_actions_with_step_layers_equal_the_default_path(tmp_path, variant):
     code = f"import test_pi0_step_layers as t; t.sampler_checks({str(tmp_path)!r}, {variant!r})"
-    assert "sampler ok" in interpreted(code)
+    assert "sampler ok" in python_code(code, timeout=900)
 
 
 def test_settings_fallbacks_and_pi05(ckpts):  # noqa: F811

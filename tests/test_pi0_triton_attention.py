@@ -79,16 +79,12 @@ def sampler_checks(root: str) -> None:
     print("sampler ok")
 
 
-def interpreted(code: str) -> str:
-    return python_code(code, timeout=600)
-
-
 def test_kernel_equals_mqa_attention_under_the_interpreter():
-    assert "kernel ok" in interpreted("import test_pi0_triton_attention as t; t.kernel_checks()")
+    assert "kernel ok" in python_code("import test_pi0_triton_attention as t; t.kernel_checks()", timeout=600)
 
 
 def test_actions_with_the_kernel_equal_the_default_path(tmp_path):
-    out = interpreted(f"import test_pi0_triton_attention as t; t.sampler_checks({str(tmp_path)!r})")
+    out = python_code(f"import test_pi0_triton_attention as t; t.sampler_checks({str(tmp_path)!r})", timeout=600)
     assert "sampler ok" in out
 
 
