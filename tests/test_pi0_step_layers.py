@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -228,16 +229,20 @@ def test_the_kernel_bench_runs_on_gpu(tmp_path):
     assert all(r["kernel_us"] > 0 and r["reference_us"] > 0 for r in rows.values())
 
 
-def test_the_kernels_compile_for_hopper():
+def test_the_kernels_compile_for_hopper(tmp_path):
     """Each kernel, in each of its variants (AdaRMS, attention's layout, the gate), compiles for
-    an H100/H200 (sm_90) with the default tiles of both regimes (batch 1, larger batches), without a GPU (Triton's own compiler and the
-    ptxas it ships), into a pipelined loop (asynchronous copies) on Hopper's warp-group MMA, within
-    the shared memory an SM has (227 KB)."""
+    an H100/H200 (sm_90) with the default tiles of both regimes (batch 1, larger batches),
+    without a GPU (Triton's own compiler and the ptxas it ships), into a pipelined loop
+    (asynchronous copies) on Hopper's warp-group MMA, within the shared memory an SM has
+    (227 KB), with no register spills (ptxas's own report)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    import triton
+
     from agents.policies.pi0 import fast_step_kernels as kernels
 
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     ints = {"M", "S", "K", "H", "HKV", "N", "XH", "sxm", "swn", "scm", "skb", "skh", "skn", "svb", "svh", "svn", "srm",
             "som"}
     aligned = ints - {"M", "S", "H", "HKV", "XH"}  # what the JIT specializes as multiples of 16 at PI0's sizes
@@ -259,6 +264,10 @@ def test_the_kernels_compile_for_hopper():
             ptx = out.asm["ptx"]
             assert "wgmma.mma_async" in ptx and "cp.async" in ptx, (tile, c)
             assert out.metadata.shared <= 227 * 1024, (tile, c, out.metadata.shared)
+            (tmp_path / "k.ptx").write_text(ptx)  # ptxas's own report: registers, and no spills
+            said = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o",
+                                   str(tmp_path / "k.cubin")], capture_output=True, text=True).stderr
+            assert "Used" in said and "0 bytes spill stores" in said, (tile, regime, c, said[-500:])
 
 
 def hopper_driver() -> None:
