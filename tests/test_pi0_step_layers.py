@@ -344,6 +344,62 @@ def mutation_checks() -> None:
     print("mutations ok")
 
 
+def compile_checks(root: str, variant: str) -> None:
+    """Run in a subprocess (:func:`hopper_driver`, the kernels' availability forced on): the fast
+    path's compiled denoising step with the step layers, traced by dynamo with the batch symbolic
+    and taken through inductor's post-grad passes (stopped there: no GPU to run it)."""
+    hopper_driver()
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch._inductor.config as inductor_config
+    import torch._inductor.fx_passes.post_grad as post_grad
+
+    from agents.policies.pi0 import fast_step_kernels
+    from agents.policies.pi0.fast import FastPiSampler
+    from test_pi0_fast import CHUNK, SPEC, make
+    from tools.make_tiny_checkpoints import make_pi0
+
+    inductor_config.fx_graph_cache = False  # every graph through the passes, none from a cache
+    fast_step_kernels.available = lambda device: True
+    graphs, reinplace = [], post_grad.reinplace_inplaceable_ops
+
+    class Seen(Exception):
+        pass
+
+    def after_reinplace(*args, **kw):
+        reinplace(*args, **kw)
+        graphs.append(args[-1].graph if hasattr(args[-1], "graph") else args[-1])
+        raise Seen()
+
+    post_grad.reinplace_inplaceable_ops = after_reinplace
+    p = make(make_pi0(Path(root) / variant, SPEC, variant=variant, chunk_size=CHUNK), variant, fast_serving="eager",
+             device="cpu")
+    fast = p._fast = FastPiSampler(p.inner.model, p.variant, graphs=False, compile="dynamic", step_kv=True,
+                                   step_layers="triton")
+    fast._embed_image, fast._prefix_kv = p.inner.model.paligemma_with_expert.embed_image, fast.prefix_kv  # eager
+    try:
+        with torch.no_grad():
+            p.forward_model(p.model_inputs(obs()), noise_for(p))
+    except Exception as e:  # the stop above, wrapped by inductor
+        assert "Seen" in repr(e), e
+    g, = graphs
+    calls = [n for n in g.nodes if n.op == "call_function"]
+    layers = p.inner.model.paligemma_with_expert.gemma_expert.model.config.num_hidden_layers
+    assert sum("triton_kernel_wrapper" in str(n.target) for n in calls) == 4 * layers
+    assert not [n for n in calls if "copy_" in str(n.target)]  # nothing copied back into an input
+    inputs_cloned = [n for n in calls if "clone" in str(n.target) and n.args[0].op == "placeholder"]
+    assert not inputs_cloned, inputs_cloned
+    print("compile ok")
+
+
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
+def test_the_compiled_steps_run_the_kernels_in_place(tmp_path, variant):
+    """The compiled denoising step with the step layers (dynamo with the batch symbolic, then
+    inductor's passes up to its reinplacing; the GPU test runs it): four kernels per expert
+    layer, and the step buffers written in place (no input copied back, none cloned)."""
+    code = f"import test_pi0_step_layers as t; t.compile_checks({str(tmp_path)!r}, {variant!r})"
+    assert "compile ok" in python_code(code, timeout=600, triton_interpret=False)
+
+
 def test_inductor_sees_what_each_kernel_writes():
     """Compiled, inductor treats each tensor a user kernel may write as written (a copy where it
     cannot write in place); where its analysis cannot follow a store to an argument it assumes
