@@ -163,15 +163,21 @@ def test_grpo_groups_reissue_and_learning(tmp_path):
     for gid, jobs in jobs_of_group.items():
         assert len({(j.task_id, j.init_state) for j in jobs}) == 1, (gid, jobs)
         assert len({j.job_id for j in jobs}) <= GROUP
-    # every episode of a job carries the job's group id in every record; others carry -1
-    checked = 0
+    # every episode of a job carries the job's group id in every record; others carry -1. An
+    # actor whose job request timed out (a loaded machine) ran the episode as it liked, -1, while
+    # the learner had handed the job out: that job went out again (GroupJobSource.episode_finished)
+    checked, missed = 0, 0
     for ep in finished:
         ids = set(ep.arrays["group_id"].tolist())
         assert len(ids) == 1, f"group id changes within episode {ep.key}"
         job = source.assigned.get(ep.key)
+        if job is not None and ids == {-1}:
+            missed += 1
+            continue
         assert ids == {job.group_id if job is not None else -1}, (ep.key, ids, job)
         checked += job is not None
     assert checked >= 2 * GROUP * GROUPS
+    assert source.counters["reissued"] >= missed
 
     complete = [r for r in rounds if r["round_timed_out"] == 0.0]
     updated = [r for r in rounds if "policy_loss" in r]
