@@ -128,6 +128,18 @@ if triton is not None:
         return acc_a, acc_b, ss
 
     @triton.jit
+    def _normed_pair(acc_a, acc_b, ss, K, eps, Bias, ca, cb, col_ok, ADA: tl.constexpr):
+        """The pair of products of the row-normed input: scaled by each row's inverse RMS (from
+        its sum of squares ``ss`` over K), with ADA the shift's bias at columns ``ca`` / ``cb``."""
+        r = 1.0 / tl.sqrt(ss / K + eps)
+        a = acc_a * r[:, None]
+        b = acc_b * r[:, None]
+        if ADA:
+            a += tl.load(Bias + ca, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            b += tl.load(Bias + cb, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        return a, b
+
+    @triton.jit
     def _qkv_kernel(X, W, Cos, Sin, Q, Kb, Vb, Mod, Bias, M, S, K, H, HKV, eps, sxm, swn, scm, skb, skh, skn, svb,
                     svh, svn, D: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, ADA: tl.constexpr):
@@ -144,12 +156,7 @@ if triton is not None:
         ca = head * D + d
         acc_a, acc_b, ss = _dots(X, W, rows * sxm, row_ok, ca, ca + HALF, d_ok, K, 0, swn, Mod, BM, BN, BK, 0,
                                  True, True, ADA)
-        r = 1.0 / tl.sqrt(ss / K + eps)
-        a = acc_a * r[:, None]
-        b = acc_b * r[:, None]
-        if ADA:
-            a += tl.load(Bias + ca, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-            b += tl.load(Bias + ca + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        a, b = _normed_pair(acc_a, acc_b, ss, K, eps, Bias, ca, ca + HALF, d_ok, ADA)
         ok = row_ok[:, None] & d_ok[None, :]
         if head < H + HKV:  # rotary: x * cos + rotate_half(x) * sin, rotate_half = (-x2, x1)
             cs = Cos + rows[:, None] * scm + d[None, :]
@@ -190,12 +197,7 @@ if triton is not None:
         row_ok = rows < M
         acc_g, acc_u, ss = _dots(X, W, rows * sxm, row_ok, cols, cols + N, col_ok, K, 0, swn, Mod, BM, BN, BK, 0,
                                  True, True, ADA)
-        r = 1.0 / tl.sqrt(ss / K + eps)
-        g = acc_g * r[:, None]
-        u = acc_u * r[:, None]
-        if ADA:
-            g += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            u += tl.load(Bias + cols + N, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        g, u = _normed_pair(acc_g, acc_u, ss, K, eps, Bias, cols, cols + N, col_ok, ADA)
         # gelu's tanh form: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
         act = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
         tl.store(Out + rows[:, None] * som + cols[None, :], (act * u).to(Out.dtype.element_ty),
