@@ -88,14 +88,17 @@ def assert_learning_run_lifts(r: dict, *, updates: int, start_max: float, margin
     assert best[3] >= before["success"] + margin and best[3] >= after_min, (before, r["windows"])
 
 
-def python_code(code: str, *, timeout: float = 900, triton_interpret: bool = True) -> str:
+def python_code(code: str, *, timeout: float = 900, triton_interpret: bool = True,
+                env: dict[str, str] | None = None) -> str:
     """``code`` run by this interpreter in a fresh process with the repository and tests/ on its
     path (under Triton's interpreter, ``TRITON_INTERPRET=1``, unless told otherwise: it must be
-    set before triton is imported); its stdout, after asserting that it exited 0."""
+    set before triton is imported) and ``env`` added to its environment; its stdout, after
+    asserting that it exited 0."""
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     if triton_interpret:
         env["TRITON_INTERPRET"] = "1"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tools.bench.train_serve import GilProbe, main, stream_overlap
+from tools.bench.train_serve_loads import env_config, execute_for, load_key, parse_loads
 
 
 def _kernel(stream, ts_us, dur_us):
@@ -111,3 +112,77 @@ def test_grpo_trainer_runs_grpo_rounds_on_the_discrete_oft(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="--update"):
         Trainer(policy, spec, 4, published.append, 2, lambda: None, update="ppo")
+
+
+def test_loads_name_seconds_or_simulated_actors_and_refuse_anything_else():
+    assert parse_loads("0.5, 0,sim") == [0.5, 0.0, "sim"]
+    assert [load_key(x) for x in parse_loads("0.5,0,sim")] == ["0.5", "0", "sim"]
+    with pytest.raises(SystemExit, match="'simulated' is neither"):
+        parse_loads("0.5,simulated")
+    with pytest.raises(SystemExit, match="need --env"):
+        main(["--period", "sim", "--tiny", "--device", "cpu", "--json", "-"])
+
+
+def test_simulated_actors_run_pi0_s_replanning_and_the_env_config_takes_yaml_values():
+    class Chunk:
+        chunk_size = 50
+    assert execute_for("pi0", Chunk, 0) == 5 and execute_for("pi05", Chunk, 0) == 5
+    assert execute_for("openvla_oft_discrete", Chunk, 0) == 0 and execute_for("pi0", Chunk, 8) == 8
+
+    class Args:
+        env, image_size, env_set = "libero_spatial", 224, ["gl=egl", "task_id=all", "num_steps_wait=3"]
+    assert env_config(Args) == {"name": "libero_spatial", "image_size": 224, "gl": "egl", "task_id": "all",
+                                "num_steps_wait": 3}
+    Args.env_set = ["gl"]
+    with pytest.raises(SystemExit, match="'gl': expected key=value"):
+        env_config(Args)
+
+
+def test_closed_loop_simulated_actors_step_their_own_env_between_requests(tmp_path):
+    """Two actor processes, each with its own point_reach env (two tasks: the instruction
+    varies), against a real loopback learner serving the tiny PI0 built for that env's layout:
+    every timed chunk is executed in the env (``execute`` steps, fewer only where an episode
+    ended) before the next request."""
+    import torch
+
+    from envs.registry import env_spec
+    from tools.bench.common import LoopbackLearner
+    from tools.bench.policy import build
+    from tools.bench.policy_actors import HASH, run_actors
+
+    env = {"name": "point_reach", "image_size": 32, "num_tasks": 2, "task_id": "all", "max_episode_steps": 7}
+    spec = env_spec(env)
+    policy, _ = build("pi0", True, "cpu", tmp_path, spec)
+    policy.eval()
+    ll = LoopbackLearner(policy, spec, HASH, buffer_capacity=8, device=torch.device("cpu"),
+                         service_kw={"peer_timeout_s": 120.0}, inference_kw={"max_batch": 4})
+    ll.start()
+    try:
+        cams = {c: list(s) for c, s in spec.cameras.items()}
+        r = run_actors(2, ll.port, 3.0, spec.state_dim, cams, env=env, execute=3,
+                       counters=lambda: (ll.inference.batches, ll.inference.served))
+    finally:
+        ll.close()
+    sim, chunks = r["sim"], r["chunks"]
+    assert chunks > 0 and r["reply_shape"] == [1, policy.chunk_size, spec.action_dim]
+    assert sim["episodes"] > 0                          # 7-step episodes: resets happened
+    assert chunks * 3 - sim["episodes"] * 2 <= sim["env_steps"] <= chunks * 3
+    assert sim["env_steps_per_s"] == pytest.approx(sim["env_steps"] / 3.0)
+    assert 0 < sim["sim_s_per_chunk"] < 3.0
+
+
+@bench
+def test_train_serve_with_closed_loop_simulated_actors_on_the_cpu(tmp_path):
+    out = main(["--tiny", "--device", "cpu", "--policies", "pi0", "--actors", "2", "--seconds", "2",
+                "--repeats", "1", "--streams", "window", "--train-batch", "2", "--image-size", "32",
+                "--period", "sim,0.5", "--env", "point_reach", "--env-set", "num_tasks=2", "--env-set", "task_id=all",
+                "--json", str(tmp_path / "out.json")])
+    r = out["policies"]["pi0"]
+    assert out["env"]["name"] == "point_reach" and r["execute"] == 5
+    assert set(r["by_period"]) == {"sim", "0.5"}
+    sim = {x["phase"]: x for x in r["runs"] if x["period_s"] == "sim"}
+    for kind in ("serve", "both"):
+        assert sim[kind]["act"]["sim"]["env_steps"] > 0 and sim[kind]["act"]["chunks_per_s"] > 0
+    assert all("sim" not in x["act"] for x in r["runs"] if x["period_s"] == 0.5 and "act" in x)
+    assert json.loads((tmp_path / "out.json").read_text())["policies"]["pi0"]["by_period"]["sim"]["window"][
+        "act_p99_ratio"] == r["by_period"]["sim"]["window"]["act_p99_ratio"]

@@ -8,7 +8,10 @@ short keeps what it measured:
   bf16 matmul peak at ``--peak-actors`` closed-loop actors (``mfu``), per policy;
 - ``train_serve`` (:mod:`tools.bench.train_serve`): training while serving against each alone,
   per policy, actor load (``--period``) and serving setting (``--streams``); by default PI0 with
-  rejection sampling's BC step and the discrete OpenVLA-OFT with GRPO's update;
+  rejection sampling's BC step and the discrete OpenVLA-OFT with GRPO's update, under the issue's
+  two loads: a chunk every 0.5 s per actor (a robot's rate) and ``sim``, closed-loop simulated
+  actors, each stepping its own ``--env`` (LIBERO-spatial, rendering with EGL) between requests
+  (``0`` adds the closed loop around a simulator that takes no time);
 - ``cold_start`` (:mod:`tools.bench.cold_start`): start-up to the first act served, cold, with
   shipped compile artefacts and warm, per policy in ``--start-policies``.
 
@@ -62,11 +65,22 @@ def stage_commands(a, stage: str, out: Path) -> list[list[str]]:
     if stage == "train_serve":
         return [py + ["tools.bench.train_serve", "--policies", a.policies, "--actors", str(a.actors),
                       "--period", a.period, "--seconds", str(a.seconds), "--repeats", str(a.repeats),
-                      "--streams", a.streams, "--json", str(out)] + common]
+                      "--streams", a.streams, "--json", str(out)] + common
+                + (["--env", a.env] + [x for kv in env_sets(a) for x in ("--env-set", kv)] if a.env else [])]
     if stage == "cold_start":
         return [py + ["tools.bench.cold_start", "--policy", p, "--json", str(out.with_name(f"{out.stem}_{p}.json"))]
                 + common for p in a.start_policies.split(",") if p]
     raise ValueError(f"unknown stage {stage!r}: one of {', '.join(STAGES)}")
+
+
+def env_sets(a) -> list[str]:
+    """train_serve's ``--env-set`` entries: the given ones, else LIBERO's EGL and every task."""
+    return a.env_set if a.env_set is not None else ["gl=egl", "task_id=all"]
+
+
+def load_name(period: str) -> str:
+    """A train_serve load's name in the summary."""
+    return "closed-loop simulated actors" if period == "sim" else f"period {period} s"
 
 
 def summarize(res: dict) -> dict:
@@ -92,7 +106,7 @@ def summarize(res: dict) -> dict:
     for name, r in (ts.get("policies") or {}).items():
         for period, by in r.get("by_period", {}).items():
             for mode, m in by.items():
-                s.setdefault("train_serve", {}).setdefault(name, {}).setdefault(f"period {period} s", {})[mode] = {
+                s.setdefault("train_serve", {}).setdefault(name, {}).setdefault(load_name(period), {})[mode] = {
                     "update_ratio": m["update_ratio_judged"], "act_p99_ratio": m["act_p99_ratio"],
                     "act_p99_ms": {"serve": m["act_p99_ms_serve"], "both": m["act_p99_ms_both"]},
                     "met": m["meets_targets"]}
@@ -114,7 +128,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--peak-actors", type=int, default=8, help="closed-loop actors for the share of peak")
     ap.add_argument("--actors", type=int, default=8, help="actors while training")
-    ap.add_argument("--period", default="0.5,0", help="train_serve's actor loads (s between requests)")
+    ap.add_argument("--period", default="0.5,sim",
+                    help="train_serve's actor loads: s between requests, or sim (closed-loop simulated actors)")
+    ap.add_argument("--env", default="libero_spatial", help="the simulated actors' env (train_serve --env)")
+    ap.add_argument("--env-set", action="append", default=None, metavar="KEY=VALUE",
+                    help="its config entries (train_serve --env-set; default: gl=egl task_id=all)")
     ap.add_argument("--streams", default="priority,window")
     ap.add_argument("--seconds", type=float, default=10.0, help="per phase / actor level")
     ap.add_argument("--repeats", type=int, default=2)

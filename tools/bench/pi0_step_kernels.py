@@ -1,6 +1,8 @@
 """The step layers' Triton kernels alone against what they replace, at PI0's expert shapes.
 
     python -m tools.bench.pi0_step_kernels [--batches 1,8] [--sweep] [--json out.json]
+    python -m tools.bench.pi0_step_kernels --tiles-from out.json   # the sweep's winners, as
+                                                                   # TANDEM_PI0_STEP_TILES JSON
 
 For each kernel of :mod:`agents.policies.pi0.fast_step_kernels` (``qkv``: RMS norm + q/k/v +
 rotary, k and v written into the step buffers; ``gate_up``: RMS norm + gate/up + gelu x up;
@@ -114,8 +116,7 @@ def cases(batch: int) -> dict:
             "gate_up": lambda: kernels.gate_up(x, w_gu, EPS),
             "o_residual": lambda: kernels.linear_residual(attn, w_o, x),
             "down_residual": lambda: kernels.linear_residual(act, w_d, x)}
-    tile_of = {"qkv": "qkv", "gate_up": "gate_up", "o_residual": "residual", "down_residual": "residual"}
-    return {n: (comp[n], kern[n], nbytes[n].numel() * 2, tile_of[n]) for n in kern}
+    return {n: (comp[n], kern[n], nbytes[n].numel() * 2, TILE_OF[n]) for n in kern}
 
 
 def sweep_grid(batch: int) -> list[tuple[int, int, int, int, int]]:
@@ -146,6 +147,39 @@ def sweep(kern, tile: str, batch: int, row: dict) -> None:
     row["sweep_best"] = [[us, list(t)] for us, t in timed[:5]]
 
 
+#: the tile key each kernel's sweep tunes (``o_residual`` and ``down_residual`` share one)
+TILE_OF = {"qkv": "qkv", "gate_up": "gate_up", "o_residual": "residual", "down_residual": "residual"}
+
+
+def best_tiles(res: dict) -> dict[str, list[int]]:
+    """The sweep's winners in ``TANDEM_PI0_STEP_TILES`` form: per tile key (``<kernel>`` at
+    batch 1, ``<kernel>@batch`` beyond), the fastest tile that beat the kernel's default time;
+    for the two residual kernels, the tile with the least time summed over both among those
+    both timed (else the down projection's, the larger). Keys whose default won are left out."""
+    from agents.policies.pi0 import fast_step_kernels as kernels
+
+    out: dict[str, list[int]] = {}
+    for b, rows in res.get("batches", {}).items():
+        suffix = "" if int(b) * SUFFIX <= kernels.ONE_OBSERVATION_ROWS else "@batch"
+        by_key: dict[str, list[tuple[str, dict]]] = {}
+        for name, row in rows.items():
+            if row.get("sweep_best"):
+                by_key.setdefault(TILE_OF[name] + suffix, []).append((name, row))
+        for key, named in by_key.items():
+            times = [{tuple(t): us for us, t in row["sweep_best"]} for _, row in named]
+            common = set.intersection(*(set(t) for t in times))
+            if len(named) > 1 and common:
+                tile = min(common, key=lambda t: sum(tt[t] for tt in times))
+                won = sum(tt[tile] for tt in times) < sum(row["kernel_us"] for _, row in named)
+            else:
+                name, row = max(named, key=lambda nr: nr[1]["weights_read_us"])
+                us, tile = min((us, tuple(t)) for us, t in row["sweep_best"])
+                won = us < row["kernel_us"]
+            if won:
+                out[key] = list(tile)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from agents.policies.pi0 import fast_step_kernels as kernels
 
@@ -153,7 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--sweep", action="store_true", help="time each kernel over a grid of tiles")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--tiles-from", metavar="JSON",
+                    help="print the winners of a --sweep run's JSON as TANDEM_PI0_STEP_TILES (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.tiles_from:
+        with open(args.tiles_from) as f:
+            print(json.dumps(best_tiles(json.load(f))))
+        return 0
     if not torch.cuda.is_available():
         print("pi0_step_kernels: needs a GPU", file=sys.stderr)
         return 2

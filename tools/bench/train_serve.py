@@ -15,7 +15,13 @@ serving stream in ``--streams``, in a rotated order):
 - ``train``: training alone: updates/s and the step's p50 / p99;
 - ``both``: the two at once.
 
-Per policy, actor load (``--period``: one or several, each its ``by_period`` entry) and stream,
+Actor loads (``--period``): ``0``, a closed loop around a simulator that takes no time (each
+actor asks again the moment its reply comes: serving can fill the whole device); ``0.5``, one
+chunk every 0.5 s (a robot's rate); ``sim``, closed-loop simulated actors: each actor steps its
+own ``--env`` (LIBERO on the GPU box) on the policy's chunks, ``--execute`` actions of each, and
+asks again only then, so the load is what that simulator on those cores makes of it.
+
+Per policy, actor load (each its ``by_period`` entry) and stream,
 the medians over the repeats give
 ``update_ratio`` = updates/s (both) / updates/s (train) and ``step_ratio`` = step p50 (train) /
 step p50 (both) (target: the smaller >= 0.8), and
@@ -56,6 +62,7 @@ from tools.bench.common import LoopbackLearner, bench_spec, emit_json, gpu_state
 from tools.bench.policy import build
 from tools.bench.policy_actors import HASH, TASK, run_actors
 from tools.bench.procstat import cpu_delta, thread_cpu
+from tools.bench.train_serve_loads import SIM, env_config, execute_for, load_key, parse_loads
 
 PHASES = ("serve", "train", "both")
 
@@ -195,7 +202,7 @@ def stream_overlap(trace: dict) -> dict:
 
 
 def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, sync, reset_peak,
-           trace_to=None) -> dict:
+           trace_to=None, execute: int = 0) -> dict:
     import torch
 
     reset_peak()
@@ -215,7 +222,8 @@ def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, s
         def actors():
             try:
                 box["r"] = run_actors(args.actors, learner.port, args.seconds, spec.state_dim, cams, counters,
-                                      period=period, started=started)
+                                      period=0.0 if period == SIM else period, started=started,
+                                      env=args.env_cfg if period == SIM else None, execute=execute)
             finally:
                 go.set()
                 done.set()
@@ -237,6 +245,8 @@ def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, s
         r = box["r"]
         res["act"] = {"p50_ms": r["lat_p50_ms"], "p99_ms": r["lat_p99_ms"], "chunks_per_s": r["chunks_per_s"],
                       "mean_batch": r["mean_batch"], "p90_ms": r["lat_p90_ms"], "max_ms": r["lat_max_ms"]}
+        if "sim" in r:
+            res["act"]["sim"] = r["sim"]
         # the server's side of the same acts: each forward from its batch's start to its actions
         # on the host (what is left of an act's time was spent before its batch started)
         fw = [(n, ms) for t, n, ms in list(learner.inference.recent) if t >= box["t_go"]]
@@ -286,6 +296,8 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
                           update=update_for(name, args.update), minibatch=args.grpo_minibatch)
         out["update"] = trainer.update
         trainer.run_until(seconds=min(5.0, args.seconds))  # warm-up: allocator, kernels
+        execute = execute_for(name, serving, args.execute)
+        out["execute"] = execute
         for period in args.periods:
             for rep in range(args.repeats):
                 for i, mode in enumerate(args.streams):
@@ -296,17 +308,17 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
                     for kind in order + (("both_traced",) if args.trace and last else ()):
                         trace_to = None
                         if kind == "both_traced":
-                            trace_to = Path(args.trace) / f"{name}_{mode}_a{args.actors}_p{period:g}.json"
+                            trace_to = Path(args.trace) / f"{name}_{mode}_a{args.actors}_p{load_key(period)}.json"
                             trace_to.parent.mkdir(parents=True, exist_ok=True)
                         r = _phase("both" if trace_to else kind, learner=ll, trainer=trainer, args=args,
-                                   period=period, spec=spec, cams=cams,
+                                   period=period, spec=spec, cams=cams, execute=execute,
                                    counters=lambda inf=ll.inference: (inf.batches, inf.served), sync=sync,
                                    reset_peak=reset_peak, trace_to=trace_to)
                         r.update(repeat=rep, stream=mode, phase=kind, period_s=period)
                         if windows[mode] is not None:  # cumulative over the mode's phases so far
                             r["window"] = windows[mode].stats()
                         out["runs"].append(r)
-                        print(f"  {name} period {period:g} rep {rep} {mode:8s} {kind:5s} " + _line(r),
+                        print(f"  {name} period {load_key(period)} rep {rep} {mode:8s} {kind:5s} " + _line(r),
                               file=sys.stderr, flush=True)
                     for h in hooks:
                         h.remove()
@@ -314,7 +326,7 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
         for ll in learners.values():
             ll.close()
     for period in args.periods:
-        out["by_period"][f"{period:g}"] = {mode: summarize([r for r in out["runs"]
+        out["by_period"][load_key(period)] = {mode: summarize([r for r in out["runs"]
                                                             if r["stream"] == mode and r["period_s"] == period])
                                            for mode in args.streams}
     return out
@@ -372,6 +384,9 @@ def _line(r: dict) -> str:
         a = r["act"]
         parts.append(f"act p50 {a['p50_ms']:.1f} p99 {a['p99_ms']:.1f} max {a['max_ms']:.1f} ms, "
                      f"{a['chunks_per_s']:.1f} chunks/s, batch {a['mean_batch']:.2f}")
+        if "sim" in a:
+            parts.append(f"{a['sim']['env_steps_per_s']:.0f} env steps/s, {a['sim']['sim_s_per_chunk'] * 1000:.0f} ms "
+                         "simulated per chunk")
         if "server" in a:
             parts.append(f"forward p50 {a['server']['forward_p50_ms']:.1f} p99 {a['server']['forward_p99_ms']:.1f} ms")
     parts.append(f"probe wait p99 {r['gil_wait_ms']['p99']:.2f} ms")
@@ -389,8 +404,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--actors", type=int, default=8)
     ap.add_argument("--period", default="0",
-                    help="s between one actor's requests (0: closed loop; 0.5: a robot's chunk rate); "
+                    help="s between one actor's requests (0: closed loop, no simulator; 0.5: a robot's chunk "
+                         "rate) or 'sim' (closed-loop simulated actors, each stepping its own --env); "
                          "several, comma-separated, run one after another on the same built policies")
+    ap.add_argument("--env", default=None,
+                    help="the simulated actors' env (registry name, e.g. libero_spatial); the policies are "
+                         "built for its layout (cameras, state, action)")
+    ap.add_argument("--env-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="env config entries for --env (repeat), e.g. gl=egl task_id=all")
+    ap.add_argument("--execute", type=int, default=0,
+                    help="actions of each chunk a simulated actor runs before asking again (0: PI0 5, others "
+                         "the whole chunk)")
     ap.add_argument("--seconds", type=float, default=20.0, help="per phase")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", default="priority,shared",
@@ -414,12 +438,20 @@ def main(argv=None) -> dict:
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.streams = [s for s in args.streams.split(",") if s]
-    args.periods = [float(p) for p in str(args.period).split(",") if p]
+    args.periods = parse_loads(args.period)
+    args.env_cfg = env_config(args)
+    if SIM in args.periods and args.env_cfg is None:
+        raise SystemExit("--period sim: closed-loop simulated actors need --env (e.g. --env libero_spatial)")
     if args.tiny and args.device == "cpu":
         torch.set_num_threads(1)
-    spec = bench_spec(8, 7, ["image", "wrist_image"], args.image_size, has_task=True)
+    if args.env_cfg is not None:
+        from envs.registry import env_spec
+
+        spec = env_spec(args.env_cfg)
+    else:
+        spec = bench_spec(8, 7, ["image", "wrist_image"], args.image_size, has_task=True)
     out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-           "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "periods_s": args.periods,
+           "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "periods_s": args.periods, "env": args.env_cfg,
            "seconds": args.seconds, "repeats": args.repeats, "train_batch": args.train_batch, "update": args.update,
            "grpo_minibatch": args.grpo_minibatch,
            "publish_every": args.publish_every, "gpu_before": gpu_state(), "policies": {}}
