@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tools.bench.train_serve import GilProbe, main, stream_overlap
-from tools.bench.train_serve_loads import env_config, execute_for, load_key, parse_loads
+from tools.bench.train_serve_loads import env_config, execute_for, key_values, load_key, parse_loads
 
 
 def _kernel(stream, ts_us, dur_us):
@@ -136,6 +136,8 @@ def test_simulated_actors_run_pi0_s_replanning_and_the_env_config_takes_yaml_val
     Args.env_set = ["gl"]
     with pytest.raises(SystemExit, match="'gl': expected key=value"):
         env_config(Args)
+    assert key_values(["fast_llm_fp8=true", "fast_compile=auto"], "--serving-set") == {"fast_llm_fp8": True,
+                                                                                        "fast_compile": "auto"}
 
 
 def test_closed_loop_simulated_actors_step_their_own_env_between_requests(tmp_path):

@@ -21,9 +21,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agents.policies.pi0.fast_levers import (AMAX_EPS, E4M3, E4M3_MAX, Fp8Linear, check_fp8, dequantize,
-                                             effective_weight, fp8_unavailable, quantize_rows,
-                                             resolve_expert_fp8, resolve_vision_dtype)
+from agents.policies.fp8 import (AMAX_EPS, E4M3, E4M3_MAX, Fp8Linear, check_fp8, dequantize, fp8_unavailable,
+                                 quantize_rows)
+from agents.policies.pi0.fast_levers import resolve_expert_fp8, resolve_vision_dtype
+from agents.policies.vla_common import effective_weight
 from agents.policies.pi0.policy import Pi0PolicyConfig
 from test_pi0_fast import CHUNK, SPEC, both, make, obs
 from tools.make_tiny_checkpoints import TINY_PI0_ARCH, make_pi0

@@ -15,23 +15,27 @@
 # `eval "$(launch/gpu_box.sh env)"` gives the paths; `start` does that itself.
 #
 # Stages (limit in s):
-#   tests    (600)  the GPU tests of PI0's fast paths: step layers, fused projections, fast, levers
+#   tests    (720)  the GPU tests of the fast paths: PI0's step layers, fused projections, levers; OFT's, FP8
 #   kernels  (480)  tools.bench.pi0_step_kernels --sweep at batch 1 and 8
 #   tiles    (30)   the sweep's winners as TANDEM_PI0_STEP_TILES for the stages after it
 #   levers   (900)  tools.bench.pi0_fast, PI0: default against the step layers, cuDNN prefix, fused SigLIP
 #   one_gpu  (1500) tools.bench.one_gpu: batch-1 act, share of peak, training while serving (a
 #                   robot's rate; closed-loop LIBERO actors), start-up cold / with artefacts / warm
+#   oft_fp8  (900)  tools.bench.oft_fast, the discrete OFT served in bf16 and with FP8 Llama linears:
+#                   batch-1 act, share of peak by batch and at 8 actors, in one run
+#   oft_fp8_serve (900) tools.bench.train_serve, that OFT's GRPO while serving 8 actors at a robot's
+#                   rate with FP8 serving and the window (bf16's figures: the one_gpu stage)
 #   pi05     (600)  tools.bench.pi0_fast, PI0.5: default against the step layers
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${TANDEM_PY:-python3}"
-ALL_STAGES="tests kernels tiles levers one_gpu pi05"
+ALL_STAGES="tests kernels tiles levers one_gpu oft_fp8 oft_fp8_serve pi05"
 
 limit_of() {
   case "$1" in
-    tests) echo 600 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 900 ;;
-    one_gpu) echo 1500 ;; pi05) echo 600 ;; *) return 1 ;;
+    tests) echo 720 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 900 ;;
+    one_gpu) echo 1500 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; pi05) echo 600 ;; *) return 1 ;;
   esac
 }
 
@@ -39,13 +43,18 @@ command_of() {  # the stage's command line, one word per line
   local out="$1" stage="$2"
   case "$stage" in
     tests) printf '%s\n' "$PY" -m pytest -o addopts= -q -p no:cacheprovider \
-      tests/test_pi0_step_layers.py tests/test_pi0_fused.py tests/test_pi0_fast.py tests/test_pi0_levers.py ;;
+      tests/test_pi0_step_layers.py tests/test_pi0_fused.py tests/test_pi0_fast.py tests/test_pi0_levers.py \
+      tests/test_oft_fp8.py tests/test_oft_fast.py ;;
     kernels) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --batches 1,8 --sweep --json "$out/kernels.json" ;;
     tiles) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --tiles-from "$out/kernels.json" ;;
     levers) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi0 --no-baseline --peak --profile \
       --levers default,default_step_layers,default_step_layers_b1,default_step_kv_cudnn_prefix,default_fuse_vision \
       --deadline-s 840 --json "$out/levers.json" ;;
     one_gpu) printf '%s\n' "$PY" -m tools.bench.one_gpu --repeats 1 --json "$out/one_gpu.json" ;;
+    oft_fp8) printf '%s\n' "$PY" -m tools.bench.oft_fast --heads discrete --levers default,fp8 --actors 8 \
+      --json "$out/oft_fp8.json" ;;
+    oft_fp8_serve) printf '%s\n' "$PY" -m tools.bench.train_serve --policies openvla_oft_discrete --actors 8 \
+      --period 0.5 --seconds 10 --repeats 1 --streams window --serving-set fast_llm_fp8=true --json "$out/oft_fp8_serve.json" ;;
     pi05) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi05 --no-baseline \
       --levers default,default_step_layers --deadline-s 560 --json "$out/pi05.json" ;;
     *) echo "gpu_plan: unknown stage '$stage' (stages: $ALL_STAGES)" >&2; return 2 ;;

@@ -20,7 +20,11 @@ Figures, per head (``l1``, ``discrete``):
 - the fast path compiles the LM layers by default on a GPU (``policy.fast_compile=auto``);
   ``--no-compile``: graphs alone; ``--compile``: also a second, freshly compiled instance
   (``compiled_act_ms``); ``--sdpa cudnn,efficient``: the decoder's SDPA backend order;
-- with ``--profile``: the top CUDA kernels of 5 fast batch-1 calls (where the time goes).
+- with ``--profile``: the top CUDA kernels of 5 fast batch-1 calls (where the time goes);
+- ``--levers default,fp8``: each head once per lever, built anew, in the same run: ``fp8`` serves
+  with the Llama layers' linears in FP8 (``policy.fast_llm_fp8=true``; ``emulate`` with
+  ``--tiny``), its results under ``heads["<head>+fp8"]`` (its ``max_abs_diff`` is then against the
+  bf16 eager path: the quantization's effect; its MFU still divides by the bf16 peak).
 
 Every section is guarded: an error is recorded under ``errors`` and the JSON is written anyway.
 
@@ -50,6 +54,14 @@ def _timed(fn, sync, iters: int, max_iters: int, max_s: float, warmup: int = 3) 
     return out
 
 
+#: --levers: name -> policy settings (``emulate`` stands for FP8's ``true`` with --tiny on the CPU)
+LEVERS = {"default": {}, "fp8": {"fast_llm_fp8": True}}
+
+
+def lever_overrides(lever: str, tiny: bool) -> dict:
+    return {k: ("emulate" if tiny and v is True and k.endswith("fp8") else v) for k, v in LEVERS[lever].items()}
+
+
 def build(head: str, args, tmp: Path, spec):
     from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
     from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicy, OpenVLAOFTDiscretePolicyConfig
@@ -63,12 +75,13 @@ def build(head: str, args, tmp: Path, spec):
         if not ck.exists():
             make_openvla_oft(ck, spec)
         cfg = cfg_cls(checkpoint=str(ck), device=args.device, lora_rank=4, fast_serving=mode,
-                      fast_compile=not args.no_compile and "auto")
+                      fast_compile=not args.no_compile and "auto", **getattr(args, "overrides", {}))
     else:
         tok = tmp / "oft_tok"
         if not tok.exists():
             build_tokenizer(tok, kind="llama", vocab_size=2000)
-        cfg = cfg_cls(tokenizer=str(tok), device=args.device, fast_serving=mode, fast_compile=not args.no_compile and "auto")
+        cfg = cfg_cls(tokenizer=str(tok), device=args.device, fast_serving=mode, fast_compile=not args.no_compile and "auto",
+                      **getattr(args, "overrides", {}))
     return cls(cfg, spec).eval()
 
 
@@ -243,8 +256,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--sdpa", default=None, help="SDPA backend order for the decoder, e.g. cudnn,efficient")
     ap.add_argument("--no-compile", action="store_true", help="the default graphs without torch.compile")
     ap.add_argument("--profile", action="store_true", help="top CUDA kernels of 5 fast batch-1 calls")
+    ap.add_argument("--levers", default="default", help=f"comma list of {', '.join(LEVERS)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    levers = [x for x in args.levers.split(",") if x]
+    for lever in levers:
+        if lever not in LEVERS:
+            raise SystemExit(f"--levers: unknown lever {lever!r}; one of {', '.join(LEVERS)}")
     import torch
 
     from agents.policies.openvla_oft import fast as oft_fast
@@ -274,15 +292,17 @@ def main(argv=None) -> dict:
             out["errors"].append(f"peak matmul: {type(exc).__name__}: {exc}")
         peak = out.get("peak_matmul", {}).get("tflops")
         with tempfile.TemporaryDirectory() as tmp:
-            for head in args.heads.split(","):
-                print(f"== {head} ({'tiny' if args.tiny else 'full size'}, {out['device']})", flush=True)
+            for head, lever in [(h, lv) for h in args.heads.split(",") for lv in levers]:
+                name = head if lever == "default" else f"{head}+{lever}"
+                args.overrides = lever_overrides(lever, args.tiny)
+                print(f"== {name} ({'tiny' if args.tiny else 'full size'}, {out['device']})", flush=True)
                 try:
                     r = bench_head(head, args, Path(tmp), spec, peak, out["errors"])
                 except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the model
-                    out["errors"].append(f"{head}: {type(exc).__name__}: {exc}"[:2000])
+                    out["errors"].append(f"{name}: {type(exc).__name__}: {exc}"[:2000])
                     traceback.print_exc()
                     continue
-                out["heads"][head] = r
+                out["heads"][name] = r
                 print(summary(r), flush=True)
     finally:
         if args.json:

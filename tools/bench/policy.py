@@ -57,9 +57,10 @@ from tools.bench.common import (CI_REL_TARGET, LoopbackLearner, bench_spec, ci_w
 from tools.bench.policy_actors import HASH, TASK, client_main, run_actors
 
 
-def build(name: str, tiny: bool, device: str, tmp: Path, spec):
+def build(name: str, tiny: bool, device: str, tmp: Path, spec, overrides: dict | None = None):
     """(policy, config) for ``name`` (pi0, pi05, openvla_oft, openvla_oft_discrete) at full size
-    (random weights) or tiny (test checkpoint)."""
+    (random weights) or tiny (test checkpoint); ``overrides``: config fields set on top."""
+    kw = dict(overrides or {})
     from agents.policies.openvla_oft.policy import OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
     from agents.policies.pi0.policy import Pi0Policy, Pi0PolicyConfig, Pi05Policy, Pi05PolicyConfig
     from tools.make_tiny_checkpoints import build_tokenizer, make_openvla_oft, make_pi0
@@ -68,9 +69,9 @@ def build(name: str, tiny: bool, device: str, tmp: Path, spec):
         cls, cfg_cls = (Pi0Policy, Pi0PolicyConfig) if name == "pi0" else (Pi05Policy, Pi05PolicyConfig)
         if tiny:
             ck = make_pi0(tmp / name, spec, variant=name, chunk_size=8)
-            cfg = cfg_cls(checkpoint=str(ck), chunk_size=8, device=device, lora_rank=4)
+            cfg = cfg_cls(checkpoint=str(ck), chunk_size=8, device=device, lora_rank=4, **kw)
         else:
-            cfg = cfg_cls(tokenizer=str(build_tokenizer(tmp / f"{name}_tok", kind="gemma")), device=device)
+            cfg = cfg_cls(tokenizer=str(build_tokenizer(tmp / f"{name}_tok", kind="gemma")), device=device, **kw)
         return cls(cfg, spec), cfg
     if name == "openvla_oft_discrete":  # GRPO's OFT: the discrete action-token head
         from agents.policies.openvla_oft.discrete import OpenVLAOFTDiscretePolicy as cls
@@ -78,9 +79,9 @@ def build(name: str, tiny: bool, device: str, tmp: Path, spec):
     else:
         cls, cfg_cls = OpenVLAOFTPolicy, OpenVLAOFTPolicyConfig
     if tiny:
-        cfg = cfg_cls(checkpoint=str(make_openvla_oft(tmp / "oft", spec)), device=device, lora_rank=4)
+        cfg = cfg_cls(checkpoint=str(make_openvla_oft(tmp / "oft", spec)), device=device, lora_rank=4, **kw)
     else:
-        cfg = cfg_cls(tokenizer=str(build_tokenizer(tmp / "oft_tok", kind="llama", vocab_size=2000)), device=device)
+        cfg = cfg_cls(tokenizer=str(build_tokenizer(tmp / "oft_tok", kind="llama", vocab_size=2000)), device=device, **kw)
     return cls(cfg, spec), cfg
 
 

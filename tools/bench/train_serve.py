@@ -62,7 +62,7 @@ from tools.bench.common import LoopbackLearner, bench_spec, emit_json, gpu_state
 from tools.bench.policy import build
 from tools.bench.policy_actors import HASH, TASK, run_actors
 from tools.bench.procstat import cpu_delta, thread_cpu
-from tools.bench.train_serve_loads import SIM, env_config, execute_for, load_key, parse_loads
+from tools.bench.train_serve_loads import SIM, env_config, execute_for, key_values, load_key, parse_loads
 
 PHASES = ("serve", "train", "both")
 
@@ -273,7 +273,7 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     reset_peak = torch.cuda.reset_peak_memory_stats if cuda else (lambda: None)
-    serving, _ = build(name, args.tiny, args.device, tmp / "serve", spec)
+    serving, _ = build(name, args.tiny, args.device, tmp / "serve", spec, overrides=args.serving_cfg)
     training, _ = build(name, args.tiny, args.device, tmp / "train", spec)
     serving.eval()
     learners, pubs, windows = {}, {}, {}
@@ -420,6 +420,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--streams", default="priority,shared",
                     help="inference.cuda_stream settings to compare, and 'window' or 'window:LEAD': priority "
                          "plus a serving window (learner/serving_window.py) hooked to the trained copy")
+    ap.add_argument("--serving-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="policy settings of the serving copy only (repeat; YAML values), e.g. fast_llm_fp8=true")
     ap.add_argument("--train-batch", type=int, default=16)
     ap.add_argument("--update", default="auto", choices=("auto", *UPDATES),
                     help="bc: a bc_loss step (rejection sampling's update); grpo: a GRPOAgent update round; "
@@ -440,6 +442,7 @@ def main(argv=None) -> dict:
     args.streams = [s for s in args.streams.split(",") if s]
     args.periods = parse_loads(args.period)
     args.env_cfg = env_config(args)
+    args.serving_cfg = key_values(args.serving_set, "--serving-set")
     if SIM in args.periods and args.env_cfg is None:
         raise SystemExit("--period sim: closed-loop simulated actors need --env (e.g. --env libero_spatial)")
     if args.tiny and args.device == "cpu":
@@ -452,6 +455,7 @@ def main(argv=None) -> dict:
         spec = bench_spec(8, 7, ["image", "wrist_image"], args.image_size, has_task=True)
     out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "periods_s": args.periods, "env": args.env_cfg,
+           "serving_overrides": args.serving_cfg,
            "seconds": args.seconds, "repeats": args.repeats, "train_batch": args.train_batch, "update": args.update,
            "grpo_minibatch": args.grpo_minibatch,
            "publish_every": args.publish_every, "gpu_before": gpu_state(), "policies": {}}

@@ -41,12 +41,17 @@ def env_config(args) -> dict | None:
     ``--env-set key=value`` (YAML values)."""
     if not args.env:
         return None
+    return {"name": args.env, "image_size": args.image_size, **key_values(args.env_set, "--env-set")}
+
+
+def key_values(items: list[str], flag: str) -> dict:
+    """``key=value`` entries (YAML values) as a dict; ``flag`` names them in errors."""
     import yaml
 
-    cfg: dict = {"name": args.env, "image_size": args.image_size}
-    for kv in args.env_set:
+    out: dict = {}
+    for kv in items:
         key, eq, value = kv.partition("=")
         if not eq or not key:
-            raise SystemExit(f"--env-set {kv!r}: expected key=value")
-        cfg[key] = yaml.safe_load(value)
-    return cfg
+            raise SystemExit(f"{flag} {kv!r}: expected key=value")
+        out[key] = yaml.safe_load(value)
+    return out

@@ -31,6 +31,13 @@ With ``policy.fast_compile`` (``auto``: on a GPU) the LM layer stack runs throug
 prompt length. What each path costs: docs/benchmarks.md, "VLA serving".
 ``OpenVLAOFTPolicy.warm_up`` compiles and captures ``fast_warmup_buckets`` before serving.
 
+With ``policy.fast_llm_fp8`` (off by default) each decoder layer's seven linear layers (q/k/v/o,
+gate, up, down) run in FP8 e4m3 inside the call (:mod:`agents.policies.fp8`: per-channel weight
+scales, per-row activation scales, ``torch._scaled_mm``), re-quantized in place when the weights
+change (a fold, new adapters): at a served batch of 8 the act is bound by these GEMMs'
+arithmetic, which FP8 runs at up to twice bf16's rate on Hopper. The actions then differ from the
+bf16 path's by the quantization; the trained copy stays bf16.
+
 The result equals the policy's eager ``act`` on the same inputs: to float32 round-off on a CPU
 (tests/test_oft_fast.py), within bf16 tolerance on a GPU (the GPU tests there).
 """
@@ -47,6 +54,8 @@ from agents.base import ActionChunk, Batch
 from agents.policies import fast_common
 from agents.policies.fast_common import (compile_mode, compiled_graphs, gpu_kernels, mark_dynamic, prepare_compile,
                                          resolve_compile, static_shapes_only)
+from agents.policies.fp8 import Fp8Layers, resolve_fp8
+from agents.policies.stand_ins import nested
 
 log = logging.getLogger("tandem.policies.oft_fast")
 
@@ -98,6 +107,11 @@ class FastOFT:
         # "dynamic" with the batch (>= 2) and token length symbolic, "static" one per shape
         self.compile = mode = compile_mode(compile, "FastOFT")
         self._layers_fn = self._layers
+        #: the Llama layers' FP8 stand-ins (policy.fast_llm_fp8), or None
+        fp8 = resolve_fp8(getattr(policy.cfg, "fast_llm_fp8", False), "policy.fast_llm_fp8")
+        lm = policy.model.language_model.model
+        self.fp8 = (Fp8Layers(lm.layers[: lm.config.num_hidden_layers], fp8, what="OFT fast path FP8 language model",
+                              setting="policy.fast_llm_fp8") if fp8 else None)
         if mode:
             prepare_compile()
             self._layers_fn = torch.compile(self._layers, dynamic=None if mode == "dynamic" else False)
@@ -133,7 +147,8 @@ class FastOFT:
         if self.compile == "dynamic":
             mark_dynamic((0, 1), x, pos)
             mark_dynamic((0, 2, 3), mask)
-        h = self._layers_fn(x, mask, pos)
+        with nested(self.fp8.swapped() if self.fp8 is not None else None):
+            h = self._layers_fn(x, mask, pos)
         # the K action positions: the first True of amask (ids coordinates) + n patch tokens
         start = amask.to(torch.int32).argmax(dim=1) + n
         idx = start[:, None] + torch.arange(p.k, device=x.device)[None]
@@ -191,6 +206,8 @@ class FastOFT:
         """The head's outputs (:meth:`compute`) for prepared inputs (``policy.model_inputs``);
         ``gumbel`` None: the greedy tokens (discrete head)."""
         self._serving_weights()
+        if self.fp8 is not None:  # re-quantize what a fold or new weights changed (in place)
+            self.fp8.sync()
         x = self._prepare(inputs, gumbel)
         b = x["ids"].shape[0]
         cuda = x["ids"].is_cuda

@@ -43,6 +43,7 @@ from torch import nn
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
 from agents.policies.fast_common import resolve_compile, warm_up
+from agents.policies.fp8 import check_fp8, resolve_fp8
 from agents.policies.openvla_oft.prismatic import (DEFAULT_TIMM_IDS, L1RegressionActionHead, OpenVLA, PrismaticConfig,
                                        ProprioProjector)
 from data.core.schema import OBS_IMAGE_PREFIX, OBS_STATE
@@ -111,6 +112,10 @@ class OpenVLAOFTPolicyConfig:
     fast_compile: Any = "auto"
     #: batch sizes whose graphs ``warm_up`` compiles and captures before serving (others: lazily)
     fast_warmup_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    #: the fast path's Llama linear layers in FP8 e4m3: false | true (torch._scaled_mm, sm_89+; refused
+    #: at build elsewhere) | emulate (the same quantization through float32 matmuls: checks)
+    #: (agents/policies/fp8.py); serving only, training stays bf16
+    fast_llm_fp8: Any = False
     seed: int = 0
 
     def validate(self) -> None:
@@ -123,6 +128,7 @@ class OpenVLAOFTPolicyConfig:
         if self.fast_serving not in ("auto", "graphs", "eager", "off"):
             raise ValueError(f"policy.fast_serving must be auto, graphs, eager or off, got {self.fast_serving!r}")
         resolve_compile(self.fast_compile, False)  # raises on anything but auto / true / false
+        resolve_fp8(self.fast_llm_fp8, "policy.fast_llm_fp8")
 
 
 def _torch_load_local(path: Path) -> dict:
@@ -173,6 +179,8 @@ class OpenVLAOFTPolicy(nn.Module):
             raise ValueError(f"{self.who}: camera_order {cams} must list the env cameras {sorted(spec.cameras)} (>= 1)")
         self.cams = [OBS_IMAGE_PREFIX + c for c in cams]
         dev = vc.resolve_device(cfg.device)
+        if resolve_fp8(cfg.fast_llm_fp8, "policy.fast_llm_fp8") == "cuda":
+            check_fp8(dev, "policy.fast_llm_fp8")  # refused now, not at the first act
         dtype = vc.resolve_dtype(cfg.dtype, dev)
         ckpt = Path(cfg.checkpoint) if cfg.checkpoint else None
         pcfg = self._read_config(ckpt)

@@ -82,7 +82,7 @@ from agents.policies.pi0.fast_attention import (ATTN_NAME, CUDNN_NAME, FLEX_NAME
                                                 _register_attention)
 from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.fast_step_layers import StepLayers
-from agents.policies.pi0.stand_ins import nested
+from agents.policies.stand_ins import nested
 from agents.policies.pi0.fast_triton import TRITON_NAME, triton_step_attention
 from agents.policies.pi0.rtc import freeze, guide
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from agents.policies.pi0.stand_ins import Site, StandIns
+from agents.policies.stand_ins import Site, StandIns
 from agents.policies.vla_common import effective_weight
 
 log = logging.getLogger("tandem.policies.pi0_fast")

@@ -39,7 +39,7 @@ from torch import nn
 
 from agents.policies.pi0 import fast_step_kernels as kernels
 from agents.policies.pi0.fast_attention import ATTN_NAME, StepKV, stacked_heads
-from agents.policies.pi0.stand_ins import Site, StandIns
+from agents.policies.stand_ins import Site, StandIns
 from agents.policies.vla_common import effective_weight
 
 log = logging.getLogger("tandem.policies.pi0_fast")

@@ -1,4 +1,4 @@
-"""Stand-in modules swapped into lerobot's PI0 around the fast serving path's own calls (the FP8
+"""Stand-in modules swapped into a policy around its fast serving path's own calls (PI0's FP8
 expert's linears, the fused projections), with the weights they were built from kept current.
 
 A site is one place in the model: the module there now (``live()``), the one the stand-in was
