@@ -1,0 +1,32 @@
+"""tools/bench/aot_start.py and tools/bench/trace_cost.py: what start-up spends on the host
+(tracing, cache reads) against an ahead-of-time compiled function. Each runs several fresh
+processes that compile with inductor on the CPU: behind TANDEM_BENCH_TESTS=1 (~3 min)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+bench = pytest.mark.skipif(not os.environ.get("TANDEM_BENCH_TESTS"), reason="compiles in fresh processes (~3 min)")
+
+
+@bench
+def test_every_start_case_serves_the_same_layers_and_the_cache_cases_are_cheaper(tmp_path):
+    from tools.bench.aot_start import CASES, main
+
+    r = main(["--device", "cpu", "--depth", "2", "--repeats", "1", "--json", str(tmp_path / "a.json")])
+    assert [x["case"] for x in r["runs"]] == [c for c, _ in CASES]
+    assert all(x["max_diff"] < 1e-5 for x in r["runs"])     # loaded or compiled: the eager layers' result
+    t = r["first_call_s"]
+    assert t["warm"] < t["cold"] and t["aot_warm"] < t["aot_save"]
+
+
+@bench
+def test_trace_cost_times_both_graphs_cold_and_warm(tmp_path):
+    from tools.bench.trace_cost import main
+
+    r = main(["--depth", "2", "--vision-depth", "1", "--json", str(tmp_path / "t.json")])
+    cold, warm = r["cases"]["cold"], r["cases"]["warm"]
+    assert cold["inductor"].get("fxgraph_cache_miss", 0) > 0 and warm["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert warm["first_b1_s"] < cold["first_b1_s"] and warm["again_b1_s"] < warm["first_b1_s"]
