@@ -47,7 +47,7 @@ command_of() {  # the stage's command line, one word per line
   case "$stage" in
     tests) printf '%s\n' "$PY" -m pytest -o addopts= -q -p no:cacheprovider \
       tests/test_pi0_step_layers.py tests/test_pi0_fused.py tests/test_pi0_fast.py tests/test_pi0_levers.py \
-      tests/test_oft_fp8.py tests/test_oft_fast.py ;;
+      tests/test_oft_fp8.py tests/test_oft_fast.py tests/test_oft_aot.py ;;
     kernels) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --batches 1,8 --sweep --json "$out/kernels.json" ;;
     tiles) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --tiles-from "$out/kernels.json" ;;
     levers) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi0 --no-baseline --peak --profile \

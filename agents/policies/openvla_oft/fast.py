@@ -28,7 +28,10 @@ Llama decoder layers, heads), so loaded checkpoints and LoRA folding apply uncha
 With ``policy.fast_compile`` (``auto``: on a GPU) the LM layer stack runs through
 ``torch.compile`` inside the graphs, the batch (>= 2) and the token length symbolic
 (:mod:`agents.policies.fast_common`): one compile for batch 1 and one for every other bucket and
-prompt length. What each path costs: docs/benchmarks.md, "VLA serving".
+prompt length. What each path costs: docs/benchmarks.md, "VLA serving". With ``policy.fast_aot_dir`` the
+compiled stack is compiled ahead of time instead (:mod:`agents.policies.fast_aot`), one function
+per batch-1-or-more, fold state and FP8 setting, saved in that folder and loaded by later starts
+without tracing (ship the folder with the checkpoint).
 ``OpenVLAOFTPolicy.warm_up`` compiles and captures ``fast_warmup_buckets`` before serving.
 
 With ``policy.fast_llm_fp8`` (off by default) each decoder layer's seven linear layers (q/k/v/o,
@@ -54,6 +57,7 @@ from agents.base import ActionChunk, Batch
 from agents.policies import fast_common
 from agents.policies.fast_common import (compile_mode, compiled_graphs, gpu_kernels, mark_dynamic, prepare_compile,
                                          resolve_compile, static_shapes_only)
+from agents.policies.fast_aot import AotFunctions
 from agents.policies.fp8 import Fp8Layers, resolve_fp8
 from agents.policies.stand_ins import nested
 
@@ -106,7 +110,8 @@ class FastOFT:
         # the LM layer stack through torch.compile (norms, rotary, SiLU, residuals fused):
         # "dynamic" with the batch (>= 2) and token length symbolic, "static" one per shape
         self.compile = mode = compile_mode(compile, "FastOFT")
-        self._layers_fn = self._layers
+        self._layers_fn = decoder_stack
+        self.aot = None  # the layer stack compiled ahead of time (policy.fast_aot_dir), or None
         #: the Llama layers' FP8 stand-ins (policy.fast_llm_fp8), or None
         fp8 = resolve_fp8(getattr(policy.cfg, "fast_llm_fp8", False), "policy.fast_llm_fp8")
         lm = policy.model.language_model.model
@@ -114,16 +119,13 @@ class FastOFT:
                               setting="policy.fast_llm_fp8") if fp8 else None)
         if mode:
             prepare_compile()
-            self._layers_fn = torch.compile(self._layers, dynamic=None if mode == "dynamic" else False)
+            self._layers_fn = torch.compile(decoder_stack, dynamic=None if mode == "dynamic" else False)
+            aot_dir = getattr(policy.cfg, "fast_aot_dir", None)
+            if aot_dir:
+                self.aot = AotFunctions(decoder_stack, aot_dir, "oft", lm.config.to_json_string(),
+                                        dynamic=mode == "dynamic")
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
-    def _layers(self, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        lm = self.p.model.language_model.model
-        pe = lm.rotary_emb(x, pos)
-        for layer in lm.layers[: lm.config.num_hidden_layers]:
-            x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
-        return lm.norm(x)
-
     def compute(self, pix, ids, valid, amask, state, gumbel) -> dict[str, torch.Tensor]:
         """The whole call on device tensors (no host sync, no tensor-dependent branch):
         ``pix`` [B, 6n, S, S], ``ids``/``valid``/``amask`` [B, L], ``state`` [B, S] normalised
@@ -148,7 +150,11 @@ class FastOFT:
             mark_dynamic((0, 1), x, pos)
             mark_dynamic((0, 2, 3), mask)
         with nested(self.fp8.swapped() if self.fp8 is not None else None):
-            h = self._layers_fn(x, mask, pos)
+            if self.aot is not None:  # what the graph depends on beyond the dynamic sizes
+                key = (b == 1, p.lora.folded, None if self.fp8 is None else self.fp8.mode, str(x.dtype))
+                h = self.aot(key, lm, x, mask, pos)
+            else:
+                h = self._layers_fn(lm, x, mask, pos)
         # the K action positions: the first True of amask (ids coordinates) + n patch tokens
         start = amask.to(torch.int32).argmax(dim=1) + n
         idx = start[:, None] + torch.arange(p.k, device=x.device)[None]
@@ -283,6 +289,16 @@ class FastOFT:
         if not self.discrete:
             return ActionChunk(out["actions"])
         return ActionChunk(out["actions"], out["logp"], {"action_tokens": out["cls"]})
+
+
+def decoder_stack(lm, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The language model's decoder layers and final norm over embeddings ``x`` [B, T, D] with an
+    additive ``mask`` [B, 1, T, T] and positions ``pos`` [1, T] (``lm``: the Llama model; it is an
+    argument so that an ahead-of-time compiled stack reads the weights of the model it is given)."""
+    pe = lm.rotary_emb(x, pos)
+    for layer in lm.layers[: lm.config.num_hidden_layers]:
+        x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+    return lm.norm(x)
 
 
 def _kernels(cuda: bool):

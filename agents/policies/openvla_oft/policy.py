@@ -116,6 +116,9 @@ class OpenVLAOFTPolicyConfig:
     #: at build elsewhere) | emulate (the same quantization through float32 matmuls: checks)
     #: (agents/policies/fp8.py); serving only, training stays bf16
     fast_llm_fp8: Any = False
+    #: a folder for the compiled layer stack as ahead-of-time functions (agents/policies/fast_aot.py):
+    #: loaded from it when there (no tracing at start-up), else compiled and saved; null: off
+    fast_aot_dir: str | None = None
     seed: int = 0
 
     def validate(self) -> None:
