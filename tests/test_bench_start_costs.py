@@ -30,3 +30,23 @@ def test_trace_cost_times_both_graphs_cold_and_warm(tmp_path):
     cold, warm = r["cases"]["cold"], r["cases"]["warm"]
     assert cold["inductor"].get("fxgraph_cache_miss", 0) > 0 and warm["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert warm["first_b1_s"] < cold["first_b1_s"] and warm["again_b1_s"] < warm["first_b1_s"]
+
+
+def test_cold_start_refuses_the_aot_cases_where_they_cannot_run():
+    from tools.bench.cold_start import main
+
+    with pytest.raises(SystemExit, match="pi0 has no ahead-of-time path"):
+        main(["--policy", "pi0", "--cases", "aot_cold,aot", "--tiny", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="aot_cold with aot"):
+        main(["--policy", "openvla_oft", "--cases", "cold,aot", "--tiny", "--device", "cpu"])
+
+
+@bench
+def test_cold_start_s_aot_cases_save_then_load_the_oft_stack(tmp_path):
+    from tools.bench.cold_start import main
+
+    r = main(["--policy", "openvla_oft_discrete", "--tiny", "--device", "cpu", "--cases", "aot_cold,aot",
+              "--max-batch", "2", "--json", str(tmp_path / "c.json")])
+    first, second = r["cases"]["aot_cold"], r["cases"]["aot"]
+    assert first["aot_files"] and second["aot_files"] == first["aot_files"]
+    assert second["first_act_ms"] > 0 and second["to_serving_s"] > 0

@@ -27,17 +27,19 @@
 #                   rate with FP8 serving and the window (bf16's figures: the one_gpu stage)
 #   aot_start (600) tools.bench.aot_start: start-up of a 32-layer stand-in compiled, from shipped
 #                   artefacts, and as an ahead-of-time compiled function
+#   oft_start (900) tools.bench.cold_start, the discrete OFT: cold, with shipped artefacts, and its layer
+#                   stack ahead of time (compiled, then loaded on an empty cache)
 #   pi05     (600)  tools.bench.pi0_fast, PI0.5: default against the step layers
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${TANDEM_PY:-python3}"
-ALL_STAGES="tests kernels tiles levers one_gpu oft_fp8 oft_fp8_serve aot_start pi05"
+ALL_STAGES="tests kernels tiles levers one_gpu oft_fp8 oft_fp8_serve aot_start oft_start pi05"
 
 limit_of() {
   case "$1" in
     tests) echo 720 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 900 ;;
-    one_gpu) echo 1500 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;;
+    one_gpu) echo 1500 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;; oft_start) echo 900 ;;
     pi05) echo 600 ;; *) return 1 ;;
   esac
 }
@@ -59,6 +61,8 @@ command_of() {  # the stage's command line, one word per line
     oft_fp8_serve) printf '%s\n' "$PY" -m tools.bench.train_serve --policies openvla_oft_discrete --actors 8 \
       --period 0.5 --seconds 10 --repeats 1 --streams window --serving-set fast_llm_fp8=true --json "$out/oft_fp8_serve.json" ;;
     aot_start) printf '%s\n' "$PY" -m tools.bench.aot_start --device cuda --repeats 1 --json "$out/aot_start.json" ;;
+    oft_start) printf '%s\n' "$PY" -m tools.bench.cold_start --policy openvla_oft_discrete \
+      --cases cold,artefacts,aot_cold,aot --json "$out/oft_start.json" ;;
     pi05) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi05 --no-baseline \
       --levers default,default_step_layers --deadline-s 560 --json "$out/pi05.json" ;;
     *) echo "gpu_plan: unknown stage '$stage' (stages: $ALL_STAGES)" >&2; return 2 ;;
