@@ -16,7 +16,9 @@ from the global RNG; the state is put back). Two ways (``inference.warmup``):
 
 With ``compile_artifacts`` (a folder: ``inference.compile_artifacts``) this GPU's and torch's
 portable compile artefacts are loaded before the first bucket and what the warm-up compiled is
-saved there after the last (:mod:`agents.policies.fast_common`). A policy whose ``warm_up``
+saved there after the last (:mod:`agents.policies.fast_common`); a policy with an ahead-of-time path
+(``cfg.fast_aot_dir``, OpenVLA-OFT) and no folder of its own set keeps its functions in
+``<folder>/aot`` (:mod:`agents.policies.fast_aot`), so shipping the one folder ships both. A policy whose ``warm_up``
 takes no ``batch_sizes`` or that lists no buckets is warmed all at once. A failed warm-up is
 logged and serving goes on (graphs are then built on first use).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import time
 
 import torch
@@ -33,6 +36,16 @@ import torch
 log = logging.getLogger(__name__)
 
 WARMUPS = ("all", "staged")
+
+
+def default_aot_dir(policy, folder: str) -> None:
+    """``policy.cfg.fast_aot_dir`` = ``<folder>/aot`` where the policy has that setting, none is set
+    and its fast path is not built yet (the module docstring)."""
+    cfg = getattr(policy, "cfg", None)
+    if cfg is None or not hasattr(cfg, "fast_aot_dir") or cfg.fast_aot_dir or "_fast" in vars(policy):
+        return
+    cfg.fast_aot_dir = os.path.join(os.path.expanduser(str(folder)), "aot")
+    log.info("ahead-of-time functions of the serving copy: %s", cfg.fast_aot_dir)
 
 
 class Warmup:
@@ -90,6 +103,7 @@ class Warmup:
         if self.compile_artifacts:
             from agents.policies.fast_common import load_compile_artifacts
             load_compile_artifacts(self.compile_artifacts, self.device)
+            default_aot_dir(self.policy, self.compile_artifacts)
         if self.todo:
             self.next()
         else:

@@ -191,3 +191,20 @@ def test_on_a_gpu_the_tiny_pi0_serves_after_bucket_1_and_warms_the_rest_on_the_s
         inf.join(10)
     assert len(replies) == 4 and 4 in inf.batch_sizes
     assert fast.captures == captures and compiled_graphs() == compiled
+
+
+def test_the_artefacts_folder_holds_the_ahead_of_time_functions_of_a_policy_that_has_them(tmp_path):
+    from test_oft_fast import SPEC, make
+    from tools.make_tiny_checkpoints import make_openvla_oft
+
+    ck = make_openvla_oft(tmp_path / "oft", SPEC, chunk_size=4)
+    folder = tmp_path / "ship"
+    oft = make(ck, "l1", device="cpu")
+    Warmup(oft, device=torch.device("cpu"), max_batch=2, compile_artifacts=str(folder)).start()
+    assert oft.cfg.fast_aot_dir == str(folder / "aot")
+    mine = make(ck, "l1", device="cpu", fast_aot_dir=str(tmp_path / "mine"))   # its own folder stays
+    Warmup(mine, device=torch.device("cpu"), max_batch=2, compile_artifacts=str(folder)).start()
+    assert mine.cfg.fast_aot_dir == str(tmp_path / "mine")
+    other = Bucketed()                                                       # no such setting: untouched
+    Warmup(other, device=torch.device("cpu"), max_batch=2, compile_artifacts=str(folder)).start()
+    assert not hasattr(other.cfg, "fast_aot_dir")
