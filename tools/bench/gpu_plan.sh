@@ -18,9 +18,11 @@
 #   tests    (720)  the GPU tests of the fast paths: PI0's step layers, fused projections, levers; OFT's, FP8
 #   kernels  (480)  tools.bench.pi0_step_kernels --sweep at batch 1 and 8
 #   tiles    (30)   the sweep's winners as TANDEM_PI0_STEP_TILES for the stages after it
-#   levers   (900)  tools.bench.pi0_fast, PI0: default against the step layers, cuDNN prefix, fused SigLIP
+#   levers   (660)  tools.bench.pi0_fast, PI0: default against the step layers, cuDNN prefix, fused SigLIP
 #   one_gpu  (1500) tools.bench.one_gpu: batch-1 act, share of peak, training while serving (a
 #                   robot's rate; closed-loop LIBERO actors), start-up cold / with artefacts / warm
+#   pi0_serve (900) tools.bench.train_serve, PI0 alone: closed-loop LIBERO actors and a robot's rate,
+#                   the window (one_gpu's train_serve part for one policy, when a hold is short)
 #   oft_fp8  (900)  tools.bench.oft_fast, the discrete OFT served in bf16 and with FP8 Llama linears:
 #                   batch-1 act, share of peak by batch and at 8 actors, in one run
 #   oft_fp8_serve (900) tools.bench.train_serve, that OFT's GRPO while serving 8 actors at a robot's
@@ -34,12 +36,12 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${TANDEM_PY:-python3}"
-ALL_STAGES="tests kernels tiles levers one_gpu oft_fp8 oft_fp8_serve aot_start oft_start pi05"
+ALL_STAGES="tests kernels tiles levers one_gpu pi0_serve oft_fp8 oft_fp8_serve aot_start oft_start pi05"
 
 limit_of() {
   case "$1" in
-    tests) echo 720 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 900 ;;
-    one_gpu) echo 1500 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;; oft_start) echo 900 ;;
+    tests) echo 720 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 660 ;;
+    one_gpu) echo 1500 ;; pi0_serve) echo 900 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;; oft_start) echo 900 ;;
     pi05) echo 600 ;; *) return 1 ;;
   esac
 }
@@ -54,8 +56,11 @@ command_of() {  # the stage's command line, one word per line
     tiles) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --tiles-from "$out/kernels.json" ;;
     levers) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi0 --no-baseline --peak --profile \
       --levers default,default_step_layers,default_step_layers_b1,default_step_kv_cudnn_prefix,default_fuse_vision \
-      --deadline-s 840 --json "$out/levers.json" ;;
+      --deadline-s 600 --json "$out/levers.json" ;;
     one_gpu) printf '%s\n' "$PY" -m tools.bench.one_gpu --repeats 1 --json "$out/one_gpu.json" ;;
+    pi0_serve) printf '%s\n' "$PY" -m tools.bench.train_serve --policies pi0 --actors 8 --period sim,0.5 \
+      --seconds 10 --repeats 1 --streams window --env libero_spatial --env-set gl=egl --env-set task_id=all \
+      --json "$out/pi0_serve.json" ;;
     oft_fp8) printf '%s\n' "$PY" -m tools.bench.oft_fast --heads discrete --levers default,fp8 --actors 8 \
       --json "$out/oft_fp8.json" ;;
     oft_fp8_serve) printf '%s\n' "$PY" -m tools.bench.train_serve --policies openvla_oft_discrete --actors 8 \
