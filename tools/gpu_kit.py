@@ -224,8 +224,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--assets", default=None, help="LIBERO assets tarball to include (e.g. "
                                                    "../shared/libero-assets-spatial.tar.xz)")
     ap.add_argument("--gl", action="store_true", help="include EGL/GL loader .debs (apt-get download)")
-    ap.add_argument("--part-mib", type=int, default=56, help="largest part (the upload limit is 64 MiB "
-                                                             "with the repo itself)")
+    ap.add_argument("--part-mib", type=int, default=50, help="largest part (the upload limit is 64 MiB "
+                                                             "with the repo itself, ~9 MB)")
     args = ap.parse_args(argv)
     manifest = build(Path(args.out), suite=args.suite, assets=Path(args.assets) if args.assets else None,
                      gl=args.gl, part_mib=args.part_mib)
