@@ -30,11 +30,9 @@ from typing import Any, Callable
 
 import torch
 
+from agents.policies.fast_common import device_name
+
 log = logging.getLogger("tandem.policies.aot")
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 class AotFunctions:

@@ -75,11 +75,15 @@ def prepare_compile(cache_dir: str | None = CACHE_DIR) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # noqa: SLF001
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name ("cpu" for any other device): what compiled artefacts are keyed by."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def compile_artifacts_file(folder: str | os.PathLike, device: torch.device | str | None = None) -> str:
     """The artefact file in ``folder`` for this device's name and this torch version (a
     file of another GPU model or torch is never loaded)."""
-    dev = torch.device(device) if device is not None else None
-    name = (torch.cuda.get_device_name(dev) if dev is not None and dev.type == "cuda" else "cpu")
+    name = device_name(torch.device(device)) if device is not None else "cpu"
     key = "".join(c if c.isalnum() or c in "-." else "_" for c in f"{name}-torch{torch.__version__}")
     return os.path.join(os.path.expanduser(str(folder)), f"compile-{key}.bin")
 

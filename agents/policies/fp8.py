@@ -44,16 +44,17 @@ AMAX_EPS = 1e-12
 #: the linear layers of a Gemma / Llama decoder layer: (block, attributes)
 DECODER_LINEARS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
                    ("mlp", ("gate_proj", "up_proj", "down_proj")))
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "none", "null", "")
+#: the words a true / false setting may be (any case)
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "none", "null", "")
 
 
 def resolve_fp8(value: Any, setting: str) -> str | None:
     """A ``false`` / ``true`` / ``emulate`` setting -> None (off), "cuda" (torch._scaled_mm) or
     "emulate" (raises naming ``setting`` on anything else)."""
     v = str(value).strip().lower()
-    if v in _FALSE:
+    if v in FALSE_WORDS:
         return None
-    if v in _TRUE:
+    if v in TRUE_WORDS:
         return "cuda"
     if v == "emulate":
         return "emulate"

@@ -37,16 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from agents.policies.fp8 import DECODER_LINEARS, Fp8Layers, check_fp8, resolve_fp8
+from agents.policies.fp8 import FALSE_WORDS, TRUE_WORDS, Fp8Layers, check_fp8, resolve_fp8
 from agents.policies.pi0.fast_fused import VISION_GROUPS, FusedProjections, resolve_fuse
 from agents.policies.stand_ins import nested
 from agents.policies.stand_ins import VERSION
 
 log = logging.getLogger("tandem.policies.pi0_fast")
 
-#: the expert's linear layers run by each denoising step, per decoder layer
-EXPERT_LINEARS = DECODER_LINEARS
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "none", "null", "")
 
 
 # -- settings -------------------------------------------------------------------------------------
@@ -96,9 +93,9 @@ def resolve_flag(value: Any, name: str, cuda: bool | None = None) -> bool:
     v = str(value).strip().lower()
     if v == "auto" and cuda is not None:
         return cuda
-    if v in _TRUE:
+    if v in TRUE_WORDS:
         return True
-    if v in _FALSE:
+    if v in FALSE_WORDS:
         return False
     raise ValueError(f"{name} must be {'auto, ' if cuda is not None else ''}true or false, got {value!r}")
 
@@ -123,7 +120,7 @@ class Fp8Expert(Fp8Layers):
 
     def __init__(self, expert: nn.Module, mode: str):
         super().__init__(expert.layers[: expert.config.num_hidden_layers], mode, what="FP8 expert",
-                         setting="policy.fast_expert_fp8", linears=EXPERT_LINEARS)
+                         setting="policy.fast_expert_fp8")  # every decoder linear the steps run
 
 
 class VisionCopy:
