@@ -183,6 +183,7 @@ class Learner:
             serving, reply=self._reply_act, active_actors=self.service.active_actors,
             device=self.serving_device, max_batch=cfg.inference.max_batch,
             batch_window_ms=cfg.inference.batch_window_ms,
+            batch_due_ms=float(cfg.inference.get("batch_due_ms", 0.0)),
             act_channel=self.service.act_channel,  # acts on their own socket (learner/act_channel.py)
             rtc=self.rtc, cuda_stream=str(cfg.inference.get("cuda_stream", "priority")),
             compile_artifacts=cfg.inference.get("compile_artifacts"),

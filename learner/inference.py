@@ -3,7 +3,10 @@
 Requests queued by the socket thread are gathered into one forward pass: the thread takes
 every request waiting, and when fewer than the number of active actors are waiting it
 lingers up to ``batch_window_ms`` for the rest, so that with a request in flight from each
-of N actors one forward of batch N runs. Requests come from the socket thread (``submit``,
+of N actors one forward of batch N runs. With ``batch_due_ms`` it also lingers, up to that long,
+for an actor whose next request is due by then (its last reply plus its last think time:
+:mod:`learner.arrivals`), so that closed-loop simulated actors, which return within tens of ms
+of one another, are served in one forward and stay in step. Requests come from the socket thread (``submit``,
 which wakes this thread through a pipe) and, when the server was given the service's
 ``act_channel``, straight from the act socket, which this thread polls, validates and
 answers itself (:mod:`learner.act_channel`: no thread hand-off on the act path). It owns a
@@ -70,6 +73,7 @@ from data.core.schema import RTC_DELAY, RTC_PENDING, RTC_PREFIX, TASK
 from data.core.transitions import extras_to_numpy
 from learner.act_channel import ActChannel
 from learner.act_intake import ActRequest
+from learner.arrivals import Arrivals
 from learner.serving_window import ServingWindow
 from learner.warmup import Warmup
 
@@ -113,6 +117,7 @@ class InferenceServer(threading.Thread):
         device: torch.device,
         max_batch: int = 64,
         batch_window_ms: float = 2.0,
+        batch_due_ms: float = 0.0,
         autocast_dtype: torch.dtype | None = None,
         act_channel: ActChannel | None = None,
         rtc: RtcSettings | None = None,
@@ -147,6 +152,9 @@ class InferenceServer(threading.Thread):
         self._on_cpu = device.type == "cpu"
         self.max_batch = max_batch
         self.window_s = batch_window_ms / 1000.0
+        #: also linger up to this long for an actor whose next request is due (learner/arrivals.py)
+        self.due_s = max(0.0, float(batch_due_ms)) / 1000.0
+        self.arrivals = Arrivals() if self.due_s > 0 else None
         self.autocast_dtype = autocast_dtype
         self.version = 0
         spec_fn = getattr(policy, "extras_spec", None)
@@ -263,6 +271,8 @@ class InferenceServer(threading.Thread):
                 continue
             if newest == r.req_id:  # nothing newer from this sender is queued
                 del latest[r.identity]
+            if self.arrivals is not None:
+                self.arrivals.arrived(r.identity, r.t_recv)
             reqs.append(r)
             n += r.n
         return n
@@ -286,9 +296,16 @@ class InferenceServer(threading.Thread):
         want = self.active_actors()  # (senders just read count as active now)
         if len(reqs) >= want:  # every active actor's request is here: no lingering
             return reqs
-        deadline = time.perf_counter() + self.window_s
+        t0 = time.perf_counter()
+        deadline, due_limit = t0 + self.window_s, t0 + self.due_s
         while n < cap and len(reqs) < want:
-            left = deadline - time.perf_counter()
+            now = time.perf_counter()
+            until = deadline
+            if self.arrivals is not None:  # an actor due within batch_due_ms of the first request
+                due = self.arrivals.expected(now, due_limit)
+                if due is not None and due > until:
+                    until = due
+            left = until - now
             if left <= 0:
                 break
             self._wait(left)
@@ -337,8 +354,11 @@ class InferenceServer(threading.Thread):
             with self.window.serving() if self.window is not None else contextlib.nullcontext():
                 self._apply_pending()  # the newest weights serve this batch
                 self._serve_all(reqs)
-            if self.warmup.pending and self.requests and sum(r.n for r in reqs) >= self.warmup.cap:
-                self.warmup.next()  # batches are being cut by the cap: the next bucket now
+            if self.warmup.pending and sum(r.n for r in reqs) >= self.warmup.cap and (
+                    self.requests or self.active_actors() > len(reqs)):
+                # batches are being cut by the cap (more queued, or more actors than it; theirs
+                # may wait on the act socket, not in the queue): the next bucket now
+                self.warmup.next()
 
     def _serve_all(self, reqs: list[ActRequest]) -> None:
         """One gathered batch: grouped by deterministic or sampled, each group one forward."""
@@ -444,7 +464,15 @@ class InferenceServer(threading.Thread):
             self.reply(r.identity, encode(
                 "act_reply", {"req_id": r.req_id, "policy_version": self.version, "infer_ms": infer_ms,
                               "batch": 1}, {"actions": actions, **extras} if extras else {"actions": actions}))
-            return
+        else:
+            self._reply_rows(group, actions, extras, infer_ms)
+        if self.arrivals is not None:
+            t = time.perf_counter()
+            for r in group:
+                self.arrivals.replied(r.identity, t)
+
+    def _reply_rows(self, group: list[ActRequest], actions: np.ndarray, extras: dict, infer_ms: float) -> None:
+        """Each request of a batch its rows of ``actions`` and of every extra."""
         i = 0
         for r in group:
             self.reply(r.identity, encode(

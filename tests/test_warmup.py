@@ -84,6 +84,43 @@ def test_staged_serves_after_the_smallest_bucket_and_never_gathers_past_the_warm
     assert st["to_warm"] == [] and st["cap"] == 8 and list(st["buckets_s"]) == ["1", "2", "4", "8"]
 
 
+def test_a_server_kept_busy_by_fewer_actors_than_it_knows_still_warms_the_next_buckets():
+    """Closed loop: one actor asks again 2 ms after each reply, so the queue is empty when a
+    batch ends and the server is never idle for its 0.1-s poll; with two active actors and the
+    cap at 1 batches are being cut by the cap, and the next buckets are warmed between them (the
+    other actors' requests may be waiting on the act socket, outside the queue)."""
+    import threading
+
+    policy, got = Bucketed(), threading.Event()
+    inf = InferenceServer(policy, reply=lambda ident, frames: got.set(), active_actors=lambda: 2,
+                          device=torch.device("cpu"), max_batch=8, batch_window_ms=0.0)
+    assert inf.warmup.cap == 1
+    stop = threading.Event()
+
+    def actor():
+        i = 0
+        while not stop.is_set():
+            got.clear()
+            i += 1
+            inf.submit(ActRequest(identity=b"actor-0", req_id=i, deterministic=True, tasks=["t"],
+                                  arrays={"observation.state": np.zeros((1, 3), np.float32)}))
+            got.wait(5)
+            time.sleep(0.002)
+
+    inf.start()
+    th = threading.Thread(target=actor, daemon=True)
+    th.start()
+    try:
+        until(lambda: not inf.warmup.pending, 10)
+    finally:
+        stop.set()
+        th.join(5)
+        inf.stop()
+        inf.join(5)
+    assert policy.asked == [[1], [2], [4], [8]] and not inf.warmup.pending
+    assert len(policy.batches) >= 4  # it served all along
+
+
 def test_an_idle_server_warms_the_rest_without_any_request():
     policy = Bucketed()
     inf = server(policy)

@@ -65,7 +65,7 @@ def stage_commands(a, stage: str, out: Path) -> list[list[str]]:
     if stage == "train_serve":
         return [py + ["tools.bench.train_serve", "--policies", a.policies, "--actors", str(a.actors),
                       "--period", a.period, "--seconds", str(a.seconds), "--repeats", str(a.repeats),
-                      "--streams", a.streams, "--json", str(out)] + common
+                      "--streams", a.streams, "--batch-due-ms", str(a.batch_due_ms), "--json", str(out)] + common
                 + (["--env", a.env] + [x for kv in env_sets(a) for x in ("--env-set", kv)] if a.env else [])]
     if stage == "cold_start":
         return [py + ["tools.bench.cold_start", "--policy", p, "--json", str(out.with_name(f"{out.stem}_{p}.json"))]
@@ -134,6 +134,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--env-set", action="append", default=None, metavar="KEY=VALUE",
                     help="its config entries (train_serve --env-set; default: gl=egl task_id=all)")
     ap.add_argument("--streams", default="priority,window")
+    ap.add_argument("--batch-due-ms", type=float, default=100.0,
+                    help="train_serve's inference.batch_due_ms (every load): closed-loop simulated actors "
+                         "served in step (0: the learner's default, off)")
     ap.add_argument("--seconds", type=float, default=10.0, help="per phase / actor level")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--iters", type=int, default=0, help="timed calls per latency (0: the policy bench's default)")

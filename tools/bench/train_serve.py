@@ -283,6 +283,7 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
                              get_version=lambda m=mode: pubs[m].version, get_weights=lambda m=mode: pubs[m].latest(),
                              service_kw={"peer_timeout_s": 600.0},
                              inference_kw={"max_batch": 64, "batch_window_ms": args.batch_window_ms,
+                                           "batch_due_ms": args.batch_due_ms, "warmup": "all",
                                            "cuda_stream": "priority" if windows[mode] is not None else mode,
                                            "window": windows[mode]})
         pubs[mode] = WeightPublisher(ll.inference.set_weights, ll.service.publish)
@@ -430,6 +431,8 @@ def main(argv=None) -> dict:
                     help="chunks per optimizer step of a GRPO update round (the round covers --train-batch)")
     ap.add_argument("--publish-every", type=int, default=25)
     ap.add_argument("--batch-window-ms", type=float, default=2.0)
+    ap.add_argument("--batch-due-ms", type=float, default=0.0,
+                    help="inference.batch_due_ms: also linger this long for an actor whose next request is due")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of the 'both' phases")
     ap.add_argument("--trace-seconds", type=float, default=3.0)
@@ -455,6 +458,7 @@ def main(argv=None) -> dict:
         spec = bench_spec(8, 7, ["image", "wrist_image"], args.image_size, has_task=True)
     out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "periods_s": args.periods, "env": args.env_cfg,
+           "batch_window_ms": args.batch_window_ms, "batch_due_ms": args.batch_due_ms,
            "serving_overrides": args.serving_cfg,
            "seconds": args.seconds, "repeats": args.repeats, "train_batch": args.train_batch, "update": args.update,
            "grpo_minibatch": args.grpo_minibatch,
