@@ -19,7 +19,7 @@
 #   kernels  (480)  tools.bench.pi0_step_kernels --sweep at batch 1 and 8
 #   tiles    (30)   the sweep's winners as TANDEM_PI0_STEP_TILES for the stages after it
 #   levers   (660)  tools.bench.pi0_fast, PI0: default against the step layers, cuDNN prefix, fused SigLIP
-#   one_gpu  (1500) tools.bench.one_gpu: batch-1 act, share of peak, training while serving (a
+#   one_gpu  (1500) tools.bench.one_gpu (the serving window, closed-loop actors served in step): batch-1 act, share of peak, training while serving (a
 #                   robot's rate; closed-loop LIBERO actors), start-up cold / with artefacts / warm
 #   pi0_serve (900) tools.bench.train_serve, PI0 alone: closed-loop LIBERO actors and a robot's rate,
 #                   the window (one_gpu's train_serve part for one policy, when a hold is short)
@@ -57,7 +57,7 @@ command_of() {  # the stage's command line, one word per line
     levers) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi0 --no-baseline --peak --profile \
       --levers default,default_step_layers,default_step_layers_b1,default_step_kv_cudnn_prefix,default_fuse_vision \
       --deadline-s 600 --json "$out/levers.json" ;;
-    one_gpu) printf '%s\n' "$PY" -m tools.bench.one_gpu --repeats 1 --json "$out/one_gpu.json" ;;
+    one_gpu) printf '%s\n' "$PY" -m tools.bench.one_gpu --repeats 1 --streams window --json "$out/one_gpu.json" ;;
     pi0_serve) printf '%s\n' "$PY" -m tools.bench.train_serve --policies pi0 --actors 8 --period sim,0.5 \
       --seconds 10 --repeats 1 --streams window --env libero_spatial --env-set gl=egl --env-set task_id=all \
       --json "$out/pi0_serve.json" ;;
