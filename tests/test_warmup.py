@@ -245,3 +245,80 @@ def test_the_artefacts_folder_holds_the_ahead_of_time_functions_of_a_policy_that
     other = Bucketed()                                                       # no such setting: untouched
     Warmup(other, device=torch.device("cpu"), max_batch=2, compile_artifacts=str(folder)).start()
     assert not hasattr(other.cfg, "fast_aot_dir")
+
+
+LIBERO_TASK = "pick up the black bowl between the plate and the ramekin and place it on the plate"
+
+
+def test_the_pi0_warm_up_acts_once_per_prompt_width_up_to_its_limit(tmp_path):
+    """PI0 pads a batch's prompts to its longest, rounded up to ``prompt_pad_multiple``: the
+    warm-up's tasks are one per width, widest last, and a long instruction's width is one of them."""
+    from agents import registry
+    from data.core.spec import EnvSpec
+    from tools.make_tiny_checkpoints import make_pi0
+
+    spec = EnvSpec(state_dim=4, action_dim=2, cameras={"image": (32, 32, 3)}, has_task=True)
+    ck = make_pi0(tmp_path / "pi0", spec, chunk_size=4)
+    policy = registry.build_policy({"name": "pi0", "checkpoint": str(ck), "chunk_size": 4, "device": "cpu",
+                                    "prompt_pad_multiple": 8, "fast_warmup_prompt_tokens": 64}, spec).eval()
+    from agents.policies.pi0.prompt import prompts
+
+    def width(task):
+        return policy.prompt_tokens(prompts("pi0", [task], torch.zeros(1, 4)), torch.device("cpu"))[0].shape[1]
+
+    tasks = policy.warm_up_tasks()
+    widths = [width(t) for t in tasks]
+    assert tasks[0] == "warm up" and widths == sorted(set(widths)) and len(widths) >= 2
+    assert widths[-1] == min(64, policy.prompt_tokens.max_len)
+    assert all(w % 8 == 0 or w == policy.prompt_tokens.max_len for w in widths)
+    assert width(LIBERO_TASK) in widths
+    policy.cfg.fast_warmup_prompt_tokens = 0
+    assert policy.warm_up_tasks() == ["warm up"]
+
+
+def test_the_oft_warm_up_acts_once_per_token_row_width_up_to_its_limit(tmp_path):
+    from test_oft_fast import SPEC, make
+    from tools.make_tiny_checkpoints import make_openvla_oft
+
+    p = make(make_openvla_oft(tmp_path / "oft", SPEC, chunk_size=4), "discrete", fast_serving="eager", device="cpu")
+    torch.set_grad_enabled(False)  # (as in warm_up: no fast path with gradients on)
+    try:
+        _check_oft_widths(p)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _check_oft_widths(p):
+    fast = p.fast_path()
+    proprio = p.proprio_projector is not None
+
+    def width(task):
+        return fast.ids_width(int(p._token_rows([task])[0].shape[1]), proprio)
+
+    tasks = p.warm_up_tasks()
+    widths = [width(t) for t in tasks]
+    assert tasks[0] == "warm up" and widths == sorted(set(widths)) and len(widths) >= 2
+    assert width(LIBERO_TASK) in widths  # (a 64-token limit covers LIBERO's instructions)
+    assert widths[-1] <= fast.ids_width(64 + p.k + 1, proprio)
+    p.cfg.fast_warmup_prompt_tokens = 0
+    assert p.warm_up_tasks() == ["warm up"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_a_long_instruction_after_the_warm_up_replays_a_graph_it_captured(tmp_path):
+    from agents import registry
+    from data.core.spec import EnvSpec
+    from tools.make_tiny_checkpoints import make_pi0
+
+    spec = EnvSpec(state_dim=4, action_dim=2, cameras={"image": (32, 32, 3)}, has_task=True)
+    policy = registry.build_policy({"name": "pi0", "checkpoint": str(make_pi0(tmp_path / "pi0", spec, chunk_size=4)),
+                                    "chunk_size": 4, "device": "cuda", "dtype": "bfloat16",
+                                    "prompt_pad_multiple": 8}, spec).eval()
+    policy.warm_up([1, 2])
+    fast, captures = policy._fast, policy._fast.captures
+    with torch.no_grad():
+        for b in (1, 2):
+            policy.act({"observation.state": torch.zeros(b, 4, device="cuda"), "task": [LIBERO_TASK] * b,
+                        "observation.images.image": torch.zeros(b, 32, 32, 3, dtype=torch.uint8, device="cuda")},
+                       deterministic=True)
+    assert fast.captures == captures

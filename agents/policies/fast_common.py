@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -177,12 +177,35 @@ def gpu_kernels(cuda: bool, order: tuple[str, ...] = SDPA_ORDER):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+def prompt_width_tasks(columns: Callable[[str], int], max_columns: int, base: str = "warm up",
+                       word: str = " up", tries: int = 256) -> list[str]:
+    """The shortest task of each distinct prompt width up to ``max_columns``, ``base`` first:
+    ``columns(task)`` is the token columns a fast path pads a lone prompt of that task to (its
+    graphs are keyed by them). The task grows a ``word`` at a time. A warm-up act of each task
+    captures the graphs that every prompt up to that width replays, so a longer instruction
+    (LIBERO's) is not captured on its first act while serving."""
+    out, seen, task = [], set(), base
+    for _ in range(tries):
+        c = columns(task)
+        if c > max_columns:
+            break
+        if c not in seen:
+            seen.add(c)
+            out.append(task)
+        if c == max_columns:
+            break
+        task += word
+    return out
+
+
 def warm_up(policy, get_fast, batch_sizes, *, max_batch: int | None = None,
-            acts: tuple[bool, ...] = (True,)) -> dict[int, float]:
+            acts: tuple[bool, ...] = (True,), tasks: Callable[[], list[str]] | None = None) -> dict[int, float]:
     """Compile and capture the fast path's graphs for ``batch_sizes`` (each padded to its bucket;
     sizes above ``max_batch`` are skipped) before a server takes requests: a ``policy.act`` of a
-    blank observation per bucket and ``deterministic`` flag in ``acts`` (a policy whose two kinds
-    of act run different graphs lists both), timed and logged. ``get_fast()`` (called
+    blank observation per bucket, ``deterministic`` flag in ``acts`` (a policy whose two kinds
+    of act run different graphs lists both) and task of ``tasks()`` (default: the policy's
+    ``default_task`` or "warm up"; :func:`prompt_width_tasks` gives one per prompt width), timed
+    and logged. ``get_fast()`` (called
     without gradients) is the policy's fast path or None; it has ``graphs``, ``bucket(b)``,
     ``captures``, ``compiles`` and ``compile``. Returns {bucket: seconds}; {} where the policy
     serves without graphs (a CPU, fast serving off or eager, training mode)."""
@@ -196,18 +219,20 @@ def warm_up(policy, get_fast, batch_sizes, *, max_batch: int | None = None,
         sizes = sorted({fast.bucket(int(b)) for b in batch_sizes
                         if int(b) >= 1 and (max_batch is None or int(b) <= max_batch)} - {None})
         spec, dev, out = policy.spec, policy.device, {}
+        texts = tasks() if tasks is not None else [policy.cfg.default_task or "warm up"]
         for b in sizes:
-            obs = {OBS_STATE: torch.zeros(b, spec.state_dim, device=dev),
-                   TASK: [policy.cfg.default_task or "warm up"] * b}
+            obs = {OBS_STATE: torch.zeros(b, spec.state_dim, device=dev)}
             for cam, (h, w, c) in spec.cameras.items():
                 obs[OBS_IMAGE_PREFIX + cam] = torch.zeros(b, h, w, c, dtype=torch.uint8, device=dev)
             t0, captures, compiles = time.perf_counter(), fast.captures, fast.compiles
-            for deterministic in acts:
-                policy.act(obs, deterministic=deterministic)
+            for text in texts:
+                for deterministic in acts:
+                    policy.act({**obs, TASK: [text] * b}, deterministic=deterministic)
             torch.cuda.synchronize(dev)
             out[b] = time.perf_counter() - t0
-            log.info("%s: warm-up batch %d ready in %.1f s (%d capture(s), %d compiled graph(s), compile=%s)",
-                     policy.who, b, out[b], fast.captures - captures, fast.compiles - compiles, fast.compile)
+            log.info("%s: warm-up batch %d ready in %.1f s (%d prompt width(s), %d capture(s), %d compiled "
+                     "graph(s), compile=%s)", policy.who, b, out[b], len(texts), fast.captures - captures,
+                     fast.compiles - compiles, fast.compile)
     return out
 
 

@@ -22,7 +22,9 @@
 #   one_gpu  (1500) tools.bench.one_gpu (the serving window, closed-loop actors served in step): batch-1 act, share of peak, training while serving (a
 #                   robot's rate; closed-loop LIBERO actors), start-up cold / with artefacts / warm
 #   pi0_serve (900) tools.bench.train_serve, PI0 alone: closed-loop LIBERO actors and a robot's rate,
-#                   the window (one_gpu's train_serve part for one policy, when a hold is short)
+#                   the window, the learner's default batching (one_gpu's control: batch_due_ms 0)
+#   sim_threads (900) tools.bench.train_serve, both policies, closed-loop LIBERO actors in step, one
+#                   intra-op thread in the learner process (the A/B of one_gpu's closed-loop figures)
 #   oft_fp8  (900)  tools.bench.oft_fast, the discrete OFT served in bf16 and with FP8 Llama linears:
 #                   batch-1 act, share of peak by batch and at 8 actors, in one run
 #   oft_fp8_serve (900) tools.bench.train_serve, that OFT's GRPO while serving 8 actors at a robot's
@@ -36,12 +38,12 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${TANDEM_PY:-python3}"
-ALL_STAGES="tests kernels tiles levers one_gpu pi0_serve oft_fp8 oft_fp8_serve aot_start oft_start pi05"
+ALL_STAGES="tests kernels tiles levers one_gpu pi0_serve sim_threads oft_fp8 oft_fp8_serve aot_start oft_start pi05"
 
 limit_of() {
   case "$1" in
     tests) echo 720 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 660 ;;
-    one_gpu) echo 1500 ;; pi0_serve) echo 900 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;; oft_start) echo 900 ;;
+    one_gpu) echo 1500 ;; pi0_serve) echo 900 ;; sim_threads) echo 900 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;; oft_start) echo 900 ;;
     pi05) echo 600 ;; *) return 1 ;;
   esac
 }
@@ -61,6 +63,9 @@ command_of() {  # the stage's command line, one word per line
     pi0_serve) printf '%s\n' "$PY" -m tools.bench.train_serve --policies pi0 --actors 8 --period sim,0.5 \
       --seconds 10 --repeats 1 --streams window --env libero_spatial --env-set gl=egl --env-set task_id=all \
       --json "$out/pi0_serve.json" ;;
+    sim_threads) printf '%s\n' "$PY" -m tools.bench.train_serve --policies openvla_oft_discrete,pi0 --actors 8 \
+      --period sim --seconds 10 --repeats 1 --streams window --batch-due-ms 100 --num-threads 1 --env libero_spatial \
+      --env-set gl=egl --env-set task_id=all --json "$out/sim_threads.json" ;;
     oft_fp8) printf '%s\n' "$PY" -m tools.bench.oft_fast --heads discrete --levers default,fp8 --actors 8 \
       --json "$out/oft_fp8.json" ;;
     oft_fp8_serve) printf '%s\n' "$PY" -m tools.bench.train_serve --policies openvla_oft_discrete --actors 8 \

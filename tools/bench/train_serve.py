@@ -434,6 +434,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-due-ms", type=float, default=0.0,
                     help="inference.batch_due_ms: also linger this long for an actor whose next request is due")
     ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--num-threads", type=int, default=0,
+                    help="trainer.num_threads: torch's intra-op threads in this process (0: torch's default, "
+                         "as the learner's default)")
     ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of the 'both' phases")
     ap.add_argument("--trace-seconds", type=float, default=3.0)
     ap.add_argument("--json", default=None, help="write the results here ('-': stdout only JSON)")
@@ -448,7 +451,9 @@ def main(argv=None) -> dict:
     args.serving_cfg = key_values(args.serving_set, "--serving-set")
     if SIM in args.periods and args.env_cfg is None:
         raise SystemExit("--period sim: closed-loop simulated actors need --env (e.g. --env libero_spatial)")
-    if args.tiny and args.device == "cpu":
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    elif args.tiny and args.device == "cpu":
         torch.set_num_threads(1)
     if args.env_cfg is not None:
         from envs.registry import env_spec
@@ -459,6 +464,7 @@ def main(argv=None) -> dict:
     out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "tiny": args.tiny, "actors": args.actors, "periods_s": args.periods, "env": args.env_cfg,
            "batch_window_ms": args.batch_window_ms, "batch_due_ms": args.batch_due_ms,
+           "num_threads": torch.get_num_threads(),
            "serving_overrides": args.serving_cfg,
            "seconds": args.seconds, "repeats": args.repeats, "train_batch": args.train_batch, "update": args.update,
            "grpo_minibatch": args.grpo_minibatch,

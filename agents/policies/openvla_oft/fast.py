@@ -177,12 +177,7 @@ class FastOFT:
     def _prepare(self, inputs: tuple, gumbel: torch.Tensor | None) -> dict:
         """The model inputs as a dict, token rows right-padded to the length bucket."""
         pix, ids, valid, amask, st = inputs
-        n = self._extra_tokens(st is not None)
-        mult = self.token_multiple
-        length = -(-(ids.shape[1] + n) // mult) * mult - n  # ids + patches: a multiple of `mult`
-        if length < ids.shape[1]:
-            length += mult
-        extra = length - ids.shape[1]
+        extra = self.ids_width(ids.shape[1], st is not None) - ids.shape[1]
         if extra:
             ids = F.pad(ids, (0, extra), value=int(self.p.pad_id))
             valid, amask = F.pad(valid, (0, extra), value=False), F.pad(amask, (0, extra), value=False)
@@ -190,6 +185,13 @@ class FastOFT:
             gumbel = self._zero_gumbel(ids.shape[0], pix.device)
         return {"pix": pix, "ids": ids, "valid": valid, "amask": amask, "state": st,
                 "gumbel": gumbel if self.discrete else None}
+
+    def ids_width(self, n_ids: int, proprio: bool) -> int:
+        """The token columns ``n_ids`` ids are right-padded to: ids + patches (+ the proprio
+        token) a multiple of ``token_multiple`` (the graphs are keyed by it)."""
+        n, mult = self._extra_tokens(proprio), self.token_multiple
+        length = -(-(n_ids + n) // mult) * mult - n
+        return length + mult if length < n_ids else length
 
     def _extra_tokens(self, proprio: bool) -> int:
         vb = self.p.model.vision_backbone

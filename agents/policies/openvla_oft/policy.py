@@ -42,7 +42,7 @@ from torch import nn
 
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
-from agents.policies.fast_common import resolve_compile, warm_up
+from agents.policies.fast_common import prompt_width_tasks, resolve_compile, warm_up
 from agents.policies.fp8 import check_fp8, resolve_fp8
 from agents.policies.openvla_oft.prismatic import (DEFAULT_TIMM_IDS, L1RegressionActionHead, OpenVLA, PrismaticConfig,
                                        ProprioProjector)
@@ -112,6 +112,9 @@ class OpenVLAOFTPolicyConfig:
     fast_compile: Any = "auto"
     #: batch sizes whose graphs ``warm_up`` compiles and captures before serving (others: lazily)
     fast_warmup_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    #: ``warm_up`` also captures every token-row width a prompt of up to this many tokens pads to,
+    #: so a longer instruction is not captured on its first act (0: the warm-up task's only)
+    fast_warmup_prompt_tokens: int = 64
     #: the fast path's Llama linear layers in FP8 e4m3: false | true (torch._scaled_mm, sm_89+; refused
     #: at build elsewhere) | emulate (the same quantization through float32 matmuls: checks)
     #: (agents/policies/fp8.py); serving only, training stays bf16
@@ -406,7 +409,21 @@ class OpenVLAOFTPolicy(nn.Module):
         """Compile and capture the serving graphs of ``batch_sizes`` (default
         ``fast_warmup_buckets``) now, not on the first act of each size ({bucket: seconds})."""
         return warm_up(self, self.fast_path, self.cfg.fast_warmup_buckets if batch_sizes is None else batch_sizes,
-                       max_batch=max_batch)
+                       max_batch=max_batch, tasks=self.warm_up_tasks)
+
+    def warm_up_tasks(self) -> list[str]:
+        """One task per token-row width the warm-up captures (``fast_warmup_prompt_tokens``)."""
+        base = self.cfg.default_task or "warm up"
+        limit = int(self.cfg.fast_warmup_prompt_tokens)
+        fast = self.fast_path()
+        if limit <= 0 or fast is None:
+            return [base]
+        proprio = self.proprio_projector is not None
+
+        def columns(task: str) -> int:
+            return fast.ids_width(int(self._token_rows([task])[0].shape[1]), proprio)
+
+        return prompt_width_tasks(columns, max(fast.ids_width(limit + self.k + 1, proprio), columns(base)), base=base)
 
     # -- heads ------------------------------------------------------------------------------------
     def action_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,9 @@ class Pi0PolicyConfig:
     fast_compile: Any = "auto"
     #: batch sizes whose graphs ``warm_up`` compiles and captures before serving (others: lazily)
     fast_warmup_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    #: ``warm_up`` also captures every prompt width (``prompt_pad_multiple`` steps) up to this many
+    #: token columns, so a longer instruction is not captured on its first act (0: the warm-up task's only)
+    fast_warmup_prompt_tokens: int = 64
     #: the fast path's SigLIP + projector: auto (bf16 on a GPU, else fp32) | fp32 (lerobot's) | bf16 (a copy)
     fast_vision_dtype: str = "auto"
     #: the fast path's expert step linears in FP8 e4m3: false | true (torch._scaled_mm, sm_89+) | emulate (fast_levers.py)

@@ -53,7 +53,7 @@ from torch import nn
 
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
-from agents.policies.fast_common import resolve_compile, warm_up
+from agents.policies.fast_common import prompt_width_tasks, resolve_compile, warm_up
 from agents.policies.pi0.fast import FastPiSampler
 from agents.policies.pi0.config import _HEADS, Pi0PolicyConfig, Pi05PolicyConfig  # noqa: F401 - re-exported
 from agents.policies.pi0.fast_levers import check_levers, lever_settings
@@ -311,7 +311,20 @@ class Pi0Policy(nn.Module):
         """Compile and capture the serving graphs of ``batch_sizes`` (default
         ``fast_warmup_buckets``) now, not on the first act of each size ({bucket: seconds})."""
         return warm_up(self, self._fast_sampler, self.cfg.fast_warmup_buckets if batch_sizes is None
-                       else batch_sizes, max_batch=max_batch, acts=self._warm_acts)
+                       else batch_sizes, max_batch=max_batch, acts=self._warm_acts, tasks=self.warm_up_tasks)
+
+    def warm_up_tasks(self) -> list[str]:
+        """One task per prompt width the warm-up captures (``fast_warmup_prompt_tokens``)."""
+        base = self.cfg.default_task or "warm up"
+        limit = int(self.cfg.fast_warmup_prompt_tokens)
+        if limit <= 0:
+            return [base]
+        state, cpu = torch.zeros(1, self.spec.state_dim), torch.device("cpu")
+
+        def columns(task: str) -> int:
+            return int(self.prompt_tokens(prompts(self.variant, [task], state), cpu)[0].shape[1])
+
+        return prompt_width_tasks(columns, max(min(limit, self.prompt_tokens.max_len), columns(base)), base=base)
 
     def _serving_weights(self) -> None:
         """Adapters folded into the weights in eval mode without gradients, live otherwise."""
