@@ -16,9 +16,10 @@ from the global RNG; the state is put back). Two ways (``inference.warmup``):
 
 With ``compile_artifacts`` (a folder: ``inference.compile_artifacts``) this GPU's and torch's
 portable compile artefacts are loaded before the first bucket and what the warm-up compiled is
-saved there after the last (:mod:`agents.policies.fast_common`); a policy with an ahead-of-time path
-(``cfg.fast_aot_dir``, OpenVLA-OFT) and no folder of its own set keeps its functions in
-``<folder>/aot`` (:mod:`agents.policies.fast_aot`), so shipping the one folder ships both. A policy whose ``warm_up``
+saved there after the last (:mod:`agents.policies.fast_common`); a policy whose ahead-of-time path
+is on by default (``AOT_BY_DEFAULT``: OpenVLA-OFT; PI0's, ``policy.fast_aot_dir``, is opt-in until it
+is measured on a GPU) and has no folder of its own set keeps its functions in ``<folder>/aot``
+(:mod:`agents.policies.fast_aot`), so shipping the one folder ships both. A policy whose ``warm_up``
 takes no ``batch_sizes`` or that lists no buckets is warmed all at once. A failed warm-up is
 logged and serving goes on (graphs are then built on first use).
 """
@@ -39,10 +40,11 @@ WARMUPS = ("all", "staged")
 
 
 def default_aot_dir(policy, folder: str) -> None:
-    """``policy.cfg.fast_aot_dir`` = ``<folder>/aot`` where the policy has that setting, none is set
-    and its fast path is not built yet (the module docstring)."""
+    """``policy.cfg.fast_aot_dir`` = ``<folder>/aot`` where the policy has that setting and its
+    ``AOT_BY_DEFAULT`` is true, none is set and its fast path is not built yet (the module docstring)."""
     cfg = getattr(policy, "cfg", None)
-    if cfg is None or not hasattr(cfg, "fast_aot_dir") or cfg.fast_aot_dir or "_fast" in vars(policy):
+    if (cfg is None or not getattr(policy, "AOT_BY_DEFAULT", False) or not hasattr(cfg, "fast_aot_dir")
+            or cfg.fast_aot_dir or "_fast" in vars(policy)):
         return
     cfg.fast_aot_dir = os.path.join(os.path.expanduser(str(folder)), "aot")
     log.info("ahead-of-time functions of the serving copy: %s", cfg.fast_aot_dir)

@@ -35,8 +35,8 @@ def test_trace_cost_times_both_graphs_cold_and_warm(tmp_path):
 def test_cold_start_refuses_the_aot_cases_where_they_cannot_run():
     from tools.bench.cold_start import main
 
-    with pytest.raises(SystemExit, match="pi0 has no ahead-of-time path"):
-        main(["--policy", "pi0", "--cases", "aot_cold,aot", "--tiny", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="mlp has no ahead-of-time path"):
+        main(["--policy", "mlp", "--cases", "aot_cold,aot", "--tiny", "--device", "cpu"])
     with pytest.raises(SystemExit, match="aot_cold with aot"):
         main(["--policy", "openvla_oft", "--cases", "cold,aot", "--tiny", "--device", "cpu"])
 

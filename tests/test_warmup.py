@@ -289,19 +289,21 @@ def test_the_oft_warm_up_acts_once_per_token_row_width_up_to_its_limit(tmp_path)
 
 
 def _check_oft_widths(p):
+    from agents.policies.openvla_oft.fast import warm_up_tasks
+
     fast = p.fast_path()
     proprio = p.proprio_projector is not None
 
     def width(task):
         return fast.ids_width(int(p._token_rows([task])[0].shape[1]), proprio)
 
-    tasks = p.warm_up_tasks()
+    tasks = warm_up_tasks(p)
     widths = [width(t) for t in tasks]
     assert tasks[0] == "warm up" and widths == sorted(set(widths)) and len(widths) >= 2
     assert width(LIBERO_TASK) in widths  # (a 64-token limit covers LIBERO's instructions)
     assert widths[-1] <= fast.ids_width(64 + p.k + 1, proprio)
     p.cfg.fast_warmup_prompt_tokens = 0
-    assert p.warm_up_tasks() == ["warm up"]
+    assert warm_up_tasks(p) == ["warm up"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

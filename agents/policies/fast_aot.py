@@ -35,12 +35,33 @@ from agents.policies.fast_common import device_name
 log = logging.getLogger("tandem.policies.aot")
 
 
+#: guards a saved function keeps no copy of: they hold an object's identity or its class (a
+#: process-local fact; lerobot's decoder layers' class is made inside a function and cannot be
+#: pickled). What they would check, the file's digest covers: the model's config, the key.
+IDENTITY_GUARDS = ("ID_MATCH", "TYPE_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH")
+
+
+def portable_guards(entries) -> list[bool]:
+    """The guards an ahead-of-time function keeps (``guard_filter_fn``): not the global ones, not
+    those torch cannot serialize, not :data:`IDENTITY_GUARDS` and none on a class's bases."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    drop = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES) | set(IDENTITY_GUARDS)
+    return [not (g.is_global or g.guard_type in drop or drop & set(getattr(g.orig_guard, "guard_types", None) or ())
+                 or "__mro__" in g.name)  # (a class's bases: how lerobot built the class in this process)
+            for g in entries]
+
+
 class AotFunctions:
     """``fn`` compiled ahead of time per key, loaded from / saved to ``folder`` (module doc).
     ``loaded`` / ``compiled`` count the keys each way (tests and logs read them)."""
 
-    def __init__(self, fn: Callable, folder: str | os.PathLike, who: str, model: Any, *, dynamic: bool = True):
+    def __init__(self, fn: Callable, folder: str | os.PathLike, who: str, model: Any, *, dynamic: bool = True,
+                 fallback: Callable | None = None):
         self.fn, self.folder, self.who, self.dynamic = fn, os.path.expanduser(str(folder)), who, dynamic
+        #: called as ``fn`` is, for a key whose ahead-of-time compile fails (None: the error is raised)
+        self.fallback = fallback
+        self.failed = 0
         self.model = repr(model)
         self.loaded = self.compiled = 0
         self.load_s = self.compile_s = 0.0
@@ -55,7 +76,7 @@ class AotFunctions:
         key = (*key, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = self._load(key, tensors[0].device) or self._compile(key, module, tensors)
+            fn = self._fns[key] = self._load(key, tensors[0].device) or self._compile_or_fall_back(key, module, tensors)
         try:
             return fn(module, *tensors)
         except RuntimeError as exc:
@@ -83,13 +104,24 @@ class AotFunctions:
                  time.perf_counter() - t0)
         return fn
 
+    def _compile_or_fall_back(self, key: tuple, module, tensors: tuple) -> Callable:
+        try:
+            return self._compile(key, module, tensors)
+        except Exception as exc:  # noqa: BLE001 - with a fallback, a stage that will not compile ahead of time still serves
+            if self.fallback is None:
+                raise
+            self.failed += 1
+            log.warning("%s: the ahead-of-time compile for %s failed (%s: %s); this key runs the fallback",
+                        self.who, key, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return self.fallback
+
     def _compile(self, key: tuple, module, tensors: tuple) -> Callable:
         t0 = time.perf_counter()
         old = torch._dynamo.config.enable_aot_compile
         torch._dynamo.config.enable_aot_compile = True
         try:
-            fn = torch.compile(self.fn, fullgraph=True, dynamic=None if self.dynamic else False).aot_compile(
-                ((module, *tensors), {}))
+            fn = torch.compile(self.fn, fullgraph=True, dynamic=None if self.dynamic else False,
+                               options={"guard_filter_fn": portable_guards}).aot_compile(((module, *tensors), {}))
         finally:
             torch._dynamo.config.enable_aot_compile = old
         path = self.path(key, tensors[0].device)

@@ -14,7 +14,7 @@ smallest and warms the rest between batches; ``all`` warms every one first).
 - ``artefacts``: another empty inductor cache, the artefacts loaded before the warm-up (the
   checkpoint shipped with them);
 - ``warm``: the first case's cache again (a restart on the same machine);
-- ``aot_cold`` / ``aot`` (OpenVLA-OFT, ``policy.fast_aot_dir``): an empty cache compiling the
+- ``aot_cold`` / ``aot`` (OpenVLA-OFT, PI0 / PI0.5: ``policy.fast_aot_dir``): an empty cache compiling the
   layer stack ahead of time into a folder, then another empty cache loading it from there (a
   machine given the ahead-of-time functions: no tracing).
 
@@ -39,7 +39,7 @@ from tools.bench.common import ROOT, bench_spec, emit_json, random_obs
 #: (case, inductor cache folder): "warm" reuses the cold case's cache
 CASES = (("cold", "a"), ("artefacts", "b"), ("warm", "a"), ("aot_cold", "c"), ("aot", "d"))
 #: the policies whose fast path compiles ahead of time (policy.fast_aot_dir)
-AOT_POLICIES = ("openvla_oft", "openvla_oft_discrete")
+AOT_POLICIES = ("openvla_oft", "openvla_oft_discrete", "pi0", "pi05")
 
 
 def child(a) -> None:
@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", default="staged", choices=WARMUPS, help="inference.warmup")
     ap.add_argument("--cases", default="cold,artefacts,warm",
                     help="which of cold, artefacts, warm, aot_cold, aot (artefacts and warm need cold; aot needs "
-                         "aot_cold; the aot cases: OpenVLA-OFT only); default: the first three")
+                         "aot_cold; the aot cases: OpenVLA-OFT, PI0, PI0.5); default: the first three")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--artifacts", default=None, help=argparse.SUPPRESS)

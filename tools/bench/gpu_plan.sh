@@ -33,17 +33,19 @@
 #                   artefacts, and as an ahead-of-time compiled function
 #   oft_start (900) tools.bench.cold_start, the discrete OFT: cold, with shipped artefacts, and its layer
 #                   stack ahead of time (compiled, then loaded on an empty cache)
+#   pi0_start (900) tools.bench.cold_start, PI0: cold, with shipped artefacts, and its prefix stages
+#                   ahead of time (compiled, then loaded on an empty cache)
 #   pi05     (600)  tools.bench.pi0_fast, PI0.5: default against the step layers
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${TANDEM_PY:-python3}"
-ALL_STAGES="tests kernels tiles levers one_gpu pi0_serve sim_threads oft_fp8 oft_fp8_serve aot_start oft_start pi05"
+ALL_STAGES="tests kernels tiles levers one_gpu pi0_serve sim_threads oft_fp8 oft_fp8_serve aot_start oft_start pi0_start pi05"
 
 limit_of() {
   case "$1" in
     tests) echo 720 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 660 ;;
-    one_gpu) echo 1500 ;; pi0_serve) echo 900 ;; sim_threads) echo 900 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;; oft_start) echo 900 ;;
+    one_gpu) echo 1500 ;; pi0_serve) echo 900 ;; sim_threads) echo 900 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;; oft_start) echo 900 ;; pi0_start) echo 900 ;;
     pi05) echo 600 ;; *) return 1 ;;
   esac
 }
@@ -53,7 +55,7 @@ command_of() {  # the stage's command line, one word per line
   case "$stage" in
     tests) printf '%s\n' "$PY" -m pytest -o addopts= -q -p no:cacheprovider \
       tests/test_pi0_step_layers.py tests/test_pi0_fused.py tests/test_pi0_fast.py tests/test_pi0_levers.py \
-      tests/test_oft_fp8.py tests/test_oft_fast.py tests/test_oft_aot.py ;;
+      tests/test_oft_fp8.py tests/test_oft_fast.py tests/test_oft_aot.py tests/test_pi0_aot.py tests/test_warmup.py ;;
     kernels) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --batches 1,8 --sweep --json "$out/kernels.json" ;;
     tiles) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --tiles-from "$out/kernels.json" ;;
     levers) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi0 --no-baseline --peak --profile \
@@ -73,6 +75,8 @@ command_of() {  # the stage's command line, one word per line
     aot_start) printf '%s\n' "$PY" -m tools.bench.aot_start --device cuda --repeats 1 --json "$out/aot_start.json" ;;
     oft_start) printf '%s\n' "$PY" -m tools.bench.cold_start --policy openvla_oft_discrete \
       --cases cold,artefacts,aot_cold,aot --json "$out/oft_start.json" ;;
+    pi0_start) printf '%s\n' "$PY" -m tools.bench.cold_start --policy pi0 \
+      --cases cold,artefacts,aot_cold,aot --json "$out/pi0_start.json" ;;
     pi05) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi05 --no-baseline \
       --levers default,default_step_layers --deadline-s 560 --json "$out/pi05.json" ;;
     *) echo "gpu_plan: unknown stage '$stage' (stages: $ALL_STAGES)" >&2; return 2 ;;

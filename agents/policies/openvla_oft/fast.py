@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from agents.base import ActionChunk, Batch
 from agents.policies import fast_common
-from agents.policies.fast_common import (compile_mode, compiled_graphs, gpu_kernels, mark_dynamic, prepare_compile,
+from agents.policies.fast_common import (prompt_width_tasks, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic, prepare_compile,
                                          resolve_compile, static_shapes_only)
 from agents.policies.fast_aot import AotFunctions
 from agents.policies.fp8 import Fp8Layers, resolve_fp8
@@ -87,6 +87,23 @@ def fast_path(policy) -> "FastOFT | None":
         fast = FastOFT(policy, graphs=graphs, compile=resolve_compile(getattr(policy.cfg, "fast_compile", False), graphs))
         policy.__dict__["_fast"] = fast  # not a submodule: no state_dict entry
     return fast
+
+
+def warm_up_tasks(policy) -> list[str]:
+    """The tasks ``policy``'s warm-up acts with: one per token-row width a prompt of up to
+    ``fast_warmup_prompt_tokens`` tokens pads to (the default task's alone when that is 0 or the
+    fast path is off)."""
+    base = policy.cfg.default_task or "warm up"
+    limit = int(policy.cfg.fast_warmup_prompt_tokens)
+    fast = fast_path(policy)
+    if limit <= 0 or fast is None:
+        return [base]
+    proprio = policy.proprio_projector is not None
+
+    def columns(task: str) -> int:
+        return fast.ids_width(int(policy._token_rows([task])[0].shape[1]), proprio)  # noqa: SLF001
+
+    return prompt_width_tasks(columns, max(fast.ids_width(limit + policy.k + 1, proprio), columns(base)), base=base)
 
 
 class FastOFT:

@@ -42,7 +42,7 @@ from torch import nn
 
 from agents.base import ActionChunk, Batch
 from agents.policies import vla_common as vc
-from agents.policies.fast_common import prompt_width_tasks, resolve_compile, warm_up
+from agents.policies.fast_common import resolve_compile, warm_up
 from agents.policies.fp8 import check_fp8, resolve_fp8
 from agents.policies.openvla_oft.prismatic import (DEFAULT_TIMM_IDS, L1RegressionActionHead, OpenVLA, PrismaticConfig,
                                        ProprioProjector)
@@ -168,6 +168,7 @@ def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 class OpenVLAOFTPolicy(nn.Module):
     """OpenVLA-OFT behind :class:`agents.base.Policy` (see the module docstring)."""
+    AOT_BY_DEFAULT = True  #: the learner keeps its ahead-of-time functions beside its compile artefacts
 
     head_kind = "l1"
 
@@ -408,22 +409,10 @@ class OpenVLAOFTPolicy(nn.Module):
     def warm_up(self, batch_sizes=None, *, max_batch: int | None = None) -> dict[int, float]:
         """Compile and capture the serving graphs of ``batch_sizes`` (default
         ``fast_warmup_buckets``) now, not on the first act of each size ({bucket: seconds})."""
+        from agents.policies.openvla_oft.fast import warm_up_tasks  # (one per prompt width)
+
         return warm_up(self, self.fast_path, self.cfg.fast_warmup_buckets if batch_sizes is None else batch_sizes,
-                       max_batch=max_batch, tasks=self.warm_up_tasks)
-
-    def warm_up_tasks(self) -> list[str]:
-        """One task per token-row width the warm-up captures (``fast_warmup_prompt_tokens``)."""
-        base = self.cfg.default_task or "warm up"
-        limit = int(self.cfg.fast_warmup_prompt_tokens)
-        fast = self.fast_path()
-        if limit <= 0 or fast is None:
-            return [base]
-        proprio = self.proprio_projector is not None
-
-        def columns(task: str) -> int:
-            return fast.ids_width(int(self._token_rows([task])[0].shape[1]), proprio)
-
-        return prompt_width_tasks(columns, max(fast.ids_width(limit + self.k + 1, proprio), columns(base)), base=base)
+                       max_batch=max_batch, tasks=lambda: warm_up_tasks(self))
 
     # -- heads ------------------------------------------------------------------------------------
     def action_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,10 @@ class Pi0PolicyConfig:
     #: ``warm_up`` also captures every prompt width (``prompt_pad_multiple`` steps) up to this many
     #: token columns, so a longer instruction is not captured on its first act (0: the warm-up task's only)
     fast_warmup_prompt_tokens: int = 64
+    #: a folder: the fast path's prefix stages (SigLIP, the VLM stack) compiled ahead of time, loaded
+    #: from it by a later start without tracing, else compiled and saved there (agents/policies/fast_aot.py;
+    #: the learner puts it in ``inference.compile_artifacts``/aot when unset); None: torch.compile only
+    fast_aot_dir: str | None = None
     #: the fast path's SigLIP + projector: auto (bf16 on a GPU, else fp32) | fp32 (lerobot's) | bf16 (a copy)
     fast_vision_dtype: str = "auto"
     #: the fast path's expert step linears in FP8 e4m3: false | true (torch._scaled_mm, sm_89+) | emulate (fast_levers.py)

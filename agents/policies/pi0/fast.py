@@ -78,7 +78,9 @@ from torch import nn
 from agents.policies.fast_common import (CACHE_DIR, compile_mode, compiled_graphs, copy_inputs, gpu_kernels,
                                          input_signature, mark_dynamic, padded_inputs, prepare_compile,
                                          static_shapes_only)
-from agents.policies.pi0.fast_attention import (ATTN_NAME, CUDNN_NAME, FLEX_NAME, StepKV, _additive, _PrefixKV,
+from agents.policies.fast_aot import AotFunctions
+from agents.policies.pi0.fast_stages import ada_layers, embed_images, plain_layers, vlm_prefix
+from agents.policies.pi0.fast_attention import (ATTN_NAME, CUDNN_NAME, FLEX_NAME, StepKV, _PrefixKV,
                                                 _register_attention)
 from agents.policies.pi0.fast_levers import Levers
 from agents.policies.pi0.fast_step_layers import StepLayers
@@ -99,13 +101,6 @@ CUDNN_MIN_IMAGES = 4
 
 #: served batch sizes a graph is captured for (a request pads up to the next one)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-def _ada_norm(norm: nn.Module, x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """lerobot's ``PiGemmaRMSNorm.forward(x, cond)`` with ``mod = norm.dense(cond)`` given
-    ([1 or B, 3 * width]): (normed, gate)."""
-    scale, shift, gate = mod.unsqueeze(1).chunk(3, dim=-1)
-    normed = norm._norm(x) * (1 + scale.float()) + shift.float()  # noqa: SLF001
-    return normed.to(x.dtype), gate.to(x.dtype)
-
 
 class FastPiSampler:
     """``sample(images, img_masks, tokens, lang_masks, [state], noise) -> actions`` for a
@@ -118,7 +113,7 @@ class FastPiSampler:
                  expert_fp8: str | None = None, fuse: str | None = None, autotune: bool = False,
                  step_kv: bool = False, step_attention: str = "mqa", prefix_attention: str = "default",
                  inductor: dict | None = None, step_layers: str = "default", step_layers_max_rows: int | None = None,
-                 fuse_vision: bool = False):
+                 fuse_vision: bool = False, aot_dir: str | None = None):
         if variant not in ("pi0", "pi05"):
             raise ValueError(f"FastPiSampler: variant must be pi0 or pi05, got {variant!r}")
         _register_attention((TRITON_NAME, triton_step_attention))
@@ -175,6 +170,19 @@ class FastPiSampler:
         # computation above, untouched
         self.levers = (Levers(model, vision_dtype, expert_fp8, fuse, fuse_vision)
                        if vision_dtype or expert_fp8 or fuse or fuse_vision else None)
+        # policy.fast_aot_dir: the prefix's two stages (SigLIP, the VLM stack) compiled ahead of
+        # time, loaded by a later start without tracing (agents/policies/fast_aot.py); the
+        # denoising step stays torch.compile'd (it reads the prefix cache's objects)
+        self.aot: dict[str, AotFunctions] | None = None
+        self._lever_key = (str(vision_dtype), expert_fp8, fuse, bool(fuse_vision), prefix_attention)
+        self._call_key: Any = None
+        if mode and aot_dir:
+            desc = repr(model.config)
+            dyn_aot = mode == "dynamic"
+            self.aot = {"vision": AotFunctions(embed_images, aot_dir, f"{variant}-vision", desc, dynamic=dyn_aot,
+                                               fallback=lambda _m, images: self._embed_image(images)),
+                        "prefix": AotFunctions(vlm_prefix, aot_dir, f"{variant}-prefix", desc, dynamic=dyn_aot,
+                                               fallback=lambda _m, embs, pad: self._prefix_kv(embs, pad))}
 
     # -- the computation (eager; captured as is) ---------------------------------------------------
     def _layers(self, lm: nn.Module, hidden: torch.Tensor, mask2d: torch.Tensor, pos: torch.Tensor,
@@ -184,27 +192,9 @@ class FastPiSampler:
         norm's modulation, [1, 3 * width], in :meth:`modulations`' order; the layers then run
         lerobot's decoder-layer arithmetic with those given, and the final norm is applied.
         ``mask``: the additive mask, when built already (else from ``mask2d``)."""
-        from lerobot.policies.pi_gemma import _gated_residual
-
-        dtype = lm.layers[0].self_attn.q_proj.weight.dtype
-        hidden = hidden.to(dtype) if dtype == torch.bfloat16 else hidden
-        mask = _additive(mask2d, hidden.dtype) if mask is None else mask
-        pe = lm.rotary_emb(hidden, pos)
-        n = lm.config.num_hidden_layers
-        for i, layer in enumerate(lm.layers[:n]):
-            ada = mods is not None and hasattr(layer, "ada_mods") and layer.runs(hidden, cache)  # step layers
-            if mods is None or ada:
-                hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                               use_cache=True, position_embeddings=pe, **({"ada": layer.ada_mods(mods, i, n)} if ada
-                                                                         else {}))
-                continue
-            h, gate = _ada_norm(layer.input_layernorm, hidden, mods[2 * i])
-            h, _ = layer.self_attn(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                                   position_embeddings=pe)
-            hidden = _gated_residual(hidden, h, gate)
-            h, gate = _ada_norm(layer.post_attention_layernorm, hidden, mods[2 * i + 1])
-            hidden = _gated_residual(hidden, layer.mlp(h), gate)
-        return hidden if mods is None else _ada_norm(lm.norm, hidden, mods[2 * n])[0]
+        if mods is None:
+            return plain_layers(lm, hidden, mask2d, pos, cache, mask)
+        return ada_layers(lm, hidden, mask2d, pos, cache, mods, mask)
 
     def prefix(self, images, img_masks, tokens, lang_masks) -> tuple[_PrefixKV, torch.Tensor]:
         """The VLM pass: each layer's keys/values, and the prefix pad mask [B, P]."""
@@ -217,14 +207,14 @@ class FastPiSampler:
                 if dyn:
                     mark_dynamic((0,), cat)
                 with self._vision_attention(cat.shape[0]):
-                    feats = self._embed_image(cat).chunk(len(images), dim=0)
+                    feats = self._vision(cat).chunk(len(images), dim=0)
             else:
                 if dyn:
                     mark_dynamic((0,), list(images))
                 feats = []
                 for img in images:
                     with self._vision_attention(img.shape[0]):
-                        feats.append(self._embed_image(img))
+                        feats.append(self._vision(img))
         for e, m in zip(feats, img_masks, strict=True):
             embs.append(e)
             pads.append(m[:, None].expand(e.shape[0], e.shape[1]))
@@ -239,7 +229,12 @@ class FastPiSampler:
         if dyn:
             mark_dynamic((0, 1), embs, pad)
         with self._swapped("vlm"):
-            cache.k, cache.v = self._prefix_kv(embs, pad)
+            if self.aot is not None:
+                key = (embs.shape[0] == 1, self._call_key, self._lever_key, str(embs.dtype))
+                k, v = self.aot["prefix"](key, self.vlm, embs, pad)
+                cache.k, cache.v = list(k), list(v)
+            else:
+                cache.k, cache.v = self._prefix_kv(embs, pad)
         cache.recording = False
         return cache, pad
 
@@ -261,13 +256,19 @@ class FastPiSampler:
             for c, impl in zip(self._vision_cfgs, old, strict=True):
                 c._attn_implementation = impl  # noqa: SLF001
 
+    def _vision(self, images: torch.Tensor) -> torch.Tensor:
+        """SigLIP + projector over ``images`` [N, C, H, W]: the ahead-of-time function when there
+        is one, else the compiled (or eager) ``embed_image``."""
+        if self.aot is None:
+            return self._embed_image(images)
+        n = images.shape[0]
+        cudnn = self.prefix_attention != "default" and n >= CUDNN_MIN_IMAGES
+        key = (n == 1, self._call_key, self._lever_key, cudnn, str(images.dtype))
+        return self.aot["vision"](key, self.model.paligemma_with_expert.paligemma.model, images)
+
     def prefix_kv(self, embs: torch.Tensor, pad: torch.Tensor) -> tuple[list, list]:
         """The VLM layer stack over the prefix embeddings: each layer's keys and values."""
-        mask2d = pad[:, None, :] & pad[:, :, None]
-        pos = torch.cumsum(pad, dim=1) - 1
-        cache = _PrefixKV(len(self.vlm.layers))
-        self._layers(self.vlm, embs, mask2d, pos, cache)
-        return cache.k, cache.v
+        return vlm_prefix(self.vlm, embs, pad)
 
     def _time_emb(self, t: torch.Tensor) -> torch.Tensor:
         """lerobot's sinusoidal embedding of the flow times ``t`` [N] -> [N, width]."""
@@ -420,6 +421,7 @@ class FastPiSampler:
         if rtc is not None and len(guidance) != num_steps:
             raise ValueError(f"RTC needs a guidance weight per Euler step ({num_steps}), got {len(guidance)}")
         gws = tuple(float(g) for g in guidance) if rtc is not None else ()
+        self._call_key = key  # (the ahead-of-time functions' keys name it: the adapters' fold state)
         self.sync_weights()
         if not (self.graphs and noise.is_cuda) or self.bucket(noise.shape[0]) is None:  # no graph: eager
             images, img_masks = prep(images) if prep is not None else (images, img_masks)

@@ -92,6 +92,9 @@ class Pi0Policy(nn.Module):
 
     #: the fast serving path's class (flow RL's adds its chain)
     _fast_class = FastPiSampler
+    #: the prefix stages' ahead-of-time functions are opt-in (``policy.fast_aot_dir``): not yet
+    #: measured on a GPU, so the learner does not turn them on with its compile artefacts
+    AOT_BY_DEFAULT = False
     #: the ``deterministic`` flags of the acts ``warm_up`` runs per bucket (plain PI0's graph is
     #: the same for both: the flag only sets the noise)
     _warm_acts = (True,)
@@ -304,7 +307,7 @@ class Pi0Policy(nn.Module):
         if getattr(self, "_fast", None) is None:
             g = cuda and mode in ("auto", "graphs")
             self._fast = self._fast_class(self.inner.model, self.variant, graphs=g, compile=resolve_compile(
-                self.cfg.fast_compile, g), **lever_settings(self.cfg, cuda))
+                self.cfg.fast_compile, g), aot_dir=self.cfg.fast_aot_dir, **lever_settings(self.cfg, cuda))
         return self._fast
 
     def warm_up(self, batch_sizes=None, *, max_batch: int | None = None) -> dict[int, float]:
