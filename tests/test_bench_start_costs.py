@@ -26,10 +26,13 @@ def test_every_start_case_serves_the_same_layers_and_the_cache_cases_are_cheaper
 def test_trace_cost_times_both_graphs_cold_and_warm(tmp_path):
     from tools.bench.trace_cost import main
 
-    r = main(["--depth", "2", "--vision-depth", "1", "--json", str(tmp_path / "t.json")])
+    r = main(["--depth", "2", "--vision-depth", "1", "--aot", "--json", str(tmp_path / "t.json")])
     cold, warm = r["cases"]["cold"], r["cases"]["warm"]
     assert cold["inductor"].get("fxgraph_cache_miss", 0) > 0 and warm["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert warm["first_b1_s"] < cold["first_b1_s"] and warm["again_b1_s"] < warm["first_b1_s"]
+    saved, again = r["cases"]["aot_save"]["aot"], r["cases"]["aot_warm"]["aot"]
+    assert saved["prefix"]["compiled"] == 2 and saved["vision"]["compiled"] >= 1
+    assert again["prefix"] == {"loaded": 2, "compiled": 0, "failed": 0} and again["vision"]["compiled"] == 0
 
 
 def test_cold_start_refuses_the_aot_cases_where_they_cannot_run():
