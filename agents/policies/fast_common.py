@@ -179,20 +179,20 @@ def gpu_kernels(cuda: bool, order: tuple[str, ...] = SDPA_ORDER):
 
 def prompt_width_tasks(columns: Callable[[str], int], max_columns: int, base: str = "warm up",
                        word: str = " up", tries: int = 256) -> list[str]:
-    """The shortest task of each distinct prompt width up to ``max_columns``, ``base`` first:
-    ``columns(task)`` is the token columns a fast path pads a lone prompt of that task to (its
-    graphs are keyed by them). The task grows a ``word`` at a time. A warm-up act of each task
-    captures the graphs that every prompt up to that width replays, so a longer instruction
-    (LIBERO's) is not captured on its first act while serving."""
+    """The shortest task of each distinct prompt width up to ``max_columns``, ``base`` first
+    (whatever its width): ``columns(task)`` is the token columns a fast path pads a lone prompt of
+    that task to (its graphs are keyed by them). The task grows a ``word`` at a time. A warm-up act
+    of each task captures the graphs that every prompt up to that width replays, so a longer
+    instruction (LIBERO's) is not captured on its first act while serving."""
     out, seen, task = [], set(), base
     for _ in range(tries):
         c = columns(task)
-        if c > max_columns:
+        if c > max_columns and out:
             break
         if c not in seen:
             seen.add(c)
             out.append(task)
-        if c == max_columns:
+        if c >= max_columns:
             break
         task += word
     return out

@@ -55,8 +55,8 @@ import torch.nn.functional as F
 
 from agents.base import ActionChunk, Batch
 from agents.policies import fast_common
-from agents.policies.fast_common import (prompt_width_tasks, compile_mode, compiled_graphs, gpu_kernels, mark_dynamic, prepare_compile,
-                                         resolve_compile, static_shapes_only)
+from agents.policies.fast_common import (compile_mode, compiled_graphs, gpu_kernels, mark_dynamic, prepare_compile,
+                                         prompt_width_tasks, resolve_compile, static_shapes_only)
 from agents.policies.fast_aot import AotFunctions
 from agents.policies.fp8 import Fp8Layers, resolve_fp8
 from agents.policies.stand_ins import nested
@@ -103,7 +103,7 @@ def warm_up_tasks(policy) -> list[str]:
     def columns(task: str) -> int:
         return fast.ids_width(int(policy._token_rows([task])[0].shape[1]), proprio)  # noqa: SLF001
 
-    return prompt_width_tasks(columns, max(fast.ids_width(limit + policy.k + 1, proprio), columns(base)), base=base)
+    return prompt_width_tasks(columns, fast.ids_width(limit + policy.k + 1, proprio), base=base)
 
 
 class FastOFT:

@@ -79,7 +79,7 @@ class Pi0PolicyConfig:
     fast_warmup_prompt_tokens: int = 64
     #: a folder: the fast path's prefix stages (SigLIP, the VLM stack) compiled ahead of time, loaded
     #: from it by a later start without tracing, else compiled and saved there (agents/policies/fast_aot.py;
-    #: the learner puts it in ``inference.compile_artifacts``/aot when unset); None: torch.compile only
+    #: opt-in: unlike OFT's, the learner does not set it with its compile artefacts); None: torch.compile only
     fast_aot_dir: str | None = None
     #: the fast path's SigLIP + projector: auto (bf16 on a GPU, else fp32) | fp32 (lerobot's) | bf16 (a copy)
     fast_vision_dtype: str = "auto"

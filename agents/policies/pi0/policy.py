@@ -327,7 +327,7 @@ class Pi0Policy(nn.Module):
         def columns(task: str) -> int:
             return int(self.prompt_tokens(prompts(self.variant, [task], state), cpu)[0].shape[1])
 
-        return prompt_width_tasks(columns, max(min(limit, self.prompt_tokens.max_len), columns(base)), base=base)
+        return prompt_width_tasks(columns, min(limit, self.prompt_tokens.max_len), base=base)
 
     def _serving_weights(self) -> None:
         """Adapters folded into the weights in eval mode without gradients, live otherwise."""
