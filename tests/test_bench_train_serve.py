@@ -186,5 +186,30 @@ def test_train_serve_with_closed_loop_simulated_actors_on_the_cpu(tmp_path):
     for kind in ("serve", "both"):
         assert sim[kind]["act"]["sim"]["env_steps"] > 0 and sim[kind]["act"]["chunks_per_s"] > 0
     assert all("sim" not in x["act"] for x in r["runs"] if x["period_s"] == 0.5 and "act" in x)
+    # the sim load's fourth phase: training beside the simulators stepping alone, no serving
+    assert sim["train_sims"]["sim"]["env_steps"] > 0 and sim["train_sims"]["train"]["updates"] > 0
+    assert "act" not in sim["train_sims"]
+    assert not any(x["phase"] == "train_sims" for x in r["runs"] if x["period_s"] == 0.5)
+    s_sim, s_robot = r["by_period"]["sim"]["window"], r["by_period"]["0.5"]["window"]
+    assert s_sim["sims_ratio"] == pytest.approx(s_sim["updates_per_s_train_sims"] / s_sim["updates_per_s_train"])
+    assert "sims_ratio" not in s_robot
+    assert 0.0 <= s_sim["window_share_both"] <= 1.0 and s_sim["forward_s_per_s_both"] > 0
+    server = sim["both"]["act"]["server"]
+    assert set(server["forward_p50_ms_by_batch"]) == set(server["batch_sizes"])
     assert json.loads((tmp_path / "out.json").read_text())["policies"]["pi0"]["by_period"]["sim"]["window"][
         "act_p99_ratio"] == r["by_period"]["sim"]["window"]["act_p99_ratio"]
+
+
+def test_local_simulated_actors_step_their_envs_with_no_learner():
+    """``port=None``: the actor processes step their own envs on random chunks and ask no one
+    (train_serve's train_sims phase); with no env to step, the call is refused."""
+    from tools.bench.policy_actors import run_actors
+
+    env = {"name": "point_reach", "image_size": 32, "num_tasks": 2, "task_id": "all", "max_episode_steps": 7}
+    r = run_actors(2, None, 2.0, 4, {}, env=env, execute=3)
+    sim = r["sim"]
+    assert r["chunks"] > 0 and "lat_p50_ms" not in r
+    assert r["chunks"] * 3 - sim["episodes"] * 2 <= sim["env_steps"] <= r["chunks"] * 3
+    assert sim["episodes"] > 0 and sim["env_steps_per_s"] == pytest.approx(sim["env_steps"] / 2.0)
+    with pytest.raises(ValueError, match="local actors"):
+        run_actors(1, None, 1.0, 4, {})

@@ -302,6 +302,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--period", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--env", default=None, help=argparse.SUPPRESS)  # JSON env config: a simulated actor
     ap.add_argument("--execute", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--local", action="store_true", help=argparse.SUPPRESS)  # a simulated actor with no learner
     args = ap.parse_args(argv)
     if args.client:
         client_main(args)

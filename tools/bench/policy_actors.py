@@ -6,7 +6,9 @@ simulator that takes no time) or once every ``period`` s (a robot's rate). With 
 config, :func:`envs.registry.make_env`) it is a closed-loop simulated actor: it acts on the env's
 own observation and instruction, runs ``execute`` actions of each chunk in the env (resetting it
 when an episode ends) and only then asks again, so the time between its requests is the
-simulator's."""
+simulator's. With ``port=None`` (``local``) the simulated actors step their envs on random
+chunks and ask no learner: the simulators' own load on the box (their CPU, and their
+rendering where it runs on the GPU), with no serving beside it."""
 
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ def client_main(a) -> None:
 
     cams = json.loads(a.cams)
     sim = Sim(json.loads(a.env), int(a.execute), seed=a.seed) if getattr(a, "env", None) else None
+    if getattr(a, "local", False):
+        if sim is None:
+            raise SystemExit("--local: a local actor steps an env (--env)")
+        local_main(a, sim)
+        return
     obs, tasks = sim.obs() if sim else (random_obs(a.state_dim, cams, seed=a.seed), [TASK])
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,6 +70,22 @@ def client_main(a) -> None:
     if sim is not None:
         sim.env.close()
     ctx.destroy(0)
+
+
+def local_main(a, sim: "Sim") -> None:
+    """A simulated actor with no learner: steps its env on random chunks of ``--execute``
+    actions (0: 8) for ``--seconds`` once told to start, then prints its stats."""
+    rng = np.random.default_rng(a.seed)
+    dim = int(sim.env.action_space.shape[0])
+    n = int(a.execute) or 8
+    print("ready", flush=True)
+    sys.stdin.readline()
+    chunks, t_end = 0, time.perf_counter() + a.seconds
+    while time.perf_counter() < t_end:
+        sim.run(rng.uniform(-0.5, 0.5, size=(n, dim)).astype(np.float32))
+        chunks += 1
+    print(json.dumps({"n": chunks, "lat_ms": [], **sim.stats()}), flush=True)
+    sim.env.close()
 
 
 class Sim:
@@ -98,16 +121,21 @@ class Sim:
         return {"env_steps": self.steps, "episodes": self.episodes, "sim_s": self.sim_s}
 
 
-def run_actors(n: int, port: int, seconds: float, state_dim: int, cams: dict, counters=None,
+def run_actors(n: int, port: int | None, seconds: float, state_dim: int, cams: dict, counters=None,
                period: float = 0.0, started=None, env: dict | None = None, execute: int = 0) -> dict:
     """``n`` actor processes in a closed act loop for ``seconds`` (``period`` > 0: each sends a
     request every ``period`` s instead; ``env``: each steps its own env, ``execute`` actions of
     a chunk, between requests), started together once all have connected and been
     served one warm-up request (``started()`` is then called). ``counters()`` -> (forwards,
-    requests) of the inference server gives the mean batch size over the timed window."""
+    requests) of the inference server gives the mean batch size over the timed window.
+    ``port=None``: local simulated actors (``env`` needed), no learner; only their sim stats."""
+    local = port is None
+    if local and not env:
+        raise ValueError("run_actors: local actors (port=None) step an env: pass env")
     proc_env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "tools.bench.policy", "--client", "--port", str(port), "--actor-id", f"bench{i}",
+        [sys.executable, "-m", "tools.bench.policy", "--client", *(["--local"] if local else ["--port", str(port)]),
+         "--actor-id", f"bench{i}",
          "--seconds", str(seconds), "--state-dim", str(state_dim), "--cams", json.dumps(cams), "--seed", str(i),
          "--period", str(period)] + (["--env", json.dumps(env), "--execute", str(execute)] if env else []),
         cwd=ROOT, env=proc_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(n)]
@@ -128,8 +156,14 @@ def run_actors(n: int, port: int, seconds: float, state_dim: int, cams: dict, co
             raise RuntimeError(f"actor process failed (rc {p.returncode}): {out[-2000:]}")
         outs.append(json.loads(out.strip().splitlines()[-1]))
     c1 = counters() if counters else (1, 1)
-    lat = np.concatenate([o["lat_ms"] for o in outs])
     chunks = sum(o["n"] for o in outs)
+    if local:
+        steps = sum(o["env_steps"] for o in outs)
+        return {"actors": n, "chunks": chunks, "chunks_per_s": chunks / seconds,
+                "sim": {"env_steps": steps, "env_steps_per_s": steps / seconds,
+                        "episodes": sum(o["episodes"] for o in outs),
+                        "sim_s_per_chunk": sum(o["sim_s"] for o in outs) / max(1, chunks)}}
+    lat = np.concatenate([o["lat_ms"] for o in outs])
     res = {"actors": n, "chunks": chunks, "chunks_per_s": chunks / seconds, "lat_p50_ms": percentile(lat, 50),
            "lat_p99_ms": percentile(lat, 99), "lat_p90_ms": percentile(lat, 90), "lat_max_ms": float(lat.max()),
            "reply_shape": outs[0]["shape"],

@@ -13,7 +13,10 @@ serving stream in ``--streams``, in a rotated order):
 
 - ``serve``: the actors alone: act p50 / p99 over every request, chunks/s, mean served batch;
 - ``train``: training alone: updates/s and the step's p50 / p99;
-- ``both``: the two at once.
+- ``both``: the two at once;
+- ``train_sims`` (``sim`` loads only): training while the N simulated actors step their envs on
+  random chunks with no learner (``--no-sims-phase`` leaves it out): what the simulators alone
+  cost training on a shared box (their CPU, and their rendering where it runs on the GPU).
 
 Actor loads (``--period``): ``0``, a closed loop around a simulator that takes no time (each
 actor asks again the moment its reply comes: serving can fill the whole device); ``0.5``, one
@@ -25,7 +28,9 @@ Per policy, actor load (each its ``by_period`` entry) and stream,
 the medians over the repeats give
 ``update_ratio`` = updates/s (both) / updates/s (train) and ``step_ratio`` = step p50 (train) /
 step p50 (both) (target: the smaller >= 0.8), and
-``act_p99_ratio`` = act p99 (both) / act p99 (serve) (target <= 1.3).
+``act_p99_ratio`` = act p99 (both) / act p99 (serve) (target <= 1.3). ``sims_ratio`` = updates/s
+(train_sims) / updates/s (train), and ``window_share_both``, the share of the ``both`` phase
+training waited for the serving window, say how much of the update ratio each cost.
 
 Where the time goes, per phase:
 
@@ -65,6 +70,13 @@ from tools.bench.procstat import cpu_delta, thread_cpu
 from tools.bench.train_serve_loads import SIM, env_config, execute_for, key_values, load_key, parse_loads
 
 PHASES = ("serve", "train", "both")
+#: the extra phase of a ``sim`` load: training beside the simulators with no serving
+SIMS_PHASE = "train_sims"
+
+
+def phases_for(period, sims_phase: bool = True) -> tuple[str, ...]:
+    """The phases of one load: serve, train, both, and train_sims for closed-loop simulated actors."""
+    return PHASES + ((SIMS_PHASE,) if period == SIM and sims_phase else ())
 
 
 class GilProbe(threading.Thread):
@@ -150,7 +162,8 @@ class Trainer:
         while not (done.is_set() if done is not None else time.perf_counter() - t0 >= seconds):
             steps.append(self.step())
         wall = time.perf_counter() - t0
-        return {"updates": len(steps), "updates_per_s": len(steps) / wall, "step_ms": p50_p99(steps or [0.0])}
+        return {"updates": len(steps), "updates_per_s": len(steps) / wall, "step_ms": p50_p99(steps or [0.0]),
+                "wall_s": wall}
 
 
 def grpo_agent(policy, batch: dict, n: int, device, minibatch: int):
@@ -212,6 +225,24 @@ def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, s
     res: dict = {"phase": kind}
     if kind == "train":
         res["train"] = trainer.run_until(seconds=args.seconds)
+    elif kind == SIMS_PHASE:  # the simulators alone beside training: no learner, no serving
+        go, done, box = threading.Event(), threading.Event(), {}
+
+        def local():
+            try:
+                box["r"] = run_actors(args.actors, None, args.seconds, spec.state_dim, cams,
+                                      started=go.set, env=args.env_cfg, execute=execute)
+            finally:
+                go.set()
+                done.set()
+        th = threading.Thread(target=local, daemon=True)
+        th.start()
+        go.wait()
+        res["train"] = trainer.run_until(done=done)
+        th.join()
+        if "r" not in box:
+            raise RuntimeError("the local simulated actors failed")
+        res["sim"] = box["r"]["sim"]
     else:
         go, done, box = threading.Event(), threading.Event(), {}
 
@@ -252,10 +283,15 @@ def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, s
         fw = [(n, ms) for t, n, ms in list(learner.inference.recent) if t >= box["t_go"]]
         if fw:
             ms = np.asarray([m for _, m in fw])
+            rows = np.asarray([n for n, _ in fw])
             res["act"]["server"] = {"batches": len(fw), "forward_p50_ms": float(np.percentile(ms, 50)),
                                     "forward_p99_ms": float(np.percentile(ms, 99)), "forward_max_ms": float(ms.max()),
-                                    "batch_sizes": {str(b): int(c) for b, c in
-                                                    zip(*np.unique([n for n, _ in fw], return_counts=True))}}
+                                    "forward_s_per_s": float(ms.sum() / 1000.0 / args.seconds),
+                                    "batch_sizes": {str(b): int(c) for b, c in zip(*np.unique(rows, return_counts=True))},
+                                    # a forward's time by its batch: set beside another load's, what the
+                                    # rest of the box (the simulators) cost each forward
+                                    "forward_p50_ms_by_batch": {str(b): float(np.percentile(ms[rows == b], 50))
+                                                                for b in np.unique(rows)}}
     wall = time.perf_counter() - t0
     res["gil_wait_ms"] = probe.finish()
     res["cpu"] = {k: round(v / wall, 3) for k, v in cpu_delta(cpu0, thread_cpu()).items()}
@@ -304,7 +340,10 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
                 for i, mode in enumerate(args.streams):
                     ll, trainer.publish = learners[mode], pubs[mode].publish
                     hooks = windows[mode].attach(training) if windows[mode] is not None else []
-                    order = PHASES[(rep + i) % 3:] + PHASES[:(rep + i) % 3]
+                    waited = windows[mode].stats()["waited_s"] if windows[mode] is not None else 0.0
+                    phases = phases_for(period, not args.no_sims_phase)
+                    k = (rep + i) % len(phases)
+                    order = phases[k:] + phases[:k]
                     last = rep == args.repeats - 1
                     for kind in order + (("both_traced",) if args.trace and last else ()):
                         trace_to = None
@@ -318,6 +357,8 @@ def bench_one(name: str, args, spec, tmp: Path) -> dict:
                         r.update(repeat=rep, stream=mode, phase=kind, period_s=period)
                         if windows[mode] is not None:  # cumulative over the mode's phases so far
                             r["window"] = windows[mode].stats()
+                            r["window_phase_waited_s"] = r["window"]["waited_s"] - waited
+                            waited = r["window"]["waited_s"]
                         out["runs"].append(r)
                         print(f"  {name} period {load_key(period)} rep {rep} {mode:8s} {kind:5s} " + _line(r),
                               file=sys.stderr, flush=True)
@@ -373,6 +414,16 @@ def summarize(runs: list[dict]) -> dict:
     s["step_ratio"] = s["step_p50_ms_train"] / s["step_p50_ms_both"]
     s["act_p99_ratio"] = s["act_p99_ms_both"] / s["act_p99_ms_serve"]
     s["update_ratio_judged"] = min(s["update_ratio"], s["step_ratio"])
+    sims = [r["train"]["updates_per_s"] for r in runs if r["phase"] == SIMS_PHASE]
+    if sims:  # training beside the simulators alone, over training alone
+        s["updates_per_s_train_sims"] = median(sims)
+        s["sims_ratio"] = s["updates_per_s_train_sims"] / s["updates_per_s_train"]
+    waits = [r["window_phase_waited_s"] / r["train"]["wall_s"] for r in runs if r["phase"] == "both" and "window_phase_waited_s" in r]
+    if waits:  # the share of the both phase training spent waiting for the serving window
+        s["window_share_both"] = median(waits)
+    busy = [r["act"]["server"]["forward_s_per_s"] for r in runs if r["phase"] == "both" and "server" in r.get("act", {})]
+    if busy:  # seconds of forwards per second while both ran
+        s["forward_s_per_s_both"] = median(busy)
     s["meets_targets"] = s["update_ratio_judged"] >= UPDATE_TARGET and s["act_p99_ratio"] <= ACT_P99_TARGET
     return s
 
@@ -437,6 +488,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-threads", type=int, default=0,
                     help="trainer.num_threads: torch's intra-op threads in this process (0: torch's default, "
                          "as the learner's default)")
+    ap.add_argument("--no-sims-phase", action="store_true",
+                    help="sim loads: leave out the train_sims phase (training beside the simulators alone)")
     ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of the 'both' phases")
     ap.add_argument("--trace-seconds", type=float, default=3.0)
     ap.add_argument("--json", default=None, help="write the results here ('-': stdout only JSON)")
