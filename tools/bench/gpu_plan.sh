@@ -16,6 +16,10 @@
 #
 # Stages (limit in s):
 #   tests    (720)  the GPU tests of the fast paths: PI0's step layers, fused projections, levers; OFT's, FP8
+#   gpu_new  (600)  the GPU tests of the newest paths only: PI0's prefix stages ahead of time, the warm-up's
+#                   prompt widths and staged buckets, OFT's FP8 graphs and its layer stack ahead of time
+#   sim_due  (900)  tools.bench.train_serve, PI0, closed-loop LIBERO actors, batch_due_ms 400 (a
+#                   whole cycle: tools.bench.due_model), with the train_sims phase (the simulators alone)
 #   kernels  (480)  tools.bench.pi0_step_kernels --sweep at batch 1 and 8
 #   tiles    (30)   the sweep's winners as TANDEM_PI0_STEP_TILES for the stages after it
 #   levers   (660)  tools.bench.pi0_fast, PI0: default against the step layers, cuDNN prefix, fused SigLIP
@@ -28,7 +32,7 @@
 #   oft_fp8  (900)  tools.bench.oft_fast, the discrete OFT served in bf16 and with FP8 Llama linears:
 #                   batch-1 act, share of peak by batch and at 8 actors, in one run
 #   oft_fp8_serve (900) tools.bench.train_serve, that OFT's GRPO while serving 8 actors at a robot's
-#                   rate with FP8 serving and the window (bf16's figures: the one_gpu stage)
+#                   rate and 8 closed-loop LIBERO actors (batch_due_ms 400) with FP8 serving and the window
 #   aot_start (600) tools.bench.aot_start: start-up of a 32-layer stand-in compiled, from shipped
 #                   artefacts, and as an ahead-of-time compiled function
 #   oft_start (900) tools.bench.cold_start, the discrete OFT: cold, with shipped artefacts, and its layer
@@ -40,11 +44,11 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${TANDEM_PY:-python3}"
-ALL_STAGES="tests kernels tiles levers one_gpu pi0_serve sim_threads oft_fp8 oft_fp8_serve aot_start oft_start pi0_start pi05"
+ALL_STAGES="tests gpu_new sim_due kernels tiles levers one_gpu pi0_serve sim_threads oft_fp8 oft_fp8_serve aot_start oft_start pi0_start pi05"
 
 limit_of() {
   case "$1" in
-    tests) echo 720 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 660 ;;
+    tests) echo 720 ;; gpu_new) echo 600 ;; sim_due) echo 900 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 660 ;;
     one_gpu) echo 1500 ;; pi0_serve) echo 900 ;; sim_threads) echo 900 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;; oft_start) echo 900 ;; pi0_start) echo 900 ;;
     pi05) echo 600 ;; *) return 1 ;;
   esac
@@ -56,6 +60,11 @@ command_of() {  # the stage's command line, one word per line
     tests) printf '%s\n' "$PY" -m pytest -o addopts= -q -p no:cacheprovider \
       tests/test_pi0_step_layers.py tests/test_pi0_fused.py tests/test_pi0_fast.py tests/test_pi0_levers.py \
       tests/test_oft_fp8.py tests/test_oft_fast.py tests/test_oft_aot.py tests/test_pi0_aot.py tests/test_warmup.py ;;
+    gpu_new) printf '%s\n' "$PY" -m pytest -o addopts= -q -p no:cacheprovider -k gpu \
+      tests/test_pi0_aot.py tests/test_warmup.py tests/test_oft_fp8.py tests/test_oft_aot.py ;;
+    sim_due) printf '%s\n' "$PY" -m tools.bench.train_serve --policies pi0 --actors 8 \
+      --period sim --seconds 10 --repeats 1 --streams window --batch-due-ms 400 --env libero_spatial \
+      --env-set gl=egl --env-set task_id=all --json "$out/sim_due.json" ;;
     kernels) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --batches 1,8 --sweep --json "$out/kernels.json" ;;
     tiles) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --tiles-from "$out/kernels.json" ;;
     levers) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi0 --no-baseline --peak --profile \
@@ -71,7 +80,8 @@ command_of() {  # the stage's command line, one word per line
     oft_fp8) printf '%s\n' "$PY" -m tools.bench.oft_fast --heads discrete --levers default,fp8 --actors 8 \
       --json "$out/oft_fp8.json" ;;
     oft_fp8_serve) printf '%s\n' "$PY" -m tools.bench.train_serve --policies openvla_oft_discrete --actors 8 \
-      --period 0.5 --seconds 10 --repeats 1 --streams window --serving-set fast_llm_fp8=true --json "$out/oft_fp8_serve.json" ;;
+      --period 0.5,sim --seconds 10 --repeats 1 --streams window --batch-due-ms 400 --serving-set fast_llm_fp8=true \
+      --env libero_spatial --env-set gl=egl --env-set task_id=all --json "$out/oft_fp8_serve.json" ;;
     aot_start) printf '%s\n' "$PY" -m tools.bench.aot_start --device cuda --repeats 1 --json "$out/aot_start.json" ;;
     oft_start) printf '%s\n' "$PY" -m tools.bench.cold_start --policy openvla_oft_discrete \
       --cases cold,artefacts,aot_cold,aot --json "$out/oft_start.json" ;;
