@@ -40,7 +40,7 @@ from learner.actor_stats import ActorStats
 from learner.checkpointing import Checkpointer
 from data.stops import StopSignals
 from learner.console import LiveView, render
-from learner.distributed import (RankError, Ranks, RootRoute, check_shared_run_dir, check_world,
+from learner.distributed import (RankError, Ranks, RootRoute, check_shared_run_dir, check_world, intra_op_threads,
                                  gathered_trainable, make_accelerator, needs_gather)
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
@@ -109,12 +109,13 @@ class Learner:
         self.cfg = cfg
         self.stopped: dict | None = None  # why and on what figure the run stopped itself
         torch.manual_seed(cfg.seed)
-        if cfg.trainer.num_threads:
-            torch.set_num_threads(int(cfg.trainer.num_threads))
+        self.device = pick_device(cfg.device)
+        threads = intra_op_threads(cfg.trainer.get("num_threads"), gpu=self.device.type == "cuda")
+        if threads:
+            torch.set_num_threads(threads)
         torch.set_float32_matmul_precision(str(cfg.trainer.matmul_precision))
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.device = pick_device(cfg.device)
         self.accelerator = make_accelerator(self.device.type == "cpu", cfg.distributed.timeout_s)
         self.ranks = Ranks(self.accelerator)
         check_world(cfg, self.ranks.world, cfg.algo.name)

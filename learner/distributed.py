@@ -52,6 +52,27 @@ log = logging.getLogger("tandem.learner")
 _BATCH, _STREAM = 1, 0  # CTRL_UPDATE's argument: one batch (on-policy) or a batch stream (SAC)
 
 
+def intra_op_threads(setting: Any, gpu: bool) -> int | None:
+    """``trainer.num_threads`` as torch's intra-op thread count to set, or None (torch's default).
+
+    ``auto`` (the default): one where the learner trains on a GPU, torch's default on a CPU. A GPU
+    learner's CPU work is the serving and training threads' launches and small copies; each copy
+    over torch's grain size opens an OpenMP region whose team (a worker per core) spins after it,
+    against the actor or simulator processes on the box and the trainer's own threads (8
+    closed-loop LIBERO actors on one H200 box, OFT serving FP8 and training: 0.15 updates/s with
+    torch's default of 16 threads, 0.35 with one; docs/benchmarks.md). ``0``: torch's default; a
+    positive number: that many."""
+    if setting is None or str(setting) == "auto":
+        return 1 if gpu else None
+    try:
+        n = int(setting)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0 or isinstance(setting, bool):
+        raise ValueError(f"trainer.num_threads must be auto, 0 (torch's default) or a thread count, got {setting!r}")
+    return n or None
+
+
 def make_accelerator(cpu: bool, timeout_s: float = 300.0):
     """The learner's Accelerator: DDP looks for unused parameters (the algorithms' phase
     forwards, :func:`agents.parallel.accelerator_kwargs`), collectives time out after ``timeout_s``,
@@ -366,9 +387,10 @@ class Follower:
         from learner.checkpoint import load_checkpoint
 
         torch.manual_seed(cfg.seed)
-        if cfg.trainer.num_threads:
-            torch.set_num_threads(int(cfg.trainer.num_threads))
         cpu = str(cfg.device) == "cpu" or not torch.cuda.is_available()
+        threads = intra_op_threads(cfg.trainer.get("num_threads"), gpu=not cpu)
+        if threads:
+            torch.set_num_threads(threads)
         self.accelerator = make_accelerator(cpu, cfg.distributed.timeout_s)
         self.ranks = Ranks(self.accelerator)
         check_world(cfg, self.ranks.world, cfg.algo.name)

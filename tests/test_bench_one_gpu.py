@@ -31,7 +31,7 @@ def test_one_cpu_run_reports_every_figure_beside_its_target(tmp_path):
     assert s["batch1_act_ms"]["pi0"]["met"] == (act["p50"] <= 12.0)
     two = [a for a in r["policy"]["policies"]["pi0"]["actors"] if a["actors"] == 2][0]
     assert s["share_of_peak"]["pi0"]["actors"] == 2 and s["share_of_peak"]["pi0"]["mfu"] == two["mfu"] > 0
-    assert r["train_serve"]["batch_due_ms"] == 100.0  # one_gpu's default: simulated actors served in step
+    assert r["train_serve"]["batch_due_ms"] == 400.0  # one_gpu's default: simulated actors served in step
     m = r["train_serve"]["policies"]["pi0"]["by_period"]["0"]["window"]
     ts = s["train_serve"]["pi0"]["period 0 s"]["window"]
     assert ts["update_ratio"] == min(m["update_ratio"], m["step_ratio"])

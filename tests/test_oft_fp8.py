@@ -138,15 +138,20 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 @gpu
 def test_fp8_graphs_on_gpu_track_the_bf16_path_and_new_weights_need_no_recapture(ckpt):  # noqa: F811
-    """torch._scaled_mm inside the compiled, captured fast path (the production setting)."""
+    """torch._scaled_mm inside the compiled, captured fast path (the production setting) computes
+    the emulated quantization (float32 products of the same FP8 values and scales) to bf16
+    round-off: nearer to it than to the bf16 path, and within quantization error of that."""
     p = make(ckpt, "l1", device="cuda", dtype="bfloat16", fast_serving="auto", fast_compile=True, fast_llm_fp8=True)
     ref = make(ckpt, "l1", device="cuda", dtype="bfloat16", fast_serving="auto", fast_compile=False)
+    emu = make(ckpt, "l1", device="cuda", dtype="bfloat16", fast_serving="auto", fast_compile=False,
+               fast_llm_fp8="emulate")
     o = obs()
-    got, want = p.act(o).actions, ref.act(o).actions
+    got, want, same = p.act(o).actions, ref.act(o).actions, emu.act(o).actions
     fp8, lm = p._fast.fp8, p.model.language_model.model
     assert fp8.mode == "cuda" and len(fp8.sites) + len(fp8.skipped) == lm.config.num_hidden_layers * LINEARS_PER_LAYER
     assert fp8.sites and p._fast.captures == 1
-    assert 0 < (got - want).abs().max() < 0.25 * want.abs().max()
+    assert (got - same).abs().max() < 0.5 * (got - want).abs().max()
+    assert 0 < (got - want).abs().max() < 0.5 * want.abs().max()
     captures, n0 = p._fast.captures, fp8.requantized
     g = torch.Generator().manual_seed(3)
     new = {k: v + 0.2 * torch.randn(v.shape, generator=g).to(v) for k, v in p.trainable_state_dict().items()}
@@ -154,5 +159,5 @@ def test_fp8_graphs_on_gpu_track_the_bf16_path_and_new_weights_need_no_recapture
     ref.load_trainable_state_dict(new)
     got2, want2 = p.act(o).actions, ref.act(o).actions
     assert p._fast.captures == captures and fp8.requantized > n0     # re-quantized in place, replayed
-    assert (got2 - want2).abs().max() < 0.25 * want2.abs().max()
+    assert (got2 - want2).abs().max() < 0.5 * want2.abs().max()
     assert (got2 - got).abs().max() > 2 * (got2 - want2).abs().max()

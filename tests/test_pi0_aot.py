@@ -27,7 +27,7 @@ SERVE = textwrap.dedent("""
     p = make(sys.argv[1], "pi0", device=sys.argv[4], fast_serving="auto" if gpu else "eager", fast_compile=True,
              fast_aot_dir=sys.argv[2], **({"dtype": "bfloat16"} if gpu else {}))
     g = torch.Generator().manual_seed(0)
-    noise = torch.randn(5, 8, 32, generator=g)
+    noise = torch.randn(5, 8, 32, generator=g).to(sys.argv[4])  # (lerobot's reference path takes it as given)
 
     def err(o):
         fast, ref = both(p, o, noise[: o["observation.state"].shape[0]])

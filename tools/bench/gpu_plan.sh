@@ -27,8 +27,8 @@
 #                   robot's rate; closed-loop LIBERO actors), start-up cold / with artefacts / warm
 #   pi0_serve (900) tools.bench.train_serve, PI0 alone: closed-loop LIBERO actors and a robot's rate,
 #                   the window, the learner's default batching (one_gpu's control: batch_due_ms 0)
-#   sim_threads (900) tools.bench.train_serve, both policies, closed-loop LIBERO actors in step, one
-#                   intra-op thread in the learner process (the A/B of one_gpu's closed-loop figures)
+#   sim_threads (900) tools.bench.train_serve, both policies, closed-loop LIBERO actors in step, torch's
+#                   default intra-op threads in the learner process (the A/B of the default, one thread on a GPU)
 #   oft_fp8  (900)  tools.bench.oft_fast, the discrete OFT served in bf16 and with FP8 Llama linears:
 #                   batch-1 act, share of peak by batch and at 8 actors, in one run
 #   oft_fp8_serve (900) tools.bench.train_serve, that OFT's GRPO while serving 8 actors at a robot's
@@ -75,7 +75,7 @@ command_of() {  # the stage's command line, one word per line
       --seconds 10 --repeats 1 --streams window --env libero_spatial --env-set gl=egl --env-set task_id=all \
       --json "$out/pi0_serve.json" ;;
     sim_threads) printf '%s\n' "$PY" -m tools.bench.train_serve --policies openvla_oft_discrete,pi0 --actors 8 \
-      --period sim --seconds 10 --repeats 1 --streams window --batch-due-ms 100 --num-threads 1 --env libero_spatial \
+      --period sim --seconds 10 --repeats 1 --streams window --batch-due-ms 400 --num-threads 0 --env libero_spatial \
       --env-set gl=egl --env-set task_id=all --json "$out/sim_threads.json" ;;
     oft_fp8) printf '%s\n' "$PY" -m tools.bench.oft_fast --heads discrete --levers default,fp8 --actors 8 \
       --json "$out/oft_fp8.json" ;;

@@ -134,9 +134,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--env-set", action="append", default=None, metavar="KEY=VALUE",
                     help="its config entries (train_serve --env-set; default: gl=egl task_id=all)")
     ap.add_argument("--streams", default="priority,window")
-    ap.add_argument("--batch-due-ms", type=float, default=100.0,
+    ap.add_argument("--batch-due-ms", type=float, default=400.0,
                     help="train_serve's inference.batch_due_ms (every load): closed-loop simulated actors "
-                         "served in step (0: the learner's default, off)")
+                         "served in step, lingering up to a whole cycle of theirs (tools.bench.due_model; "
+                         "0: the learner's default, off)")
     ap.add_argument("--seconds", type=float, default=10.0, help="per phase / actor level")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--iters", type=int, default=0, help="timed calls per latency (0: the policy bench's default)")

@@ -62,6 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
+from learner.distributed import intra_op_threads
 from learner.serving_window import ServingWindow
 from tools.bench.common import LoopbackLearner, bench_spec, emit_json, gpu_state, median, p50_p99, random_obs
 from tools.bench.policy import build
@@ -485,9 +486,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-due-ms", type=float, default=0.0,
                     help="inference.batch_due_ms: also linger this long for an actor whose next request is due")
     ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--num-threads", type=int, default=0,
-                    help="trainer.num_threads: torch's intra-op threads in this process (0: torch's default, "
-                         "as the learner's default)")
+    ap.add_argument("--num-threads", default="auto",
+                    help="trainer.num_threads: torch's intra-op threads in this process (auto, the learner's "
+                         "default: 1 on a GPU, torch's default on a CPU; 0: torch's default; N)")
     ap.add_argument("--no-sims-phase", action="store_true",
                     help="sim loads: leave out the train_sims phase (training beside the simulators alone)")
     ap.add_argument("--trace", default=None, help="folder for torch.profiler traces of the 'both' phases")
@@ -504,8 +505,9 @@ def main(argv=None) -> dict:
     args.serving_cfg = key_values(args.serving_set, "--serving-set")
     if SIM in args.periods and args.env_cfg is None:
         raise SystemExit("--period sim: closed-loop simulated actors need --env (e.g. --env libero_spatial)")
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    threads = intra_op_threads(args.num_threads, gpu=args.device.startswith("cuda"))
+    if threads:
+        torch.set_num_threads(threads)
     elif args.tiny and args.device == "cpu":
         torch.set_num_threads(1)
     if args.env_cfg is not None:
