@@ -36,6 +36,7 @@ def test_one_cpu_run_reports_every_figure_beside_its_target(tmp_path):
     ts = s["train_serve"]["pi0"]["period 0 s"]["window"]
     assert ts["update_ratio"] == min(m["update_ratio"], m["step_ratio"])
     assert ts["act_p99_ratio"] == m["act_p99_ratio"] and ts["met"] == m["meets_targets"]
+    assert ts["window_share_both"] == m["window_share_both"] and "sims_ratio" not in ts  # (no simulators)
     start = s["start_s"]["pi0"]
     assert set(start["to_serving_s"]) == {"cold", "artefacts", "warm"}
     assert all(0 < t < 120 for t in start["to_serving_s"].values())

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tools.bench.train_serve import GilProbe, main, stream_overlap
+from tools.bench.train_serve import main
+from tools.bench.train_serve_parts import GilProbe, stream_overlap
 from tools.bench.train_serve_loads import env_config, execute_for, key_values, load_key, parse_loads
 
 
@@ -93,7 +94,7 @@ def test_grpo_trainer_runs_grpo_rounds_on_the_discrete_oft(tmp_path):
 
     from tools.bench.common import bench_spec
     from tools.bench.policy import build
-    from tools.bench.train_serve import Trainer, update_for
+    from tools.bench.train_serve_parts import Trainer, update_for
 
     assert update_for("openvla_oft_discrete", "auto") == "grpo" and update_for("pi0", "auto") == "bc"
     spec = bench_spec(8, 7, ["image", "wrist_image"], 32, has_task=True)

@@ -109,7 +109,10 @@ def summarize(res: dict) -> dict:
                 s.setdefault("train_serve", {}).setdefault(name, {}).setdefault(load_name(period), {})[mode] = {
                     "update_ratio": m["update_ratio_judged"], "act_p99_ratio": m["act_p99_ratio"],
                     "act_p99_ms": {"serve": m["act_p99_ms_serve"], "both": m["act_p99_ms_both"]},
-                    "met": m["meets_targets"]}
+                    "met": m["meets_targets"],
+                    # where the rest went: the window's share of the both phase, and (closed-loop
+                    # simulated actors) training beside the simulators alone over training alone
+                    **{k: m[k] for k in ("window_share_both", "sims_ratio") if k in m}}
     for name, r in (res.get("cold_start") or {}).items():
         cases = {c: v["to_serving_s"] for c, v in r.get("cases", {}).items()}
         if cases:
@@ -185,8 +188,11 @@ def _lines(s: dict) -> list[str]:
     for name, by in s.get("train_serve", {}).items():
         for load, modes in by.items():
             for mode, v in modes.items():
+                extra = "".join(f", {label} {v[k]:.2f}" for k, label in (("window_share_both", "window share"),
+                                                                         ("sims_ratio", "beside the simulators"))
+                                if k in v)
                 out.append(f"{name}, {load}, {mode}: updates {v['update_ratio']:.2f}x, act p99 "
-                           f"{v['act_p99_ratio']:.2f}x ({_met(v['met'])})")
+                           f"{v['act_p99_ratio']:.2f}x ({_met(v['met'])}){extra}")
     for name, v in s.get("start_s", {}).items():
         cases = ", ".join(f"{c} {t:.1f} s" for c, t in v["to_serving_s"].items())
         out.append(f"{name}: to serving {cases} (with artefacts, target {v['target_artefacts_s']:.0f} s: "
