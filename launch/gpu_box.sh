@@ -33,6 +33,9 @@ env_lines() {
   # NVIDIA's EGL vendor file, where the driver mount has one
   local vendor=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
   [ -f "$vendor" ] && echo "export __EGL_VENDOR_LIBRARY_FILENAMES=$vendor"
+  # the kit's OSMesa (--osmesa), after the box's own libraries: env.gl=osmesa renders on the CPU
+  local osmesa="$SITE/osmesa/usr/lib/x86_64-linux-gnu"
+  [ -d "$osmesa" ] && echo "export LD_LIBRARY_PATH=\${LD_LIBRARY_PATH:+\$LD_LIBRARY_PATH:}$osmesa"
   return 0
 }
 
@@ -53,6 +56,10 @@ install_parts() {
     if compgen -G "$part/gl/*.deb" >/dev/null && ! ldconfig -p | grep -q 'libEGL.so.1'; then
       for d in "$part"/gl/*.deb; do dpkg -x "$d" /; done
       ldconfig
+    fi
+    if compgen -G "$part/osmesa/*.deb" >/dev/null; then  # under the site folder: no box library replaced
+      mkdir -p "$SITE/osmesa"
+      for d in "$part"/osmesa/*.deb; do dpkg -x "$d" "$SITE/osmesa"; done
     fi
     touch "$SITE/.installed-$name"
     echo "$name: installed into $SITE"

@@ -31,7 +31,7 @@ def plan(*args: str, stages: str | None = None) -> subprocess.CompletedProcess:
 def test_the_stages_in_order_and_an_unknown_one_refused():
     r = plan("list")
     assert r.returncode == 0, r.stderr
-    assert [ln.split(" ")[0] for ln in r.stdout.splitlines()] == ["tests", "gpu_new", "sim_due", "kernels", "tiles", "levers",
+    assert [ln.split(" ")[0] for ln in r.stdout.splitlines()] == ["tests", "gpu_new", "sim_due", "sim_osmesa", "kernels", "tiles", "levers",
                                                                     "one_gpu", "pi0_serve", "sim_threads", "oft_fp8", "oft_fp8_serve", "aot_start", "oft_start", "pi0_start",
                                                                     "pi05"]
     assert "tools.bench.one_gpu --repeats 1" in r.stdout

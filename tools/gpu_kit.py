@@ -12,7 +12,11 @@ machine that reaches the package index:
   590 MB shrink to a few tens;
 - **LIBERO's assets** for the suite (a tarball; ``libero-assets-spatial.tar.xz`` for
   libero_spatial);
-- **EGL's loader libraries** as Debian packages (``--gl``), for an image without them.
+- **EGL's loader libraries** as Debian packages (``--gl``), for an image without them;
+- **OSMesa** (Mesa's software renderer) and the libraries it needs as Debian packages
+  (``--osmesa``, ~42 MB), so that simulators on the GPU box can render on its CPU instead of
+  the GPU the learner uses (``env.gl=osmesa``); they unpack under the site folder, not into
+  ``/``, and ``launch/gpu_box.sh env`` adds them to the loader's path after the box's own.
 
 It writes them into parts of at most ``--part-mib`` (each fits one upload to the box) under
 ``--out`` with a ``MANIFEST.json`` (files, sizes, sha256). ``launch/gpu_box.sh install``
@@ -66,6 +70,10 @@ IMAGE = ("torch", "numpy", "scipy", "pandas", "pyarrow", "pillow", "opencv-pytho
          "networkx", "fsspec", "triton", "setuptools")
 #: Debian packages of the EGL / GL loaders (``--gl``)
 GL_DEBS = ("libegl1", "libglvnd0", "libopengl0", "libgl1", "libglx0", "libgles2")
+#: Debian 12 packages of OSMesa and what it links that an Ubuntu 24.04 GPU image may lack (``--osmesa``;
+#: the image's glibc 2.39 runs them)
+OSMESA_DEBS = ("libosmesa6", "libglapi-mesa", "libllvm15", "libz3-4", "libxml2", "libicu72", "libedit2",
+               "libbsd0", "libmd0")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
 
@@ -151,9 +159,9 @@ def trimmed_robosuite(dest: Path, suite: str) -> Path:
     return out
 
 
-def gl_debs(dest: Path) -> list[Path]:
+def gl_debs(dest: Path, packages: Sequence[str] = GL_DEBS) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["apt-get", "download", *GL_DEBS], cwd=dest, check=True, capture_output=True)
+    subprocess.run(["apt-get", "download", *packages], cwd=dest, check=True, capture_output=True)
     return sorted(dest.glob("*.deb"))
 
 
@@ -192,7 +200,7 @@ def split_parts(files: list[tuple[Path, str]], out: Path, part_bytes: int) -> li
     return entries
 
 
-def build(out: Path, *, suite: str, assets: Path | None, gl: bool, part_mib: int) -> dict:
+def build(out: Path, *, suite: str, assets: Path | None, gl: bool, part_mib: int, osmesa: bool = False) -> dict:
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
@@ -206,6 +214,8 @@ def build(out: Path, *, suite: str, assets: Path | None, gl: bool, part_mib: int
             files.append((copy, "assets"))
         if gl:
             files += [(d, "gl") for d in gl_debs(tmp / "gl")]
+        if osmesa:
+            files += [(d, "osmesa") for d in gl_debs(tmp / "osmesa", OSMESA_DEBS)]
         entries = split_parts(files, out, part_mib * 2**20)
     manifest = {"suite": suite, "python": "3.12", "packages": dict(PACKAGES), "files": entries,
                 "parts": max(e["part"] for e in entries),
@@ -224,11 +234,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--assets", default=None, help="LIBERO assets tarball to include (e.g. "
                                                    "../shared/libero-assets-spatial.tar.xz)")
     ap.add_argument("--gl", action="store_true", help="include EGL/GL loader .debs (apt-get download)")
+    ap.add_argument("--osmesa", action="store_true",
+                    help="include OSMesa's .debs: simulators render on the box's CPU (env.gl=osmesa)")
     ap.add_argument("--part-mib", type=int, default=50, help="largest part (the upload limit is 64 MiB "
                                                              "with the repo itself, ~9 MB)")
     args = ap.parse_args(argv)
     manifest = build(Path(args.out), suite=args.suite, assets=Path(args.assets) if args.assets else None,
-                     gl=args.gl, part_mib=args.part_mib)
+                     gl=args.gl, part_mib=args.part_mib, osmesa=args.osmesa)
     print(json.dumps({"parts": manifest["part_mib"], "files": len(manifest["files"])}))
     return manifest
 

@@ -20,6 +20,8 @@
 #                   prompt widths and staged buckets, OFT's FP8 graphs and its layer stack ahead of time
 #   sim_due  (900)  tools.bench.train_serve, PI0, closed-loop LIBERO actors, batch_due_ms 400 (a
 #                   whole cycle: tools.bench.due_model), with the train_sims phase (the simulators alone)
+#   sim_osmesa (900) sim_due with the simulators rendering on the CPU (env.gl=osmesa, one llvmpipe thread
+#                   each; the kit built with --osmesa): what their EGL rendering on the learner's GPU cost
 #   kernels  (480)  tools.bench.pi0_step_kernels --sweep at batch 1 and 8
 #   tiles    (30)   the sweep's winners as TANDEM_PI0_STEP_TILES for the stages after it
 #   levers   (660)  tools.bench.pi0_fast, PI0: default against the step layers, cuDNN prefix, fused SigLIP
@@ -44,11 +46,11 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${TANDEM_PY:-python3}"
-ALL_STAGES="tests gpu_new sim_due kernels tiles levers one_gpu pi0_serve sim_threads oft_fp8 oft_fp8_serve aot_start oft_start pi0_start pi05"
+ALL_STAGES="tests gpu_new sim_due sim_osmesa kernels tiles levers one_gpu pi0_serve sim_threads oft_fp8 oft_fp8_serve aot_start oft_start pi0_start pi05"
 
 limit_of() {
   case "$1" in
-    tests) echo 720 ;; gpu_new) echo 600 ;; sim_due) echo 900 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 660 ;;
+    tests) echo 720 ;; gpu_new) echo 600 ;; sim_due) echo 900 ;; sim_osmesa) echo 900 ;; kernels) echo 480 ;; tiles) echo 30 ;; levers) echo 660 ;;
     one_gpu) echo 1500 ;; pi0_serve) echo 900 ;; sim_threads) echo 900 ;; oft_fp8) echo 900 ;; oft_fp8_serve) echo 900 ;; aot_start) echo 600 ;; oft_start) echo 900 ;; pi0_start) echo 900 ;;
     pi05) echo 600 ;; *) return 1 ;;
   esac
@@ -65,6 +67,9 @@ command_of() {  # the stage's command line, one word per line
     sim_due) printf '%s\n' "$PY" -m tools.bench.train_serve --policies pi0 --actors 8 \
       --period sim --seconds 10 --repeats 1 --streams window --batch-due-ms 400 --env libero_spatial \
       --env-set gl=egl --env-set task_id=all --json "$out/sim_due.json" ;;
+    sim_osmesa) printf '%s\n' env LP_NUM_THREADS=1 "$PY" -m tools.bench.train_serve --policies pi0 --actors 8 \
+      --period sim --seconds 10 --repeats 1 --streams window --batch-due-ms 400 --env libero_spatial \
+      --env-set gl=osmesa --env-set task_id=all --json "$out/sim_osmesa.json" ;;
     kernels) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --batches 1,8 --sweep --json "$out/kernels.json" ;;
     tiles) printf '%s\n' "$PY" -m tools.bench.pi0_step_kernels --tiles-from "$out/kernels.json" ;;
     levers) printf '%s\n' "$PY" -m tools.bench.pi0_fast --variants pi0 --no-baseline --peak --profile \
