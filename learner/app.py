@@ -40,8 +40,8 @@ from learner.actor_stats import ActorStats
 from learner.checkpointing import Checkpointer
 from data.stops import StopSignals
 from learner.console import LiveView, render
-from learner.distributed import (RankError, Ranks, RootRoute, check_shared_run_dir, check_world, intra_op_threads,
-                                 gathered_trainable, make_accelerator, needs_gather)
+from learner.distributed import (RankError, Ranks, RootRoute, check_shared_run_dir, check_world, cpu_offload,
+                                 gathered_trainable, intra_op_threads, make_accelerator, needs_gather)
 from learner.eval_report import EvalVideos, write_eval_report
 from learner.inference import InferenceServer
 from learner.serving_window import LEAD, ServingWindow
@@ -110,7 +110,8 @@ class Learner:
         self.stopped: dict | None = None  # why and on what figure the run stopped itself
         torch.manual_seed(cfg.seed)
         self.device = pick_device(cfg.device)
-        threads = intra_op_threads(cfg.trainer.get("num_threads"), gpu=self.device.type == "cuda")
+        threads = intra_op_threads(cfg.trainer.get("num_threads"), gpu=self.device.type == "cuda",
+                                   offload=cpu_offload(cfg))
         if threads:
             torch.set_num_threads(threads)
         torch.set_float32_matmul_precision(str(cfg.trainer.matmul_precision))

@@ -52,7 +52,25 @@ log = logging.getLogger("tandem.learner")
 _BATCH, _STREAM = 1, 0  # CTRL_UPDATE's argument: one batch (on-policy) or a batch stream (SAC)
 
 
-def intra_op_threads(setting: Any, gpu: bool) -> int | None:
+def cpu_offload(cfg: Any) -> bool:
+    """Whether the run's DeepSpeed config (``deepspeed.config``, else config/deepspeed/zero<stage>.json)
+    offloads optimizer state or parameters to the CPU, whose optimizer runs on OpenMP threads."""
+    from pathlib import Path
+
+    ds = cfg.get("deepspeed") or {}
+    stage = int(ds.get("stage") or 0)
+    if stage < 2:
+        return False
+    path = Path(ds.get("config") or Path(__file__).resolve().parents[1] / "config" / "deepspeed" / f"zero{stage}.json")
+    try:
+        zero = json.loads(path.read_text()).get("zero_optimization", {})
+    except (OSError, ValueError):
+        return False  # (run_learner.sh refuses a missing config before the learner starts)
+    return any(str((zero.get(k) or {}).get("device", "none")).lower() in ("cpu", "nvme")
+               for k in ("offload_optimizer", "offload_param"))
+
+
+def intra_op_threads(setting: Any, gpu: bool, offload: bool = False) -> int | None:
     """``trainer.num_threads`` as torch's intra-op thread count to set, or None (torch's default).
 
     ``auto`` (the default): one where the learner trains on a GPU, torch's default on a CPU. A GPU
@@ -60,10 +78,11 @@ def intra_op_threads(setting: Any, gpu: bool) -> int | None:
     over torch's grain size opens an OpenMP region whose team (a worker per core) spins after it,
     against the actor or simulator processes on the box and the trainer's own threads (8
     closed-loop LIBERO actors on one H200 box, OFT serving FP8 and training: 0.15 updates/s with
-    torch's default of 16 threads, 0.35 with one; docs/benchmarks.md). ``0``: torch's default; a
+    torch's default of 16 threads, 0.35 with one; docs/benchmarks.md), unless DeepSpeed offloads to
+    the CPU (``offload``: its CPU optimizer runs on those threads). ``0``: torch's default; a
     positive number: that many."""
     if setting is None or str(setting) == "auto":
-        return 1 if gpu else None
+        return 1 if gpu and not offload else None
     try:
         n = int(setting)
     except (TypeError, ValueError):
@@ -388,7 +407,7 @@ class Follower:
 
         torch.manual_seed(cfg.seed)
         cpu = str(cfg.device) == "cpu" or not torch.cuda.is_available()
-        threads = intra_op_threads(cfg.trainer.get("num_threads"), gpu=not cpu)
+        threads = intra_op_threads(cfg.trainer.get("num_threads"), gpu=not cpu, offload=cpu_offload(cfg))
         if threads:
             torch.set_num_threads(threads)
         self.accelerator = make_accelerator(cpu, cfg.distributed.timeout_s)
