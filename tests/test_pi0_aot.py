@@ -53,6 +53,7 @@ def _serve(ckpt_path, folder, cache, phase, device="cpu"):
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.timeout(600)  # two processes compiling PI0's stages on a CPU: ~3 min alone, more beside other tests
 def test_a_new_machine_loads_the_prefix_stages_and_traces_only_the_step(tmp_path):
     from tools.make_tiny_checkpoints import make_pi0
 
