@@ -157,20 +157,16 @@ def run_actors(n: int, port: int | None, seconds: float, state_dim: int, cams: d
         outs.append(json.loads(out.strip().splitlines()[-1]))
     c1 = counters() if counters else (1, 1)
     chunks = sum(o["n"] for o in outs)
-    if local:
-        steps = sum(o["env_steps"] for o in outs)
-        return {"actors": n, "chunks": chunks, "chunks_per_s": chunks / seconds,
-                "sim": {"env_steps": steps, "env_steps_per_s": steps / seconds,
-                        "episodes": sum(o["episodes"] for o in outs),
-                        "sim_s_per_chunk": sum(o["sim_s"] for o in outs) / max(1, chunks)}}
-    lat = np.concatenate([o["lat_ms"] for o in outs])
-    res = {"actors": n, "chunks": chunks, "chunks_per_s": chunks / seconds, "lat_p50_ms": percentile(lat, 50),
-           "lat_p99_ms": percentile(lat, 99), "lat_p90_ms": percentile(lat, 90), "lat_max_ms": float(lat.max()),
-           "reply_shape": outs[0]["shape"],
-           "mean_batch": (c1[1] - c0[1]) / max(1, c1[0] - c0[0])}
+    res = {"actors": n, "chunks": chunks, "chunks_per_s": chunks / seconds}
     if env:  # the simulators' side: env steps/s over all actors, simulated seconds per chunk
         steps = sum(o["env_steps"] for o in outs)
         res["sim"] = {"env_steps": steps, "env_steps_per_s": steps / seconds,
                       "episodes": sum(o["episodes"] for o in outs),
                       "sim_s_per_chunk": sum(o["sim_s"] for o in outs) / max(1, chunks)}
+    if local:
+        return res
+    lat = np.concatenate([o["lat_ms"] for o in outs])
+    res.update({"lat_p50_ms": percentile(lat, 50), "lat_p99_ms": percentile(lat, 99), "lat_p90_ms": percentile(lat, 90),
+                "lat_max_ms": float(lat.max()), "reply_shape": outs[0]["shape"],
+                "mean_batch": (c1[1] - c0[1]) / max(1, c1[0] - c0[0])})
     return res

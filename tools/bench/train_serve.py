@@ -81,6 +81,34 @@ def phases_for(period, sims_phase: bool = True) -> tuple[str, ...]:
     return PHASES + ((SIMS_PHASE,) if period == SIM and sims_phase else ())
 
 
+def _actors_meanwhile(what: str, **run_kw):
+    """``run_actors(**run_kw)`` on a thread, returned once the actors have started (with
+    ``box["t_go"]``, the start): ``finish()`` joins it and returns its result, or raises naming
+    ``what`` where it failed; ``done`` is set when it ends."""
+    go, done, box = threading.Event(), threading.Event(), {}
+
+    def started():
+        box["t_go"] = time.perf_counter()
+        go.set()
+
+    def run():
+        try:
+            box["r"] = run_actors(started=started, **run_kw)
+        finally:
+            go.set()
+            done.set()
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    go.wait()
+
+    def finish() -> dict:
+        th.join()
+        if "r" not in box:
+            raise RuntimeError(f"{what} failed")
+        return box["r"]
+    return done, box, finish
+
+
 def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, sync, reset_peak,
            trace_to=None, execute: int = 0) -> dict:
     import torch
@@ -93,41 +121,16 @@ def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, s
     if kind == "train":
         res["train"] = trainer.run_until(seconds=args.seconds)
     elif kind == SIMS_PHASE:  # the simulators alone beside training: no learner, no serving
-        go, done, box = threading.Event(), threading.Event(), {}
-
-        def local():
-            try:
-                box["r"] = run_actors(args.actors, None, args.seconds, spec.state_dim, cams,
-                                      started=go.set, env=args.env_cfg, execute=execute)
-            finally:
-                go.set()
-                done.set()
-        th = threading.Thread(target=local, daemon=True)
-        th.start()
-        go.wait()
+        done, _, finish = _actors_meanwhile("the local simulated actors", n=args.actors, port=None,
+                                            seconds=args.seconds, state_dim=spec.state_dim, cams=cams,
+                                            env=args.env_cfg, execute=execute)
         res["train"] = trainer.run_until(done=done)
-        th.join()
-        if "r" not in box:
-            raise RuntimeError("the local simulated actors failed")
-        res["sim"] = box["r"]["sim"]
+        res["sim"] = finish()["sim"]
     else:
-        go, done, box = threading.Event(), threading.Event(), {}
-
-        def started():
-            box["t_go"] = time.perf_counter()
-            go.set()
-
-        def actors():
-            try:
-                box["r"] = run_actors(args.actors, learner.port, args.seconds, spec.state_dim, cams, counters,
-                                      period=0.0 if period == SIM else period, started=started,
-                                      env=args.env_cfg if period == SIM else None, execute=execute)
-            finally:
-                go.set()
-                done.set()
-        th = threading.Thread(target=actors, daemon=True)
-        th.start()
-        go.wait()
+        done, box, finish = _actors_meanwhile(
+            "the actor processes", n=args.actors, port=learner.port, seconds=args.seconds, state_dim=spec.state_dim,
+            cams=cams, counters=counters, period=0.0 if period == SIM else period,
+            env=args.env_cfg if period == SIM else None, execute=execute)
         if kind == "both" and trace_to is not None:  # profiled: its figures are not timings
             from torch.profiler import ProfilerActivity, profile
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -137,10 +140,7 @@ def _phase(kind: str, *, learner, trainer, args, period, spec, cams, counters, s
             res["trace"] = {"file": str(trace_to), **stream_overlap(json.loads(Path(trace_to).read_text()))}
         elif kind == "both":
             res["train"] = trainer.run_until(done=done)
-        th.join()
-        if "r" not in box:
-            raise RuntimeError("the actor processes failed")
-        r = box["r"]
+        r = finish()
         res["act"] = {"p50_ms": r["lat_p50_ms"], "p99_ms": r["lat_p99_ms"], "chunks_per_s": r["chunks_per_s"],
                       "mean_batch": r["mean_batch"], "p90_ms": r["lat_p90_ms"], "max_ms": r["lat_max_ms"]}
         if "sim" in r:
